@@ -1,0 +1,27 @@
+# Two commands matter: `make up` (the fleet, with the tiny offline demo model) and
+# `make test` (the whole suite). Both create .venv and install what they need first.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install up test clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile shared/torchvision_guard.py
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11) on PATH"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m shared.torchvision_guard --install
+	touch $(STAMP)
+
+up: install
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/mmfleet up
+
+test: install
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)
