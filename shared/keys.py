@@ -1,0 +1,52 @@
+"""Topic names and Redis key builders: the only place that spells either.
+
+Keys are namespaced by a prefix (settings ``redis_prefix``) so several fleets or test runs can
+share one Redis without colliding.
+"""
+
+from __future__ import annotations
+
+from shared import protocol
+
+TOPIC_MEDIA_FETCH = "mm.media-fetch"
+TOPIC_ENCODE = "mm.encode"
+TOPIC_PREFILL = "mm.prefill"
+TOPIC_DECODE = "mm.decode"
+TOPIC_KV_EVENTS = "mm.kv-events"
+TOPIC_DEAD_LETTER = "mm.dead-letter"
+TOPIC_REQUESTS = "mm.requests"
+
+STAGE_TOPICS: tuple[str, ...] = (TOPIC_MEDIA_FETCH, TOPIC_ENCODE, TOPIC_PREFILL, TOPIC_DECODE)
+ALL_TOPICS: tuple[str, ...] = STAGE_TOPICS + (TOPIC_KV_EVENTS, TOPIC_DEAD_LETTER, TOPIC_REQUESTS)
+
+# stage name -> (topic it consumes, the union decoded from that topic)
+STAGES: dict[str, tuple[str, object]] = {
+    "media-fetch": (TOPIC_MEDIA_FETCH, protocol.MediaFetchMsg),
+    "encode": (TOPIC_ENCODE, protocol.EncodeMsg),
+    "prefill": (TOPIC_PREFILL, protocol.PrefillMsg),
+    "decode": (TOPIC_DECODE, protocol.DecodeMsg),
+}
+
+
+def consumer_group(stage: str) -> str:
+    """One consumer group per stage: adding workers to a stage splits its partitions."""
+    return f"mmfleet.{stage}"
+
+
+class RedisKeys:
+    """Redis key builders under one prefix."""
+
+    def __init__(self, prefix: str = "mm") -> None:
+        self.prefix = prefix
+
+    def token_stream(self, request_id: str) -> str:
+        """The request's token log (a Redis stream of ``StreamEvent`` entries)."""
+        return f"{self.prefix}:stream:{request_id}"
+
+    def lease(self, request_id: str, stage: str) -> str:
+        """``SET NX PX`` claim on (request, stage) for idempotent redelivery."""
+        return f"{self.prefix}:lease:{stage}:{request_id}"
+
+    def worker(self, worker_id: str) -> str:
+        """A worker's liveness record (stage, pid, started), refreshed with a TTL."""
+        return f"{self.prefix}:worker:{worker_id}"

@@ -1,0 +1,228 @@
+"""Every message that crosses a process boundary: Kafka records and Redis stream entries.
+
+Contracts:
+- Each Kafka topic carries exactly one tagged union (``MediaFetchMsg``, ``EncodeMsg``, ...);
+  a record's value is the msgpack encoding of one member, decoded with the topic's typed
+  decoder (:func:`decoder_for`). No tensors ride in messages: tensors stay in the producer's
+  NIXL-registered pool and messages carry :class:`TensorRef` descriptors plus the owner's
+  :class:`AgentRef` (agent metadata, ~0.5 KiB), so a record stays a few KiB whatever the media.
+- Schema evolution: new fields always get defaults; fields are never renamed or re-typed.
+- Token streams: one Redis stream per request; every entry holds one :class:`StreamEvent`
+  member in the ``e`` field. The stream is a log: a ``TokenDelta`` has a sequence number so a
+  reader (or a resumed decode) knows exactly which tokens were already written.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+from msgspec import Struct
+
+# ---------------------------------------------------------------- common parts
+
+
+class Sampling(Struct, frozen=True, kw_only=True):
+    """Decoding parameters, validated by the gateway (ranges are checked there)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+class RequestMeta(Struct, frozen=True, kw_only=True):
+    """What every stage needs to know about a request besides its payload.
+
+    ``deadline_unix_ms``: wall-clock epoch ms after which work is dropped with a terminal
+    error (stages compare against their own clock, so hosts must be NTP-synchronised).
+    ``attempt`` counts redeliveries a stage has seen for this request (poison detection).
+    """
+
+    request_id: str
+    model: str
+    deadline_unix_ms: int
+    created_unix_ms: int
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling = Sampling()
+    attempt: int = 0
+
+
+class AgentRef(Struct, frozen=True):
+    """A NIXL agent: its unique name and the metadata a peer needs to connect (~0.5 KiB)."""
+
+    name: str
+    metadata: bytes
+
+
+class TensorRef(Struct, frozen=True):
+    """A tensor held in a slot of its owner's registered pool.
+
+    ``(addr, nbytes, device_id)`` is the raw NIXL DRAM descriptor. ``lease`` identifies the
+    slot at the owner: the consumer releases it (a NIXL notification) once its own output is
+    durable; the owner also frees it after a TTL so a lost consumer cannot pin memory.
+    """
+
+    agent: str
+    addr: int
+    nbytes: int
+    device_id: int
+    lease: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class MediaSource(Struct, frozen=True, kw_only=True):
+    """One media item of a request, in prompt order.
+
+    Exactly one of: ``url`` (``http(s)://``, fetched by media-fetch) or ``inline`` (the raw
+    bytes of a ``data:`` URL, decoded by the gateway and held in its pool, so inline media
+    never rides on Kafka). ``param``: the request's JSON path, for error messages.
+    """
+
+    kind: str  # "image"
+    param: str
+    url: str = ""
+    inline: TensorRef | None = None
+    mime: str = ""
+
+
+class PixelItem(Struct, frozen=True):
+    """Preprocessed pixels of one item, ready for the encoder."""
+
+    index: int
+    mm_hash: str
+    grid_thw: tuple[int, int, int]
+    n_tokens: int
+    pixels: TensorRef
+
+
+class EmbeddingItem(Struct, frozen=True):
+    """Encoder output of one item: ``n_tokens`` rows of the LM's hidden size."""
+
+    index: int
+    mm_hash: str
+    grid_thw: tuple[int, int, int]
+    n_tokens: int
+    embeds: TensorRef
+
+
+# ---------------------------------------------------------------- stage messages
+
+
+class MediaFetchRequest(Struct, frozen=True, tag="media_fetch.request"):
+    """gateway → media-fetch: fetch, hash and preprocess every item.
+
+    ``owner``: the gateway agent holding ``inline`` items (None when all items are URLs).
+    """
+
+    meta: RequestMeta
+    items: tuple[MediaSource, ...]
+    owner: AgentRef | None = None
+
+
+class EncodeRequest(Struct, frozen=True, tag="encode.request"):
+    """media-fetch → encode: pixels by descriptor, owned by ``owner``."""
+
+    meta: RequestMeta
+    owner: AgentRef
+    items: tuple[PixelItem, ...]
+
+
+class PrefillRequest(Struct, frozen=True, tag="prefill.request"):
+    """gateway / encode → prefill. ``owners`` holds every agent named in ``items``."""
+
+    meta: RequestMeta
+    owners: tuple[AgentRef, ...] = ()
+    items: tuple[EmbeddingItem, ...] = ()
+
+
+class DecodeRequest(Struct, frozen=True, tag="decode.request"):
+    """prefill → decode: KV by descriptor plus the first sampled token.
+
+    ``kv`` is one packed float32 tensor ``[layers, 2, kv_heads, prompt_len, head_dim]``;
+    ``rope_delta`` is the M-RoPE offset decode positions need (0 for text-only prompts).
+    """
+
+    meta: RequestMeta
+    owner: AgentRef
+    kv: TensorRef
+    prompt_len: int
+    rope_delta: int
+    first_token: int
+
+
+MediaFetchMsg = MediaFetchRequest
+EncodeMsg = EncodeRequest
+PrefillMsg = PrefillRequest
+DecodeMsg = DecodeRequest
+
+
+class DeadLetter(Struct, frozen=True, tag="dead_letter"):
+    """A record a stage gave up on: where it came from, why, and the original bytes."""
+
+    topic: str
+    partition: int
+    offset: int
+    error: str
+    attempts: int
+    value: bytes
+
+
+# ---------------------------------------------------------------- token stream events
+
+
+class Usage(Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class TokenDelta(Struct, frozen=True, tag="delta", tag_field="event"):
+    """``seq``: index of the first token in ``token_ids`` within the completion."""
+
+    seq: int
+    token_ids: tuple[int, ...]
+    text: str
+
+
+class Finish(Struct, frozen=True, tag="finish", tag_field="event"):
+    """Terminal success. ``reason``: "stop" (eos or stop string) or "length"."""
+
+    reason: str
+    usage: Usage
+
+
+class ErrorEvent(Struct, frozen=True, tag="error", tag_field="event"):
+    """Terminal failure, in OpenAI's error vocabulary; ``status`` is the HTTP status to use."""
+
+    status: int
+    type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+StreamEvent = Union[TokenDelta, Finish, ErrorEvent]
+
+# ---------------------------------------------------------------- codecs
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[object, msgspec.msgpack.Decoder] = {}
+
+
+def encode(msg: Struct) -> bytes:
+    """msgpack bytes of one message."""
+    return _encoder.encode(msg)
+
+
+def decoder_for(union: object) -> msgspec.msgpack.Decoder:
+    """One reused typed decoder per union (raises ``msgspec.DecodeError`` on bad input)."""
+    dec = _decoders.get(union)
+    if dec is None:
+        dec = _decoders[union] = msgspec.msgpack.Decoder(union)
+    return dec
+
+
+def decode_event(raw: bytes) -> StreamEvent:
+    return decoder_for(StreamEvent).decode(raw)
