@@ -1,0 +1,202 @@
+"""The one generic stage runner: consume → handle → produce → release → commit.
+
+Contract (every stage gets the same semantics):
+- At-least-once. An offset is committed only after the handler's outputs were acknowledged by
+  the broker (or the request's terminal error was written to its stream). A crash anywhere
+  before that redelivers the record to some worker of the stage.
+- Bounded. At most ``concurrency`` records are in flight; when full, the assigned partitions
+  are paused (not buffered) and resumed as work completes. ``getmany`` keeps being called
+  while paused, so the consumer stays in its group however long a handler runs.
+- Deadlines. A record whose ``meta.deadline_unix_ms`` has passed is not worked on: the runner
+  writes a 504 terminal event and commits.
+- Faults. An unexpected exception is retried in place up to ``max_attempts`` (with backoff);
+  then the record goes to ``mm.dead-letter`` with the error and the client gets a 500 event.
+- Shutdown. ``stop()`` (SIGTERM) stops fetching, waits up to ``drain_timeout_ms`` for in-flight
+  work, commits what finished and cancels the rest, which is therefore redelivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+from aiokafka import TopicPartition
+from aiokafka.errors import CommitFailedError, KafkaError
+
+from shared import protocol
+from shared.bus import OffsetTracker, make_consumer
+from shared.keys import TOPIC_DEAD_LETTER, consumer_group
+from shared.settings import Settings
+from shared.stage import Context, Handler, Outcome, RequestFailed
+
+log = logging.getLogger(__name__)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class StageRunner:
+    """Drives one handler from one topic. The producer and context are shared per process."""
+
+    def __init__(self, *, stage: str, topic: str, union: object, handler: Handler, ctx: Context,
+                 producer, settings: Settings, concurrency: int | None = None) -> None:
+        self.stage = stage
+        self.topic = topic
+        self._decoder = protocol.decoder_for(union)
+        self._handler = handler
+        self._ctx = ctx
+        self._producer = producer
+        self._settings = settings
+        self._concurrency = concurrency or settings.stage_concurrency
+        self._consumer = make_consumer(settings, topic, consumer_group(stage))
+        self._trackers: dict[TopicPartition, OffsetTracker] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = asyncio.Event()
+        self._paused = False
+        self._commit_wanted = asyncio.Event()
+        self.processed = 0  # records finished (any outcome), for stats and tests
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self) -> None:
+        """Consume until ``stop()``; then drain and close. Raises on a fatal consumer error."""
+        await self._consumer.start()
+        committer = asyncio.create_task(self._commit_loop(), name=f"{self.stage}-commit")
+        try:
+            while not self._stopping.is_set():
+                free = self._concurrency - len(self._tasks)
+                self._set_paused(free <= 0)
+                batch = await self._consumer.getmany(
+                    timeout_ms=self._settings.fetch_max_wait_ms + 100, max_records=max(free, 1)
+                )
+                for tp, records in batch.items():
+                    tracker = self._trackers.setdefault(tp, OffsetTracker())
+                    for rec in records:
+                        tracker.begin(rec.offset)
+                        task = asyncio.create_task(self._process(tp, rec))
+                        self._tasks.add(task)
+                        task.add_done_callback(self._tasks.discard)
+        finally:
+            await self._drain()
+            committer.cancel()
+            await asyncio.gather(committer, return_exceptions=True)
+            await self._commit()
+            await self._consumer.stop()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _drain(self) -> None:
+        if not self._tasks:
+            return
+        log.info("%s: draining %d in-flight records", self.stage, len(self._tasks))
+        _done, pending = await asyncio.wait(set(self._tasks), timeout=self._settings.drain_timeout_ms / 1000)
+        for task in pending:  # not committed: the group redelivers them
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    def _set_paused(self, paused: bool) -> None:
+        if paused == self._paused:
+            return
+        parts = list(self._consumer.assignment())
+        if paused:
+            self._consumer.pause(*parts)
+        else:
+            self._consumer.resume(*parts)
+        self._paused = paused
+
+    # ------------------------------------------------------------------ one record
+    async def _process(self, tp: TopicPartition, rec) -> None:
+        try:
+            await self._handle_record(tp, rec)
+            self._trackers[tp].done(rec.offset)
+            self.processed += 1
+            self._commit_wanted.set()
+        except asyncio.CancelledError:
+            raise  # shutdown: leave the offset uncommitted
+        except Exception:  # the runner itself failed (e.g. broker gone): stop loudly
+            log.exception("%s: fatal error at %s:%d", self.stage, tp.partition, rec.offset)
+            self.stop()
+
+    async def _handle_record(self, tp: TopicPartition, rec) -> None:
+        try:
+            msg = self._decoder.decode(rec.value)
+        except msgspec.DecodeError as exc:
+            # Undecodable: no request id to answer to; keep it for an operator.
+            await self._dead_letter(tp, rec, f"undecodable record: {exc}", attempts=1)
+            return
+        meta: protocol.RequestMeta = msg.meta
+        attempts = 0
+        while True:
+            attempts += 1
+            if now_ms() > meta.deadline_unix_ms:
+                await self._fail(meta, RequestFailed.deadline(meta.request_id, self.stage))
+                return
+            try:
+                outcome = await self._handler.handle(msg, self._ctx)
+            except RequestFailed as failed:
+                await self._fail(meta, failed)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("%s: handler failed for %s (attempt %d)", self.stage, meta.request_id, attempts)
+                if attempts >= self._settings.max_attempts:
+                    await self._dead_letter(tp, rec, f"{type(exc).__name__}: {exc}", attempts)
+                    await self._fail(meta, RequestFailed(
+                        500, f"stage {self.stage} failed {attempts} times on this request; it was "
+                             f"moved to {TOPIC_DEAD_LETTER}", type_="server_error", code="stage_failed"))
+                    return
+                await asyncio.sleep(min(0.05 * 2 ** attempts, 2.0))
+                continue
+            await self._deliver(outcome)
+            return
+
+    async def _deliver(self, outcome: Outcome) -> None:
+        sends = [
+            await self._producer.send(p.topic, protocol.encode(p.value), key=p.key.encode())
+            for p in outcome.produce
+        ]
+        for fut in sends:
+            await fut  # broker ack: the output is durable before anything upstream is freed
+        if self._ctx.transfer is not None:
+            for owner, leases in outcome.releases:
+                await self._ctx.transfer.release(owner, leases)
+
+    async def _fail(self, meta: protocol.RequestMeta, failed: RequestFailed) -> None:
+        log.info("%s: request %s failed: %s", self.stage, meta.request_id, failed.event.message)
+        await self._ctx.events.append(meta.request_id, failed.event)
+
+    async def _dead_letter(self, tp: TopicPartition, rec, error: str, attempts: int) -> None:
+        letter = protocol.DeadLetter(topic=tp.topic, partition=tp.partition, offset=rec.offset,
+                                     error=error[:4000], attempts=attempts, value=rec.value)
+        await self._producer.send_and_wait(TOPIC_DEAD_LETTER, protocol.encode(letter), key=rec.key)
+
+    # ------------------------------------------------------------------ commits
+    async def _commit_loop(self) -> None:
+        while True:
+            await self._commit_wanted.wait()
+            self._commit_wanted.clear()
+            await self._commit()
+            await asyncio.sleep(0.005)  # coalesce bursts of completions into one commit
+
+    async def _commit(self) -> None:
+        offsets = {}
+        assigned = self._consumer.assignment()
+        for tp, tracker in list(self._trackers.items()):
+            mark = tracker.committable()
+            if mark is not None and tp in assigned:
+                offsets[tp] = mark
+        if not offsets:
+            return
+        try:
+            await self._consumer.commit(offsets)
+        except (CommitFailedError, KafkaError) as exc:
+            # A rebalance took the partition: its new owner re-processes from the last commit
+            # (handlers are idempotent), so this is a duplicate, never a loss.
+            log.warning("%s: commit failed (%s); records will be redelivered", self.stage, exc)
+            return
+        for tp, mark in offsets.items():
+            self._trackers[tp].mark_committed(mark)

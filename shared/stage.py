@@ -1,0 +1,80 @@
+"""The contract between a stage's pure handler and the one generic runner.
+
+A stage is ``async handle(msg, ctx) -> Outcome``: it reads one decoded message, does its work
+through the ports in ``ctx`` (tensor transfer, token streams), and returns what to produce.
+It never touches Kafka. The runner produces the outcome, waits for the broker's ack, releases
+the upstream tensor leases named in ``Outcome.releases``, and only then commits the offset
+(at-least-once: a crash before the commit redelivers the message).
+
+Failure vocabulary:
+- ``RequestFailed``: this request cannot succeed (bad input, unsupported, deadline): the
+  runner writes the ``ErrorEvent`` to the request's stream and commits. The worker goes on.
+- any other exception: a fault; the runner retries the record up to ``max_attempts`` and then
+  dead-letters it and writes a terminal error so the client never hangs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from msgspec import Struct
+
+from shared import protocol
+
+if TYPE_CHECKING:
+    from shared.transfer import TransferAgent
+
+
+@dataclass(frozen=True)
+class Produce:
+    """One record to produce: topic, key (request_id, or mm_hash on the encode topic), value."""
+
+    topic: str
+    key: str
+    value: Struct
+
+
+@dataclass
+class Outcome:
+    produce: list[Produce] = field(default_factory=list)
+    # (owner agent, lease ids) to release once ``produce`` is acknowledged by the broker
+    releases: list[tuple[protocol.AgentRef, list[int]]] = field(default_factory=list)
+
+
+class RequestFailed(Exception):
+    """Terminal, user-visible failure of one request."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.event = protocol.ErrorEvent(status=status, type=type_, message=message, param=param, code=code)
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None, code: str | None = None) -> RequestFailed:
+        return cls(400, message, param=param, code=code)
+
+    @classmethod
+    def deadline(cls, request_id: str, stage: str) -> RequestFailed:
+        return cls(504, f"request {request_id} passed its deadline in stage {stage}",
+                   type_="timeout_error", code="deadline_exceeded")
+
+
+class EventSink(Protocol):
+    """Where token-stream events go (Redis in production, a list in handler tests)."""
+
+    async def append(self, request_id: str, event: protocol.StreamEvent) -> None: ...
+
+
+@dataclass
+class Context:
+    """Ports a handler may use. ``transfer`` is None in stages that move no tensors."""
+
+    stage: str
+    worker_id: str
+    events: EventSink
+    transfer: TransferAgent | None = None
+
+
+class Handler(Protocol):
+    async def handle(self, msg: Struct, ctx: Context) -> Outcome: ...

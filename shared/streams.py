@@ -1,0 +1,69 @@
+"""Per-request token logs in Redis streams.
+
+Contract: a request's stream holds ``StreamEvent`` entries in order; it ends with exactly one
+terminal event (``Finish`` or ``ErrorEvent``) in normal operation. Streams are bounded
+(``MAXLEN ~``) and expire ``ttl_s`` after the last write, so an abandoned request cannot
+grow Redis without bound. Readers resume from the last entry id they saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+
+from shared import protocol
+from shared.keys import RedisKeys
+
+_FIELD = b"e"
+
+
+class TokenStreams:
+    """Append / read request streams. One instance per process, shared by all handlers."""
+
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, *, maxlen: int, ttl_s: int) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._maxlen = maxlen
+        self._ttl_s = ttl_s
+
+    async def append(self, request_id: str, event: protocol.StreamEvent) -> None:
+        """Write one event (XADD + refresh TTL in one round trip)."""
+        key = self._keys.token_stream(request_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(key, {_FIELD: protocol.encode(event)}, maxlen=self._maxlen, approximate=True)
+            pipe.expire(key, self._ttl_s)
+            await pipe.execute()
+
+    async def read(
+        self, request_id: str, *, after_id: str = "0-0", block_ms: int = 1000
+    ) -> list[tuple[str, protocol.StreamEvent]]:
+        """Entries after ``after_id``, waiting up to ``block_ms`` for the first one."""
+        key = self._keys.token_stream(request_id)
+        reply = await self._redis.xread({key: after_id}, block=block_ms, count=256)
+        out: list[tuple[str, protocol.StreamEvent]] = []
+        for _key, entries in reply or ():
+            for entry_id, fields in entries:
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                out.append((eid, protocol.decode_event(fields[_FIELD])))
+        return out
+
+    async def follow(
+        self, request_id: str, *, deadline_s: float, block_ms: int = 1000
+    ) -> AsyncIterator[protocol.StreamEvent]:
+        """Yield events until a terminal one; raises ``TimeoutError`` past ``deadline_s``
+        (a ``loop.time()`` value)."""
+        loop = asyncio.get_running_loop()
+        after = "0-0"
+        while True:
+            left_ms = int((deadline_s - loop.time()) * 1000)
+            if left_ms <= 0:
+                raise TimeoutError(f"no terminal event for {request_id} before the deadline")
+            for after, event in await self.read(request_id, after_id=after, block_ms=min(block_ms, left_ms)):
+                yield event
+                if isinstance(event, (protocol.Finish, protocol.ErrorEvent)):
+                    return
+
+    async def delete(self, request_id: str) -> None:
+        await self._redis.delete(self._keys.token_stream(request_id))
