@@ -1,0 +1,1 @@
+"""Compute engines: model-family compute paths, sampling and detokenization."""

@@ -1,0 +1,260 @@
+"""Qwen2-VL split compute path: encode, prefill and decode as separate pure steps.
+
+Pure and synchronous: no I/O beyond loading the model dir in ``__init__``, no global
+state, no mutation of the shared model (``model.model.rope_deltas`` is never read or
+written — positions are always passed explicitly).  Callers run these methods in a
+worker thread.  All tensors are float32 on CPU.
+
+Contract per step:
+- ``preprocess_image`` → ``ImagePixels`` exactly as ``AutoProcessor`` would produce
+  for that image (same image-processor object and backend as the reference).
+- ``encode_images`` runs ONE vision forward over any number of images (they may
+  belong to different requests) and returns one ``[n_tokens, hidden]`` tensor each.
+- ``prefill`` expands each placeholder token to its image's token count, computes
+  M-RoPE positions, merges embeddings, runs the LM over the prompt and returns the
+  last logits plus the KV cache packed as ``[n_layers, 2, n_kv_heads, seq, head_dim]``
+  and the M-RoPE offset ``rope_delta``.
+- ``start_decode`` / ``decode_step`` continue from a packed KV on any instance (e.g. in
+  another process).  Decode positions are ``cache_len + rope_delta`` on all three
+  M-RoPE axes; transformers 5.19's Qwen2-VL forward takes no ``cache_position``, the
+  cache length is what places the new token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+
+@dataclass(frozen=True)
+class ImagePixels:
+    """Processor output for one image.
+
+    pixel_values: float32 [n_patches, patch_dim] (patch_dim = C·t_patch·p·p).
+    grid_thw: (t, h, w) in patches.  n_tokens = t·h·w / merge² (LM image tokens).
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """Prefill output.  ``kv``: contiguous float32 [n_layers, 2, n_kv_heads, prompt_len, head_dim]
+    (index 0 = keys, 1 = values); ``prompt_len`` counts expanded image tokens;
+    ``rope_delta`` = max M-RoPE position + 1 − prompt_len (0 for text-only)."""
+
+    last_logits: torch.Tensor
+    kv: torch.Tensor
+    rope_delta: int
+    prompt_len: int
+
+
+@dataclass
+class DecodeState:
+    """Per-sequence decode state owned by one caller; not shared between threads."""
+
+    cache: object  # transformers DynamicCache
+    rope_delta: int
+    seq_len: int
+
+
+class ImagePreprocessor:
+    """The model's own image processor alone (no weights): what media-fetch runs.
+
+    Loaded through ``AutoProcessor`` so it is the very processor class and backend that the
+    reference (``AutoProcessor`` + ``generate``) uses.
+    """
+
+    def __init__(self, model_dir: Path | str, *, processor=None) -> None:
+        if processor is None:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(str(model_dir))
+        self._image_processor = processor.image_processor
+        self._merge = int(self._image_processor.merge_size)
+
+    @torch.inference_mode()
+    def __call__(self, img: Image.Image) -> ImagePixels:
+        out = self._image_processor(images=[img], return_tensors="pt")
+        grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
+        n_tokens = grid[0] * grid[1] * grid[2] // (self._merge**2)
+        return ImagePixels(out["pixel_values"].to(torch.float32).contiguous(), grid, n_tokens)
+
+
+class Qwen2VLCompute:
+    """Loads a Qwen2-VL model dir once; methods are safe to call from one thread at a time
+    per state object (the model itself is only read)."""
+
+    def __init__(self, model_dir: Path | str) -> None:
+        from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+        self.model_dir = Path(model_dir)
+        self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
+        self.model = Qwen2VLForConditionalGeneration.from_pretrained(
+            str(self.model_dir), dtype=torch.float32
+        ).eval()
+        cfg = self.model.config
+        self.placeholder_token_id: int = int(cfg.image_token_id)
+        self.hidden_size: int = int(cfg.text_config.hidden_size)
+        self.merge_size: int = int(cfg.vision_config.spatial_merge_size)
+        text_cfg = cfg.text_config
+        self.n_layers: int = int(text_cfg.num_hidden_layers)
+        self.n_kv_heads: int = int(text_cfg.num_key_value_heads)
+        self.head_dim: int = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads)
+        self.eos_token_ids: frozenset[int] = self._eos_ids()
+        self.max_model_len: int = int(text_cfg.max_position_embeddings)
+        self.preprocess_image = ImagePreprocessor(self.model_dir, processor=self.processor)
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+    def _eos_ids(self) -> frozenset[int]:
+        # generate() stops on generation_config's eos list; mirror it exactly.
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.model.config.text_config.eos_token_id
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return frozenset(int(i) for i in ids)
+
+    # ---- prompt helpers -------------------------------------------------------
+
+    def render_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Chat template → token ids with ONE placeholder per image (unexpanded)."""
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ---- encode ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode_images(self, items: list[ImagePixels]) -> list[torch.Tensor]:
+        """One vision forward over all items; returns float32 [n_tokens, hidden] per item."""
+        if not items:
+            return []
+        pixel_values = torch.cat([it.pixel_values for it in items], dim=0)
+        grid_thw = torch.tensor([it.grid_thw for it in items], dtype=torch.long)
+        out = self.model.model.get_image_features(pixel_values, grid_thw, return_dict=True)
+        feats = out.pooler_output  # tuple split per image by get_image_features
+        # clone: the splits are views of one batch tensor; an item shipped or cached on
+        # its own must not keep the whole batch's storage alive.
+        result = [f.to(torch.float32).contiguous().clone() for f in feats]
+        for it, f in zip(items, result):
+            if f.shape != (it.n_tokens, self.hidden_size):
+                raise RuntimeError(f"encoder output {tuple(f.shape)} != ({it.n_tokens}, {self.hidden_size})")
+        return result
+
+    # ---- prefill --------------------------------------------------------------
+
+    def expand_prompt(
+        self, prompt_ids: list[int], images: list[tuple[torch.Tensor, tuple[int, int, int]]]
+    ) -> list[int]:
+        """Replace the i-th placeholder by images[i]'s token count of placeholders.
+
+        Raises ValueError when the placeholder count differs from len(images) or an
+        embedding's row count disagrees with t·h·w/merge².
+        """
+        n_placeholders = sum(1 for t in prompt_ids if t == self.placeholder_token_id)
+        if n_placeholders != len(images):
+            raise ValueError(f"prompt has {n_placeholders} image placeholders but {len(images)} images given")
+        expanded: list[int] = []
+        it = iter(images)
+        for tok in prompt_ids:
+            if tok != self.placeholder_token_id:
+                expanded.append(tok)
+                continue
+            embeds, (t, h, w) = next(it)
+            n = t * h * w // (self.merge_size**2)
+            if embeds.shape[0] != n:
+                raise ValueError(f"image embedding has {embeds.shape[0]} rows, grid {(t, h, w)} needs {n}")
+            expanded.extend([self.placeholder_token_id] * n)
+        return expanded
+
+    @torch.inference_mode()
+    def prefill(
+        self, prompt_ids: list[int], images: list[tuple[torch.Tensor, tuple[int, int, int]]]
+    ) -> PrefillResult:
+        """Run the LM over the prompt with image embeddings merged at the placeholders."""
+        from transformers import DynamicCache
+
+        expanded = self.expand_prompt(prompt_ids, images)
+        input_ids = torch.tensor([expanded], dtype=torch.long)
+        is_image = input_ids == self.placeholder_token_id
+        seq_len = input_ids.shape[1]
+
+        if images:
+            grid_thw = torch.tensor([g for _, g in images], dtype=torch.long)
+            mm_token_type_ids = is_image.to(torch.int)
+            vision_pos, deltas = self.model.model.get_rope_index(
+                input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grid_thw
+            )
+            rope_delta = int(deltas.reshape(-1)[0].item())
+        else:
+            vision_pos = torch.arange(seq_len).view(1, 1, -1).expand(3, 1, -1)
+            rope_delta = 0
+        # Row 0 = plain text positions (used only for mask construction), rows 1..3 =
+        # M-RoPE axes: the same [4, batch, seq] layout generate() passes.
+        text_pos = torch.arange(seq_len).view(1, 1, -1)
+        position_ids = torch.cat([text_pos, vision_pos], dim=0)
+
+        embeds = self.model.get_input_embeddings()(input_ids)
+        if images:
+            image_embeds = torch.cat([e.to(embeds.dtype) for e, _ in images], dim=0)
+            embeds = embeds.masked_scatter(is_image.unsqueeze(-1), image_embeds)
+
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            inputs_embeds=embeds,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        kv = self.pack_kv(out.past_key_values)
+        return PrefillResult(
+            last_logits=out.logits[0, -1].to(torch.float32).clone(),
+            kv=kv,
+            rope_delta=rope_delta,
+            prompt_len=seq_len,
+        )
+
+    @staticmethod
+    def pack_kv(cache) -> torch.Tensor:
+        """DynamicCache (batch 1) → contiguous [n_layers, 2, n_kv_heads, seq, head_dim]."""
+        per_layer = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
+        return torch.stack(per_layer).to(torch.float32).contiguous()
+
+    # ---- decode ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def start_decode(self, kv_packed: torch.Tensor, rope_delta: int, seq_len: int) -> DecodeState:
+        """Rebuild a DynamicCache from a packed KV (copied; the caller keeps its buffer)."""
+        from transformers import DynamicCache
+
+        expected = (self.n_layers, 2, self.n_kv_heads, seq_len, self.head_dim)
+        if tuple(kv_packed.shape) != expected:
+            raise ValueError(f"packed KV shape {tuple(kv_packed.shape)} != {expected}")
+        kv = kv_packed.to(torch.float32)
+        layers = [(kv[i, 0].unsqueeze(0).clone(), kv[i, 1].unsqueeze(0).clone()) for i in range(self.n_layers)]
+        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
+        return DecodeState(cache=cache, rope_delta=int(rope_delta), seq_len=seq_len)
+
+    @torch.inference_mode()
+    def decode_step(self, state: DecodeState, token_id: int) -> torch.Tensor:
+        """Append ``token_id`` and return next-token logits, float32 [vocab]."""
+        cache_len = state.cache.get_seq_length()
+        # M-RoPE for generated text: all three axes advance together, offset by rope_delta.
+        mrope = torch.full((3, 1, 1), cache_len + state.rope_delta, dtype=torch.long)
+        text = torch.full((1, 1, 1), cache_len, dtype=torch.long)
+        out = self.model(
+            input_ids=torch.tensor([[token_id]], dtype=torch.long),
+            position_ids=torch.cat([text, mrope], dim=0),
+            past_key_values=state.cache,
+            use_cache=True,
+        )
+        state.seq_len = cache_len + 1
+        return out.logits[0, -1].to(torch.float32).clone()

@@ -1,0 +1,1 @@
+"""Model families: offline tiny builds for tests, references, and the family registry."""

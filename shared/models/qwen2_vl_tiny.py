@@ -1,0 +1,250 @@
+"""Tiny random-weight Qwen2-VL, built fully offline, for tests and local fleets.
+
+Contract:
+- ``build_tiny_qwen2_vl(out_dir, seed=0)`` writes a model directory that loads with
+  ``AutoProcessor.from_pretrained(out_dir)`` and
+  ``Qwen2VLForConditionalGeneration.from_pretrained(out_dir)`` under
+  ``HF_HUB_OFFLINE=1``.  Same seed and same library versions → identical files.
+- ``ensure_tiny_qwen2_vl(cache_root)`` builds once into
+  ``cache_root/qwen2-vl-tiny-<recipe hash>`` (build in a temp dir, then an atomic
+  rename; a process that loses the race discards its copy) and returns the path.
+  The hash covers this module's and the tokenizer module's source, the seed and the
+  torch/transformers/tokenizers versions, so any recipe change lands in a new dir.
+
+Model facts (what other code may rely on):
+- Special-token ids are read back from the trained tokenizer and written into the
+  config (``image_token_id``, ``video_token_id``, ``vision_start_token_id``,
+  ``vision_end_token_id``, bos/eos/pad); eos = ``<|im_end|>``; the generation config
+  lists ``[<|im_end|>, <|endoftext|>]`` as eos and is greedy by default.
+- Text model: hidden 128, 2 layers, 4 heads × head_dim 32, 2 KV heads,
+  mrope_section [4, 6, 6] (sums to head_dim / 2), vocab = len(tokenizer).
+- Vision tower: depth 2, embed_dim 64, 2 heads, patch 14, spatial merge 2,
+  temporal patch 2; merger output = text hidden size.
+- Image processor: ``Qwen2VLImageProcessor`` — the torchvision backend, which is
+  what ``AutoProcessor`` resolves to in the fleet's environment (torchvision 0.28
+  present).  The fleet and its references must use this ONE backend: PIL and
+  torchvision resize slightly differently.  ``size`` holds pixel counts:
+  shortest_edge = min_pixels = 4·28², longest_edge = max_pixels = 64·28², so every
+  image becomes 4..64 image tokens after the 2×2 merge.
+- Weights are NOT the transformers default init.  Every parameter is drawn from
+  one seeded ``torch.Generator`` in sorted-name order with fan-in scaling (see
+  ``_init_weights``), independent of transformers' init code, so greedy output
+  depends on the image AND argmax decisions have a usable margin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shared.models import tokenizer_build as tb
+
+MODEL_NAME = "qwen2-vl-tiny"
+_MARKER = "mmfleet_build.json"
+
+PATCH_SIZE = 14
+MERGE_SIZE = 2
+TEMPORAL_PATCH_SIZE = 2
+_TOKEN_PIXELS = (PATCH_SIZE * MERGE_SIZE) ** 2  # pixels covered by one LM image token
+MIN_PIXELS = 4 * _TOKEN_PIXELS
+MAX_PIXELS = 64 * _TOKEN_PIXELS
+
+TEXT_HIDDEN = 128
+TEXT_LAYERS = 2
+TEXT_HEADS = 4
+TEXT_KV_HEADS = 2
+HEAD_DIM = TEXT_HIDDEN // TEXT_HEADS  # 32: vLLM's CPU attention needs >= 32
+MROPE_SECTION = [4, 6, 6]  # sums to HEAD_DIM // 2 (rotary frequencies per M-RoPE axis)
+
+# Weight scales (gain on a 1/sqrt(fan_in) std), chosen by measurement over 8 test
+# images (noise, solid colours, gradients; 64x64 to 320x240), 12 greedy tokens each:
+# all 28 image pairs give different sequences, 6/8 differ already at token 1, no
+# output repeats one token, logits finite with |logit| <= 23, and the top-1/top-2
+# logit gap is >= 1e-2 (median 0.76) at every step.  transformers' default init
+# (std 0.02) on this config has |logit| <= 1.1 and gaps down to 2e-4: greedy parity
+# across kernels (batched encode, vLLM) would hinge on float noise.
+TEXT_GAIN = 2.0
+VISION_GAIN = 2.0
+EMBED_STD = 1.0
+LM_HEAD_GAIN = 4.0
+BIAS_STD = 0.1
+
+
+def text_config_dict(vocab_size: int, ids: dict[str, int]) -> dict:
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": TEXT_HIDDEN,
+        "intermediate_size": 2 * TEXT_HIDDEN,
+        "num_hidden_layers": TEXT_LAYERS,
+        "num_attention_heads": TEXT_HEADS,
+        "num_key_value_heads": TEXT_KV_HEADS,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "mrope_section": MROPE_SECTION, "rope_theta": 10000.0},
+        "bos_token_id": ids[tb.ENDOFTEXT],
+        "eos_token_id": ids[tb.IM_END],
+        "pad_token_id": ids[tb.ENDOFTEXT],
+        "tie_word_embeddings": False,
+    }
+
+
+def vision_config_dict() -> dict:
+    return {
+        "depth": 2,
+        "embed_dim": 64,
+        "hidden_size": TEXT_HIDDEN,  # merger projects into the LM's hidden size
+        "num_heads": 2,
+        "mlp_ratio": 2,
+        "patch_size": PATCH_SIZE,
+        "spatial_merge_size": MERGE_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "in_channels": 3,
+    }
+
+
+def recipe_hash(seed: int) -> str:
+    """Short hash of everything that determines the built files."""
+    import tokenizers
+    import transformers
+
+    h = hashlib.sha256()
+    for module_file in (Path(__file__), Path(tb.__file__)):
+        h.update(module_file.read_bytes())
+    h.update(json.dumps(
+        {"seed": seed, "torch": torch.__version__, "transformers": transformers.__version__,
+         "tokenizers": tokenizers.__version__},
+        sort_keys=True,
+    ).encode())
+    return h.hexdigest()[:12]
+
+
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter from one seeded generator, in sorted-name order.
+
+    Why not the transformers init: at std 0.02 attention is near uniform and the
+    logits are nearly flat, so argmax decisions rest on tiny gaps (or collapse to
+    one token on other configs).  Fan-in scaling with gain 2 keeps activations O(1)
+    and attention sharp in both towers; a unit-std token embedding and an lm_head
+    gain of 4 spread the logits so the image features move the argmax by clear
+    margins.  Norm weights are 1 and LayerNorm biases 0, as in a real checkpoint.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            if name.endswith("norm.weight") or "norm1." in name or "norm2." in name or "ln_q." in name:
+                if name.endswith(".weight"):
+                    p.fill_(1.0)
+                else:
+                    p.zero_()
+                continue
+            if name.endswith(".bias"):
+                std = BIAS_STD
+            elif "embed_tokens" in name:
+                std = EMBED_STD
+            else:
+                fan_in = math.prod(p.shape[1:])
+                if name.startswith("lm_head"):
+                    gain = LM_HEAD_GAIN
+                elif "visual" in name:
+                    gain = VISION_GAIN
+                else:
+                    gain = TEXT_GAIN
+                std = gain / math.sqrt(fan_in)
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+
+def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
+    """Build tokenizer, processor and random model into ``out_dir``; return it.
+
+    ``out_dir`` is created if missing; existing files of the same name are overwritten.
+    """
+    from transformers import (
+        GenerationConfig,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = tb.build_qwen2_tokenizer(seed=seed)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in tb.SPECIAL_TOKENS}
+    if len(set(ids.values())) != len(ids) or tokenizer.unk_token_id in (None,):
+        raise RuntimeError(f"special tokens not registered distinctly: {ids}")
+
+    pixel_kwargs = {
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "patch_size": PATCH_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "merge_size": MERGE_SIZE,
+    }
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**pixel_kwargs),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**pixel_kwargs),
+        chat_template=tb.CHAT_TEMPLATE,
+    )
+
+    config = Qwen2VLConfig(
+        text_config=text_config_dict(len(tokenizer), ids),
+        vision_config=vision_config_dict(),
+        image_token_id=ids[tb.IMAGE_PAD],
+        video_token_id=ids[tb.VIDEO_PAD],
+        vision_start_token_id=ids[tb.VISION_START],
+        vision_end_token_id=ids[tb.VISION_END],
+        bos_token_id=ids[tb.ENDOFTEXT],
+        eos_token_id=ids[tb.IM_END],
+        pad_token_id=ids[tb.ENDOFTEXT],
+        tie_word_embeddings=False,
+    )
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    _init_weights(model, seed)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[tb.ENDOFTEXT],
+        eos_token_id=[ids[tb.IM_END], ids[tb.ENDOFTEXT]],
+        pad_token_id=ids[tb.ENDOFTEXT],
+        do_sample=False,
+    )
+
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def ensure_tiny_qwen2_vl(cache_root: Path, *, seed: int = 0) -> Path:
+    """Return ``cache_root/qwen2-vl-tiny-<hash>``, building it once if absent.
+
+    Safe when several processes race: each builds in its own temp dir under
+    ``cache_root`` and renames it into place; ``rename`` onto an existing non-empty
+    directory fails, so the loser deletes its copy and uses the winner's.
+    """
+    cache_root = Path(cache_root)
+    final = cache_root / f"{MODEL_NAME}-{recipe_hash(seed)}"
+    if (final / _MARKER).is_file():
+        return final
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_root))
+    try:
+        build_tiny_qwen2_vl(tmp, seed=seed)
+        # The marker is written last, inside the temp dir: a dir that has it is complete.
+        (tmp / _MARKER).write_text(json.dumps({"name": final.name, "seed": seed}))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / _MARKER).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

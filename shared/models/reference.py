@@ -1,0 +1,47 @@
+"""One-process transformers reference: what a plain transformers user would run.
+
+This is the correctness anchor for every split mode (DESIGN §6): for greedy decoding
+the fleet must produce exactly these tokens.  Kept deliberately naive — processor on
+the chat-template text, then ``model.generate`` — so it shares no code with the
+split compute path it checks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+
+def load_reference(model_dir: Path):
+    """Return ``(processor, model)`` loaded from ``model_dir`` (float32, eval)."""
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return processor, model
+
+
+def reference_generate(
+    model_dir: Path | str,
+    messages: list[dict],
+    images: list[Image.Image],
+    max_new_tokens: int,
+    *,
+    loaded: tuple | None = None,
+) -> list[int]:
+    """Greedy-generate with ``model.generate`` and return only the new token ids.
+
+    ``images`` are in the order their placeholders appear in ``messages``.  The
+    output stops after the first eos (included, as ``generate`` returns it) or after
+    ``max_new_tokens``.  ``loaded`` may pass a cached ``load_reference`` result to
+    skip reloading; it does not change the result.
+    """
+    processor, model = loaded if loaded is not None else load_reference(Path(model_dir))
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=images or None, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+    prompt_len = inputs["input_ids"].shape[1]
+    return out[0, prompt_len:].tolist()
