@@ -1,0 +1,43 @@
+"""encode: pull pixels over NIXL, run the vision encoder (batched across messages), keep the
+embeddings in this worker's pool and send their descriptors on to prefill.
+
+In: ``EncodeRequest``. Out: ``PrefillRequest`` on ``mm.prefill``; releases media-fetch's pixel
+slots once produced. Items of concurrent messages meet in the ``MicroBatcher`` and go through
+ONE encoder forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared import protocol
+from shared.compute import MicroBatcher
+from shared.keys import TOPIC_PREFILL
+from shared.stage import Context, Outcome, Produce
+
+
+class EncodeHandler:
+    def __init__(self, batcher: MicroBatcher) -> None:
+        # batcher items: (pixel_values, grid_thw, n_tokens) -> embeddings [n_tokens, hidden]
+        self._batcher = batcher
+
+    async def handle(self, msg: protocol.EncodeRequest, ctx: Context) -> Outcome:
+        assert ctx.transfer is not None
+        pixels = await asyncio.gather(*(ctx.transfer.get(msg.owner, it.pixels) for it in msg.items))
+        embeds = await asyncio.gather(*(self._batcher.submit((px, it.grid_thw, it.n_tokens))
+                                        for px, it in zip(pixels, msg.items, strict=True)))
+        out_items = []
+        try:
+            for it, emb in zip(msg.items, embeds, strict=True):
+                if emb.shape[0] != it.n_tokens:
+                    raise RuntimeError(f"encoder gave {emb.shape[0]} rows for {it.n_tokens} tokens")
+                ref = await ctx.transfer.put_wait(emb, timeout_ms=5_000)
+                out_items.append(protocol.EmbeddingItem(index=it.index, mm_hash=it.mm_hash, grid_thw=it.grid_thw,
+                                                        n_tokens=it.n_tokens, embeds=ref))
+        except BaseException:
+            for item in out_items:
+                ctx.transfer.free_local(item.embeds.lease)
+            raise
+        out = protocol.PrefillRequest(meta=msg.meta, owners=(ctx.transfer.ref(),), items=tuple(out_items))
+        return Outcome([Produce(TOPIC_PREFILL, msg.meta.request_id, out)],
+                       [(msg.owner, [it.pixels.lease for it in msg.items])])

@@ -1,0 +1,141 @@
+"""Turning a validated OpenAI request into what the fleet runs: prompt token ids (one
+placeholder token per media item, expanded later by prefill once the item's size is known),
+the media items in prompt order, and the sampling parameters.
+
+Pure functions over the tokenizer: every rejection is a ``RequestFailed`` carrying the HTTP
+status and the JSON path of the offending field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared import protocol
+from shared.media.sources import IMAGE_MIME_TYPES, MediaError, check_remote_url, decode_data_url
+from shared.settings import Settings
+from shared.stage import RequestFailed
+from services.gateway import schema
+
+
+@dataclass
+class MediaInput:
+    kind: str
+    param: str
+    url: str = ""  # http(s)
+    mime: str = ""
+    data: bytes | None = None  # decoded data: URL
+
+
+@dataclass
+class Prepared:
+    prompt_token_ids: list[int]
+    media: list[MediaInput] = field(default_factory=list)
+    sampling: protocol.Sampling = protocol.Sampling()
+    stream: bool = False
+    include_usage: bool = False
+
+
+class PromptBuilder:
+    """Knows the model's tokenizer, chat template and placeholder token."""
+
+    def __init__(self, tokenizer, *, placeholder_token: str, max_model_len: int, settings: Settings) -> None:
+        self._tok = tokenizer
+        self._placeholder = placeholder_token
+        self._placeholder_id = tokenizer.convert_tokens_to_ids(placeholder_token)
+        self._max_model_len = max_model_len
+        self._s = settings
+
+    # ------------------------------------------------------------------ chat
+    def chat(self, req: schema.ChatCompletionRequest) -> Prepared:
+        self._check_common(req.model, req.n)
+        if not req.messages:
+            raise RequestFailed.bad_request("messages must contain at least one message", param="messages")
+        media: list[MediaInput] = []
+        rendered: list[dict] = []
+        for i, msg in enumerate(req.messages):
+            rendered.append({"role": msg.role, "content": self._content(msg, i, media)})
+        if len(media) > self._s.max_media_items:
+            raise RequestFailed(413, f"request has {len(media)} media items; the limit is {self._s.max_media_items}",
+                                param="messages", code="too_many_media_items")
+        text = self._tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        ids = self._tokenize(text)
+        if sum(1 for t in ids if t == self._placeholder_id) != len(media):
+            raise RequestFailed.bad_request(
+                f"text may not contain the reserved token {self._placeholder}", param="messages")
+        return Prepared(ids, media, self._sampling(req, req.max_completion_tokens or req.max_tokens),
+                        req.stream, bool(req.stream_options and req.stream_options.include_usage))
+
+    def _content(self, msg: schema.Message, i: int, media: list[MediaInput]):
+        if msg.content is None or isinstance(msg.content, str):
+            return msg.content or ""
+        parts: list[dict] = []
+        for j, part in enumerate(msg.content):
+            param = f"messages[{i}].content[{j}]"
+            match part:
+                case schema.TextPart(text=text):
+                    parts.append({"type": "text", "text": text})
+                case schema.ImagePart(image_url=image_url):
+                    if msg.role != "user":
+                        raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only", param=param)
+                    media.append(self._image(image_url.url, param))
+                    parts.append({"type": "image"})
+                case _:
+                    kind = type(part).__struct_config__.tag
+                    raise RequestFailed(422, f"{param}: model {self._s.served_model_name} does not accept "
+                                             f"{kind} content; it accepts text and image_url parts",
+                                        param=param, code="unsupported_modality")
+        return parts
+
+    def _image(self, url: str, param: str) -> MediaInput:
+        try:
+            if url.startswith("data:"):
+                mime, raw = decode_data_url(url, allowed_mime=IMAGE_MIME_TYPES,
+                                            max_bytes=self._s.max_image_bytes, param=param)
+                return MediaInput("image", param, mime=mime, data=raw)
+            return MediaInput("image", param, url=check_remote_url(url, param=param))
+        except MediaError as exc:
+            raise RequestFailed(exc.status, str(exc), param=param, code=exc.code) from None
+
+    # ------------------------------------------------------------------ completions
+    def completion(self, req: schema.CompletionRequest) -> Prepared:
+        self._check_common(req.model, req.n)
+        ids = self._tokenize(req.prompt)
+        if self._placeholder_id in ids:
+            raise RequestFailed.bad_request(f"prompt may not contain the reserved token {self._placeholder}",
+                                            param="prompt")
+        return Prepared(ids, [], self._sampling(req, req.max_tokens), req.stream,
+                        bool(req.stream_options and req.stream_options.include_usage))
+
+    # ------------------------------------------------------------------ shared checks
+    def _check_common(self, model: str, n: int | None) -> None:
+        if model != self._s.served_model_name:
+            raise RequestFailed(404, f"model {model!r} does not exist; this server serves "
+                                     f"{self._s.served_model_name!r}", param="model", code="model_not_found")
+        if n not in (None, 1):
+            raise RequestFailed(422, "n > 1 is not supported; send separate requests", param="n",
+                                code="unsupported_parameter")
+
+    def _tokenize(self, text: str) -> list[int]:
+        ids = list(self._tok(text, add_special_tokens=False)["input_ids"])  # as the processor does
+        if len(ids) >= self._max_model_len:
+            raise RequestFailed.bad_request(f"prompt is {len(ids)} tokens; the model's context is "
+                                            f"{self._max_model_len} tokens", param="messages",
+                                            code="context_length_exceeded")
+        return ids
+
+    def _sampling(self, req, max_tokens: int | None) -> protocol.Sampling:
+        temperature = 1.0 if req.temperature is None else req.temperature
+        top_p = 1.0 if req.top_p is None else req.top_p
+        if not 0.0 <= temperature <= 2.0:
+            raise RequestFailed.bad_request("temperature must be between 0 and 2", param="temperature")
+        if not 0.0 < top_p <= 1.0:
+            raise RequestFailed.bad_request("top_p must be in (0, 1]", param="top_p")
+        max_tokens = self._s.default_max_tokens if max_tokens is None else max_tokens
+        if not 1 <= max_tokens <= self._s.max_tokens_limit:
+            raise RequestFailed.bad_request(f"max_tokens must be between 1 and {self._s.max_tokens_limit}",
+                                            param="max_tokens")
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if len(stop) > 4 or any(not s for s in stop):
+            raise RequestFailed.bad_request("stop takes up to 4 non-empty strings", param="stop")
+        return protocol.Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                 seed=req.seed, stop=stop)

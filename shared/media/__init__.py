@@ -1,0 +1,1 @@
+"""Media: sources, fetching and decoding under the media policy."""

@@ -1,0 +1,42 @@
+"""Session fixtures: the tiny model (built once per checkout, cached under .mmfleet/), and a
+real broker + redis-server on free ports for transport and fleet tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import procs
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+CACHE_DIR = procs.REPO / ".mmfleet" / "cache"
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from shared.models.qwen2_vl_tiny import ensure_tiny_qwen2_vl
+
+    return ensure_tiny_qwen2_vl(CACHE_DIR / "models")
+
+
+@pytest.fixture(scope="session")
+def logs_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(logs_dir):
+    with procs.broker(logs_dir) as bootstrap:
+        yield bootstrap
+
+
+@pytest.fixture(scope="session")
+def redis_url(logs_dir):
+    with procs.redis_server(logs_dir) as url:
+        yield url

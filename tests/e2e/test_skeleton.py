@@ -1,0 +1,227 @@
+"""The walking skeleton, end to end: real broker, real Redis, real NIXL, four worker processes
+and the gateway (started by the same ``mmfleet up`` the README uses), driven by the official
+``openai`` client. The reference is the same model's ``generate()`` in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import numpy as np
+import openai
+import pytest
+from aiohttp import web
+from PIL import Image
+
+from shared import protocol
+from shared.keys import STAGE_TOPICS
+from shared.models.reference import reference_generate
+from tests import procs
+
+MAX_TOKENS = 12
+
+
+def png_data_url(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def noise_image(seed: int, size=(96, 80)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def gradient_image(size=(112, 84)) -> Image.Image:
+    x = np.linspace(0, 255, size[0], dtype=np.uint8)
+    arr = np.stack([np.tile(x, (size[1], 1)), np.tile(x[::-1], (size[1], 1)),
+                    np.full((size[1], size[0]), 90, np.uint8)], axis=-1)
+    return Image.fromarray(arr)
+
+
+@pytest.fixture(scope="module")
+def media_server():
+    """A local HTTP server for image URLs (the fleet allowlists 127.0.0.1 for it)."""
+    images = {"/gradient.png": gradient_image(), "/noise7.png": noise_image(7)}
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+
+    async def serve(request: web.Request) -> web.Response:
+        img = images.get(request.path)
+        if img is None:
+            return web.Response(status=404)
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        return web.Response(body=buf.getvalue(), content_type="image/png")
+
+    app.router.add_get("/{name}", serve)
+    runner = web.AppRunner(app)
+    port = procs.free_port()
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    import threading
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}", images
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(kafka_bootstrap, redis_url, model_dir, logs_dir, media_server):
+    env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
+           "MMFLEET_MEDIA_ALLOW_HOSTS": "127.0.0.1", "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024)}
+    with procs.fleet(env, logs_dir) as (base, _proc):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return openai.OpenAI(base_url=fleet + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(client, content, **kw):
+    return client.chat.completions.create(model="mmfleet-demo", messages=[{"role": "user", "content": content}],
+                                          temperature=0, max_tokens=MAX_TOKENS, **kw)
+
+
+def streamed(client, content) -> tuple[str, str | None]:
+    text, finish = [], None
+    for chunk in chat(client, content, stream=True):
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(text), finish
+
+
+def reference_text(model_dir, content_parts, images) -> str:
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": content_parts}]
+    ids = reference_generate(model_dir, messages, images, MAX_TOKENS)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def image_parts(urls: list[str], text: str) -> list[dict]:
+    return [*({"type": "image_url", "image_url": {"url": u}} for u in urls), {"type": "text", "text": text}]
+
+
+def ref_parts(n: int, text: str) -> list[dict]:
+    return [*({"type": "image"} for _ in range(n)), {"type": "text", "text": text}]
+
+
+@pytest.mark.parametrize("n_images", [0, 1, 2])
+def test_stream_whole_and_reference_agree(client, model_dir, n_images):
+    images = [noise_image(1), gradient_image()][:n_images]
+    text = "Describe what you see." if n_images else "Tell me a story about the sea."
+    content = image_parts([png_data_url(i) for i in images], text) if n_images else text
+    whole = chat(client, content)
+    stream_text, stream_finish = streamed(client, content)
+    expected = reference_text(model_dir, ref_parts(n_images, text) if n_images else text, images)
+    assert whole.choices[0].message.content == expected
+    assert stream_text == expected
+    assert whole.choices[0].finish_reason == stream_finish
+    assert whole.usage.completion_tokens >= 1
+    assert whole.usage.prompt_tokens > (n_images * 4)
+
+
+def test_different_image_gives_different_answer(client):
+    a = chat(client, image_parts([png_data_url(noise_image(1))], "What is this?")).choices[0].message.content
+    b = chat(client, image_parts([png_data_url(gradient_image())], "What is this?")).choices[0].message.content
+    assert a != b
+
+
+def test_http_image_url_matches_data_url(client, media_server):
+    base, images = media_server
+    by_url = chat(client, image_parts([base + "/gradient.png"], "What is this?")).choices[0].message.content
+    inline = chat(client, image_parts([png_data_url(images["/gradient.png"])], "What is this?"))
+    assert by_url == inline.choices[0].message.content
+
+
+BAD_IMAGES = {
+    "bad base64": "data:image/png;base64,!!!not-base64!!!",
+    "not an image": "data:image/png;base64," + base64.b64encode(b"hello, I am plain text").decode(),
+    "unsupported mime": "data:text/plain;base64," + base64.b64encode(b"hello").decode(),
+    "gif not accepted": "data:image/gif;base64," + base64.b64encode(b"GIF89a....").decode(),
+    "truncated png": png_data_url(noise_image(3))[:200],
+    "unknown scheme": "ftp://example.com/a.png",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_IMAGES))
+def test_bad_image_is_a_400_and_fleet_keeps_serving(client, case):
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, image_parts([BAD_IMAGES[case]], "What is this?"))
+    body = info.value.body
+    assert body["message"] and body["type"] == "invalid_request_error"
+    assert "messages[0].content[0]" in body["message"]
+    # the same client still gets served
+    assert chat(client, "Still there?").choices[0].message.content is not None
+
+
+def test_bad_image_while_streaming_is_a_400(client):
+    with pytest.raises(openai.BadRequestError):
+        for _ in chat(client, image_parts([BAD_IMAGES["not an image"]], "What is this?"), stream=True):
+            pass
+
+
+def test_models_and_health(client, fleet):
+    import urllib.request
+
+    assert [m.id for m in client.models.list().data] == ["mmfleet-demo"]
+    for path in ("/health", "/ready"):
+        with urllib.request.urlopen(fleet + path, timeout=5) as resp:
+            assert resp.status == 200
+
+
+def test_unknown_model_and_bad_params(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="mmfleet-demo", messages=[{"role": "user", "content": "hi"}],
+                                       temperature=5)
+
+
+def test_no_message_on_any_topic_exceeds_a_few_kib(client, kafka_bootstrap):
+    """After a big image went through, every record on every stage topic is small."""
+    big = noise_image(11, size=(1024, 1024))  # ~3 MiB of PNG
+    chat(client, image_parts([png_data_url(big)], "What is this?"))
+    sizes = asyncio.run(_record_sizes(kafka_bootstrap))
+    assert sum(len(v) for v in sizes.values()) > 0
+    for topic, values in sizes.items():
+        assert max(values, default=0) <= 4096, f"{topic}: a record of {max(values)} bytes"
+    assert sizes["mm.media-fetch"] and sizes["mm.encode"] and sizes["mm.prefill"] and sizes["mm.decode"]
+
+
+async def _record_sizes(bootstrap: str) -> dict[str, list[int]]:
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(*STAGE_TOPICS, bootstrap_servers=bootstrap, group_id=None,
+                                auto_offset_reset="earliest", enable_auto_commit=False, fetch_max_wait_ms=50)
+    await consumer.start()
+    sizes: dict[str, list[int]] = {t: [] for t in STAGE_TOPICS}
+    try:
+        idle = 0
+        while idle < 3:
+            batch = await consumer.getmany(timeout_ms=300)
+            idle = idle + 1 if not batch else 0
+            for tp, records in batch.items():
+                for rec in records:
+                    protocol.decoder_for(_union(tp.topic)).decode(rec.value)  # every record decodes
+                    sizes[tp.topic].append(len(rec.value) + len(rec.key or b""))
+    finally:
+        await consumer.stop()
+    return sizes
+
+
+def _union(topic: str):
+    from shared.keys import STAGES
+
+    return next(u for t, u in STAGES.values() if t == topic)

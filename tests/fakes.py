@@ -1,0 +1,67 @@
+"""In-memory stand-ins for the ports a handler uses (transfer, event sink), for handler tests.
+They keep the contracts the real ones keep (leases, releases, typed events) so the tests can
+assert on them; the real ones are tested against real NIXL and Redis in tests/transport."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from shared import protocol
+from shared.transfer import OwnerGoneError
+
+
+class MemoryTransfer:
+    """Leased tensors in a dict; several instances share ``world`` to act as separate agents."""
+
+    def __init__(self, name: str, world: dict[str, MemoryTransfer] | None = None) -> None:
+        self.name = name
+        self.world = world if world is not None else {}
+        self.world[name] = self
+        self.slots: dict[int, torch.Tensor] = {}
+        self.released: list[int] = []
+        self._ids = itertools.count(1)
+
+    def ref(self) -> protocol.AgentRef:
+        return protocol.AgentRef(self.name, b"meta:" + self.name.encode())
+
+    def put(self, tensor: torch.Tensor) -> protocol.TensorRef:
+        lease = next(self._ids)
+        self.slots[lease] = tensor.detach().clone().contiguous()
+        return protocol.TensorRef(agent=self.name, addr=lease * 4096, nbytes=tensor.numel() * tensor.element_size(),
+                                  device_id=0, lease=lease, dtype=str(tensor.dtype).removeprefix("torch."),
+                                  shape=tuple(tensor.shape))
+
+    async def put_wait(self, tensor: torch.Tensor, timeout_ms: float) -> protocol.TensorRef:
+        return self.put(tensor)
+
+    async def get(self, owner: protocol.AgentRef, ref: protocol.TensorRef) -> torch.Tensor:
+        holder = self.world.get(owner.name)
+        if holder is None or ref.lease not in holder.slots:
+            raise OwnerGoneError(f"{owner.name} does not hold lease {ref.lease}")
+        return holder.slots[ref.lease].clone()
+
+    async def release(self, owner: protocol.AgentRef | str, leases: list[int]) -> None:
+        name = owner if isinstance(owner, str) else owner.name
+        holder = self.world.get(name)
+        if holder is not None:
+            for lease in leases:
+                holder.free_local(lease)
+
+    def free_local(self, lease: int) -> bool:
+        self.released.append(lease)
+        return self.slots.pop(lease, None) is not None
+
+
+class ListSink:
+    """Collects stream events per request."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[protocol.StreamEvent]] = {}
+
+    async def append(self, request_id: str, event: protocol.StreamEvent) -> None:
+        self.events.setdefault(request_id, []).append(event)
+
+    def text(self, request_id: str) -> str:
+        return "".join(e.text for e in self.events[request_id] if isinstance(e, protocol.TokenDelta))

