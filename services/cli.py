@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--mode", default="e-p-d", help="deployment mode (today: e-p-d)")
     up.add_argument("--port", type=int, dest="gateway_port", help="gateway port (default 8000)")
     up.add_argument("--log-dir", type=Path, help="write each child's output to DIR/<name>.log")
+    up.add_argument("--ready-file", type=Path, help="write the gateway URL to FILE once every stage serves")
 
     worker = sub.add_parser("worker", help="run one worker process")
     common(worker)
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from services.supervisor import run_up
 
-        return asyncio.run(run_up(settings, mode=args.mode, log_dir=args.log_dir))
+        return asyncio.run(run_up(settings, mode=args.mode, log_dir=args.log_dir, ready_file=args.ready_file))
     if args.command == "worker":
         from services.worker import run_worker
 

@@ -151,7 +151,35 @@ class Fleet:
         self.services.append(self._child("gateway", cli + ["gateway"], env))
         for child in self.services:
             child.start()
+        await self._wait_workers()
         await self._wait_ready()
+
+    async def _wait_workers(self, timeout_s: float = 180) -> None:
+        """Until every stage group has a live worker holding partitions (its liveness record)."""
+        import redis.asyncio as aioredis
+
+        from shared.keys import RedisKeys
+        from shared.liveness import live_workers
+
+        wanted = {tuple(stages) for stages in MODES[self.mode]}
+        redis = aioredis.from_url(self.settings.redis_url)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            while True:
+                self._check_children()
+                for child in self.services:
+                    if child.proc is not None and child.proc.poll() is not None:
+                        where = f"; see {child.log_path}" if child.log_path else ""
+                        raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during start{where}")
+                live = {w.stages for w in await live_workers(redis, RedisKeys(self.settings.redis_prefix))}
+                if wanted <= live:
+                    return
+                if loop.time() > deadline:
+                    raise RuntimeError(f"workers for {sorted(wanted - live)} not serving after {timeout_s} s")
+                await asyncio.sleep(0.3)
+        finally:
+            await redis.aclose()
 
     def _child(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
         log_path = self.log_dir / f"{name}.log" if self.log_dir else None
@@ -218,7 +246,7 @@ class Fleet:
             child.stop(self.stop_timeout_s)
 
 
-async def run_up(settings: Settings, *, mode: str, log_dir: Path | None) -> int:
+async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_file: Path | None = None) -> int:
     fleet = Fleet(settings, mode=mode, log_dir=log_dir)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -229,6 +257,8 @@ async def run_up(settings: Settings, *, mode: str, log_dir: Path | None) -> int:
         await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if start.done():
             start.result()
+            if ready_file is not None:  # for scripts and tests: the whole fleet serves now
+                ready_file.write_text(f"http://{fleet.settings.gateway_host}:{fleet.settings.gateway_port}\n")
             await fleet.supervise()
         else:
             start.cancel()

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import time
 import uuid
 from contextlib import AsyncExitStack
 
@@ -22,7 +23,9 @@ import torch
 
 from shared.bus import make_producer
 from shared.compute import ComputeLane, MicroBatcher
+from shared import protocol
 from shared.keys import STAGES, RedisKeys
+from shared.liveness import heartbeat
 from shared.models.registry import resolve_model_path
 from shared.runner import StageRunner
 from shared.settings import Settings
@@ -63,10 +66,16 @@ async def run_worker(settings: Settings, stages: list[str]) -> int:
             loop.add_signal_handler(sig, lambda: [r.stop() for r in runners])
         log.info("worker %s running stages %s (model %s)", worker_id, stages, model_dir)
         tasks = [asyncio.create_task(r.run(), name=r.stage) for r in runners]
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        info = protocol.WorkerInfo(worker_id=worker_id, stages=tuple(stages), pid=os.getpid(),
+                                   host=socket.gethostname(), started_unix_ms=int(time.time() * 1000))
+        beat = asyncio.create_task(heartbeat(redis, RedisKeys(settings.redis_prefix), info,
+                                             lambda: all(r.assigned.is_set() for r in runners)))
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for r in runners:  # one runner ending (stop or fatal) ends the process
             r.stop()
         results = await asyncio.gather(*tasks, return_exceptions=True)
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)
     lane.close()
     failed = [r for r in results if isinstance(r, BaseException)]
     for exc in failed:

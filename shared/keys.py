@@ -50,3 +50,7 @@ class RedisKeys:
     def worker(self, worker_id: str) -> str:
         """A worker's liveness record (stage, pid, started), refreshed with a TTL."""
         return f"{self.prefix}:worker:{worker_id}"
+
+    def workers_pattern(self) -> str:
+        """``SCAN MATCH`` pattern over every worker's liveness record."""
+        return f"{self.prefix}:worker:*"

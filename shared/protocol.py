@@ -170,6 +170,16 @@ class DeadLetter(Struct, frozen=True, tag="dead_letter"):
     value: bytes
 
 
+class WorkerInfo(Struct, frozen=True):
+    """A worker's liveness record in Redis (refreshed with a TTL while it holds partitions)."""
+
+    worker_id: str
+    stages: tuple[str, ...]
+    pid: int
+    host: str
+    started_unix_ms: int
+
+
 # ---------------------------------------------------------------- token stream events
 
 

@@ -58,6 +58,7 @@ class StageRunner:
         self._paused = False
         self._commit_wanted = asyncio.Event()
         self.processed = 0  # records finished (any outcome), for stats and tests
+        self.assigned = asyncio.Event()  # set once the group gave this runner partitions
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
@@ -71,6 +72,10 @@ class StageRunner:
                 batch = await self._consumer.getmany(
                     timeout_ms=self._settings.fetch_max_wait_ms + 100, max_records=max(free, 1)
                 )
+                if self._consumer.assignment():
+                    self.assigned.set()
+                else:
+                    self.assigned.clear()
                 for tp, records in batch.items():
                     tracker = self._trackers.setdefault(tp, OffsetTracker())
                     for rec in records:

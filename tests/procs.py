@@ -108,11 +108,13 @@ def fleet(env_overrides: dict[str, str], log_dir: Path, *, mode: str = "e-p-d", 
                 "MMFLEET_GATEWAY_PORT": str(port)})
     env.update(env_overrides)
     with open(log_dir / "supervisor.log", "ab") as log:
+        ready_file = log_dir / f"ready-{port}"
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--mode", mode, "--log-dir",
-                                 str(log_dir)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                 str(log_dir), "--ready-file", str(ready_file)], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base, proc, ready_timeout_s, log_dir)
+        _wait_ready(ready_file, proc, ready_timeout_s, log_dir)
         yield base, proc
     finally:
         kids = children_of(proc.pid)
@@ -126,20 +128,14 @@ def fleet(env_overrides: dict[str, str], log_dir: Path, *, mode: str = "e-p-d", 
         assert not left, f"fleet children still alive after stop: {left}"
 
 
-def _wait_ready(base: str, proc: subprocess.Popen, timeout_s: float, log_dir: Path) -> None:
-    import urllib.error
-    import urllib.request
-
+def _wait_ready(ready_file: Path, proc: subprocess.Popen, timeout_s: float, log_dir: Path) -> None:
+    """Until ``mmfleet up`` says every stage serves (it writes ``ready_file``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"mmfleet up exited with {proc.returncode}; logs in {log_dir}:\n"
                                + (log_dir / "supervisor.log").read_text()[-4000:])
-        try:
-            with urllib.request.urlopen(base + "/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.3)
+        if ready_file.exists():
+            return
+        time.sleep(0.2)
     raise RuntimeError(f"fleet not ready after {timeout_s} s; logs in {log_dir}")
