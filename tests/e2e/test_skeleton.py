@@ -225,3 +225,19 @@ def _union(topic: str):
     from shared.keys import STAGES
 
     return next(u for t, u in STAGES.values() if t == topic)
+
+
+def test_readme_curl_example_works(fleet):
+    """The README's first curl command, as written, against this fleet's port."""
+    import json
+    import re
+    import subprocess
+
+    readme = (procs.REPO / "README.md").read_text()
+    block = re.search(r"```sh\n(curl .*?)\n```", readme, re.S).group(1)
+    command = block.replace("http://127.0.0.1:8000", fleet)
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120, check=True).stdout
+    body = json.loads(out)
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["content"]
+    assert body["usage"]["prompt_tokens"] > 0
