@@ -59,8 +59,11 @@ class Child:
         if self.log_path is not None:
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
             out = self._log_file
+        # A session of its own: Ctrl-C reaches only the supervisor, which stops services
+        # before Redis and the broker (a terminal's SIGINT to the whole group would kill the
+        # broker while workers still drain).
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     preexec_fn=_die_with_parent)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
     def stop(self, timeout_s: float) -> None:
