@@ -61,33 +61,28 @@ class StreamOptions(Struct, frozen=True):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(Struct, frozen=True, kw_only=True):
+class _GenerationParams(Struct, frozen=True, kw_only=True):
+    """Fields chat and text completions share."""
+
     model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_GenerationParams, frozen=True, kw_only=True):
     messages: list[Message]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    user: str | None = None
 
 
-class CompletionRequest(Struct, frozen=True, kw_only=True):
-    model: str
+class CompletionRequest(_GenerationParams, frozen=True, kw_only=True):
     prompt: str
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    user: str | None = None
 
 
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
