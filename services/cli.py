@@ -31,10 +31,14 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--redis-url", help="Redis URL (env REDIS_URL)")
         sp.add_argument("--model-path", help="local model directory; default: the tiny offline demo model")
         sp.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+        sp.add_argument("--engine", choices=["transformers", "vllm"],
+                        help="language-model runtime (env MMFLEET_ENGINE; default transformers)")
 
     up = sub.add_parser("up", help="start the whole fleet and supervise it (Ctrl-C stops it)")
     common(up)
-    up.add_argument("--mode", default="e-p-d", help="deployment mode (today: e-p-d)")
+    up.add_argument("--mode", default="e-p-d", choices=["epd", "e-pd", "e-p-d", "ep-d"],
+                    help="which stages share a worker: epd (one worker), e-pd (encode apart), e-p-d (all "
+                         "apart), ep-d (decode apart)")
     up.add_argument("--port", type=int, dest="gateway_port", help="gateway port (default 8000)")
     up.add_argument("--log-dir", type=Path, help="write each child's output to DIR/<name>.log")
     up.add_argument("--ready-file", type=Path, help="write the gateway URL to FILE once every stage serves")
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{settings_mod.ENV_PREFIX}{name.upper():<28} {getattr(defaults, name)!r}")
         return 0
     overrides = {k: getattr(args, k, None) for k in ("kafka_bootstrap", "redis_url", "model_path", "log_level",
-                                                      "gateway_port")}
+                                                      "gateway_port", "engine")}
     settings = settings_mod.from_env(**overrides)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")

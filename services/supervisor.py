@@ -29,13 +29,11 @@ import aiohttp
 from shared import settings as settings_mod
 from shared.bus import ensure_topics
 from shared.models.registry import resolve_model_path
+from shared.modes import MODES, check_engine
 from shared.settings import Settings
 
 log = logging.getLogger("mmfleet.up")
 
-MODES: dict[str, list[list[str]]] = {
-    "e-p-d": [["media-fetch"], ["encode"], ["prefill"], ["decode"]],
-}
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -127,6 +125,11 @@ class Fleet:
                  stop_timeout_s: float = 15.0) -> None:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; supported: {', '.join(MODES)}")
+        from services.worker import engine_capabilities
+
+        caps = engine_capabilities(settings.engine)
+        for stages in MODES[mode]:  # refuse an unsupported (mode, engine) before starting anything
+            check_engine(stages, settings.engine, caps)
         self.settings = settings
         self.mode = mode
         self.log_dir = log_dir

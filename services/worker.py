@@ -1,10 +1,13 @@
-"""A worker process: builds the handlers of the stages it runs and drives each with the generic
-runner. The set of stages is configuration (``--stages encode,prefill,decode``), not code.
+"""A worker process: builds the handlers of the stages it runs and drives each entry stage with
+the generic runner. The set of stages is configuration (``--stages encode,prefill,decode``),
+see :mod:`shared.modes` for the layouts and what crosses Kafka.
 
-Shared per process: one Kafka producer, one Redis client, one NIXL agent, one compute lane,
-one model instance. SIGTERM/SIGINT stop every runner, which drain within
-``drain_timeout_ms``; a runner that dies of a fatal error stops the process (non-zero exit)
-so its supervisor restarts it.
+Shared per process: one Kafka producer, one Redis client, one NIXL agent, one engine per kind
+(the language-model engine chosen by ``settings.engine``; the transformers vision encoder for
+the encode stage, the same instance when the engine is transformers). The engine is checked
+against the layout before anything is consumed. SIGTERM/SIGINT stop every runner, which
+drain within ``drain_timeout_ms``; a runner that dies of a fatal error stops the process
+(non-zero exit) so its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from contextlib import AsyncExitStack
 import redis.asyncio as aioredis
 import torch
 
-from shared.bus import make_producer
-from shared.compute import ComputeLane, MicroBatcher
 from shared import protocol
+from shared.bus import make_producer
+from shared.engines.base import Engine
 from shared.keys import STAGES, RedisKeys
 from shared.liveness import heartbeat
+from shared.modes import check_engine, entry_stages, normalise
 from shared.models.registry import resolve_model_path
 from shared.runner import StageRunner
 from shared.settings import Settings
@@ -36,14 +40,37 @@ from shared.transfer import TransferAgent
 log = logging.getLogger(__name__)
 
 
-async def run_worker(settings: Settings, stages: list[str]) -> int:
-    unknown = [s for s in stages if s not in STAGES]
-    if unknown or not stages:
-        raise SystemExit(f"unknown stage(s) {unknown or stages}; choose from {', '.join(STAGES)}")
+def make_engine(name: str, settings: Settings, model_dir) -> Engine:
+    if name == "transformers":
+        from shared.engines.transformers_engine import TransformersEngine
+
+        return TransformersEngine(model_dir, encode_max_batch_items=settings.encode_max_batch_items,
+                                  encode_batch_wait_ms=settings.encode_batch_wait_ms)
+    if name == "vllm":
+        from shared.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(model_dir)
+    raise SystemExit(f"unknown engine {name!r}; choose transformers or vllm")
+
+
+def engine_capabilities(name: str):
+    """Capabilities without starting the engine (for start-up checks)."""
+    if name == "transformers":
+        from shared.engines.transformers_engine import TransformersEngine
+
+        return TransformersEngine.capabilities
+    from shared.engines.vllm_engine import VllmEngine
+
+    return VllmEngine.capabilities
+
+
+async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
+    stages = normalise(stages_arg)
+    if {"prefill", "decode"} & set(stages):
+        check_engine(stages, settings.engine, engine_capabilities(settings.engine))
     torch.set_num_threads(settings.torch_threads)
     worker_id = f"{'+'.join(stages)}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     model_dir = resolve_model_path(settings)
-    lane = ComputeLane(worker_id)
     async with AsyncExitStack() as stack:
         redis = aioredis.from_url(settings.redis_url)
         stack.push_async_callback(redis.aclose)
@@ -54,19 +81,23 @@ async def run_worker(settings: Settings, stages: list[str]) -> int:
         await stack.enter_async_context(transfer)
         streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
                                ttl_s=settings.stream_ttl_s)
+        handlers = await _build_handlers(stages, settings, model_dir, stack)
+        contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer) for s in stages}
+        local = {STAGES[s][0]: (h, contexts[s]) for s, h in handlers.items()}
         runners = []
-        for stage in stages:
-            handler, concurrency = await _build_handler(stage, settings, model_dir, lane, stack)
+        for stage in entry_stages(stages):
             topic, union = STAGES[stage]
-            ctx = Context(stage=stage, worker_id=worker_id, events=streams, transfer=transfer)
-            runners.append(StageRunner(stage=stage, topic=topic, union=union, handler=handler, ctx=ctx,
-                                       producer=producer, settings=settings, concurrency=concurrency))
+            concurrency = settings.decode_concurrency if stage in ("decode", "prefill") and "decode" in stages \
+                else None
+            runners.append(StageRunner(stage=stage, topic=topic, union=union, handler=handlers[stage],
+                                       ctx=contexts[stage], producer=producer, settings=settings,
+                                       concurrency=concurrency, local_routes=local))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: [r.stop() for r in runners])
-        log.info("worker %s running stages %s (model %s)", worker_id, stages, model_dir)
+        log.info("worker %s running stages %s (engine %s, model %s)", worker_id, stages, settings.engine, model_dir)
         tasks = [asyncio.create_task(r.run(), name=r.stage) for r in runners]
-        info = protocol.WorkerInfo(worker_id=worker_id, stages=tuple(stages), pid=os.getpid(),
+        info = protocol.WorkerInfo(worker_id=worker_id, stages=stages, pid=os.getpid(),
                                    host=socket.gethostname(), started_unix_ms=int(time.time() * 1000))
         beat = asyncio.create_task(heartbeat(redis, RedisKeys(settings.redis_prefix), info,
                                              lambda: all(r.assigned.is_set() for r in runners)))
@@ -76,57 +107,51 @@ async def run_worker(settings: Settings, stages: list[str]) -> int:
         results = await asyncio.gather(*tasks, return_exceptions=True)
         beat.cancel()
         await asyncio.gather(beat, return_exceptions=True)
-    lane.close()
     failed = [r for r in results if isinstance(r, BaseException)]
     for exc in failed:
         log.error("runner failed: %r", exc)
     return 1 if failed else 0
 
 
-_compute_cache: dict[str, object] = {}
+async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir, stack: AsyncExitStack) -> dict:
+    engines: dict[str, Engine] = {}
 
+    async def engine(name: str) -> Engine:
+        if name not in engines:
+            eng = make_engine(name, settings, model_dir)
+            await eng.start()
+            stack.push_async_callback(eng.stop)
+            engines[name] = eng
+        return engines[name]
 
-def _compute(model_dir) -> object:
-    """One model instance per process, shared by every stage it runs."""
-    key = str(model_dir)
-    if key not in _compute_cache:
-        from shared.engines.qwen2_vl import Qwen2VLCompute
-
-        _compute_cache[key] = Qwen2VLCompute(model_dir)
-    return _compute_cache[key]
-
-
-async def _build_handler(stage: str, settings: Settings, model_dir, lane: ComputeLane, stack: AsyncExitStack):
-    if stage == "media-fetch":
+    handlers: dict = {}
+    if "media-fetch" in stages:
         from services.media_fetch.handler import MediaFetchHandler
+        from shared.compute import ComputeLane
         from shared.engines.qwen2_vl import ImagePreprocessor
         from shared.media.fetch import MediaFetcher
 
         fetcher = await stack.enter_async_context(
             MediaFetcher(allow_hosts=settings.media_allow_hosts, timeout_ms=settings.media_fetch_timeout_ms))
-        return MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane), None
-    if stage == "encode":
+        lane = ComputeLane("media")
+        stack.callback(lane.close)
+        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane)
+    if "encode" in stages:
         from services.encode.handler import EncodeHandler
 
-        from shared.engines.qwen2_vl import ImagePixels
+        handlers["encode"] = EncodeHandler(await engine("transformers"))  # the vision encoder
+    if "prefill" in stages:
+        lm = await engine(settings.engine)
+        if "decode" in stages:
+            from services.decode.handler import GenerateHandler
 
-        compute = _compute(model_dir)
+            handlers["prefill"] = GenerateHandler(lm)
+        else:
+            from services.prefill.handler import PrefillHandler
 
-        def encode_batch(items):
-            return compute.encode_images([ImagePixels(px, grid, n) for px, grid, n in items])
-
-        batcher = MicroBatcher(encode_batch, lane, max_items=settings.encode_max_batch_items,
-                               max_wait_ms=settings.encode_batch_wait_ms)
-        await batcher.start()
-        stack.push_async_callback(batcher.stop)
-        return EncodeHandler(batcher), None
-    if stage == "prefill":
-        from services.prefill.handler import PrefillHandler
-
-        compute = _compute(model_dir)
-        return PrefillHandler(compute, lane, max_model_len=compute.max_model_len), None
-    if stage == "decode":
+            handlers["prefill"] = PrefillHandler(lm)
+    if "decode" in stages and "prefill" not in stages:
         from services.decode.handler import DecodeHandler
 
-        return DecodeHandler(_compute(model_dir), lane), settings.decode_concurrency
-    raise AssertionError(stage)
+        handlers["decode"] = DecodeHandler(await engine(settings.engine))
+    return handlers

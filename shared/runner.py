@@ -11,6 +11,10 @@ Contract (every stage gets the same semantics):
   writes a 504 terminal event and commits.
 - Faults. An unexpected exception is retried in place up to ``max_attempts`` (with backoff);
   then the record goes to ``mm.dead-letter`` with the error and the client gets a 500 event.
+- Local hand-over. Outputs addressed to a topic in ``local_routes`` (a stage this process also
+  runs) are handled right here by that stage's handler, recursively, instead of going through
+  Kafka; the record is committed once the whole local chain's external outputs are acked, and
+  a fault anywhere in the chain retries the chain.
 - Shutdown. ``stop()`` (SIGTERM) stops fetching, waits up to ``drain_timeout_ms`` for in-flight
   work, commits what finished and cancels the rest, which is therefore redelivered.
 """
@@ -42,12 +46,14 @@ class StageRunner:
     """Drives one handler from one topic. The producer and context are shared per process."""
 
     def __init__(self, *, stage: str, topic: str, union: object, handler: Handler, ctx: Context,
-                 producer, settings: Settings, concurrency: int | None = None) -> None:
+                 producer, settings: Settings, concurrency: int | None = None,
+                 local_routes: dict[str, tuple[Handler, Context]] | None = None) -> None:
         self.stage = stage
         self.topic = topic
         self._decoder = protocol.decoder_for(union)
         self._handler = handler
         self._ctx = ctx
+        self._local = local_routes or {}
         self._producer = producer
         self._settings = settings
         self._concurrency = concurrency or settings.stage_concurrency
@@ -140,7 +146,7 @@ class StageRunner:
                 await self._fail(meta, RequestFailed.deadline(meta.request_id, self.stage))
                 return
             try:
-                outcome = await self._handler.handle(msg, self._ctx)
+                outcome = await self._follow_local(await self._handler.handle(msg, self._ctx))
             except RequestFailed as failed:
                 await self._fail(meta, failed)
                 return
@@ -158,6 +164,22 @@ class StageRunner:
                 continue
             await self._deliver(outcome)
             return
+
+    async def _follow_local(self, outcome: Outcome) -> Outcome:
+        """Run local stages on outputs addressed to them; what remains goes to Kafka."""
+        if not self._local:
+            return outcome
+        produce, releases = [], list(outcome.releases)
+        for p in outcome.produce:
+            route = self._local.get(p.topic)
+            if route is None:
+                produce.append(p)
+                continue
+            handler, ctx = route
+            sub = await self._follow_local(await handler.handle(p.value, ctx))
+            produce.extend(sub.produce)
+            releases.extend(sub.releases)
+        return Outcome(produce, releases)
 
     async def _deliver(self, outcome: Outcome) -> None:
         sends = [

@@ -55,6 +55,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     lease_ttl_ms: int = 120_000
 
     # --- compute
+    engine: str = "transformers"  # language-model runtime: transformers | vllm
     torch_threads: int = 1
     encode_max_batch_items: int = 16
     encode_batch_wait_ms: int = 2

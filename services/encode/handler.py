@@ -2,8 +2,8 @@
 embeddings in this worker's pool and send their descriptors on to prefill.
 
 In: ``EncodeRequest``. Out: ``PrefillRequest`` on ``mm.prefill``; releases media-fetch's pixel
-slots once produced. Items of concurrent messages meet in the ``MicroBatcher`` and go through
-ONE encoder forward.
+slots once produced. Items of concurrent messages meet in the engine and go through
+ONE encoder forward (the engine's micro-batcher).
 """
 
 from __future__ import annotations
@@ -11,20 +11,19 @@ from __future__ import annotations
 import asyncio
 
 from shared import protocol
-from shared.compute import MicroBatcher
+from shared.engines.base import Engine
 from shared.keys import TOPIC_PREFILL
 from shared.stage import Context, Outcome, Produce
 
 
 class EncodeHandler:
-    def __init__(self, batcher: MicroBatcher) -> None:
-        # batcher items: (pixel_values, grid_thw, n_tokens) -> embeddings [n_tokens, hidden]
-        self._batcher = batcher
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine  # concurrent encode() calls are batched by the engine
 
     async def handle(self, msg: protocol.EncodeRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
         pixels = await asyncio.gather(*(ctx.transfer.get(msg.owner, it.pixels) for it in msg.items))
-        embeds = await asyncio.gather(*(self._batcher.submit((px, it.grid_thw, it.n_tokens))
+        embeds = await asyncio.gather(*(self._engine.encode(px, it.grid_thw, it.n_tokens)
                                         for px, it in zip(pixels, msg.items, strict=True)))
         out_items = []
         try:

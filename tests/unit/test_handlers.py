@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from services.decode.handler import DecodeHandler
+from services.decode.handler import DecodeHandler, GenerateHandler
 from services.encode.handler import EncodeHandler
 from services.media_fetch.handler import MediaFetchHandler
 from services.prefill.handler import PrefillHandler
 from shared import protocol
-from shared.compute import ComputeLane, MicroBatcher
-from shared.engines.qwen2_vl import ImagePixels, ImagePreprocessor, Qwen2VLCompute
+from shared.compute import ComputeLane
+from shared.engines.qwen2_vl import ImagePreprocessor
+from shared.engines.transformers_engine import TransformersEngine
 from shared.keys import TOPIC_DECODE, TOPIC_ENCODE, TOPIC_PREFILL
 from shared.media.fetch import MediaFetcher
 from shared.models.reference import reference_generate
@@ -34,13 +35,22 @@ def _png(seed: int, size=(80, 64)) -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="module")
-def compute(model_dir):
-    return Qwen2VLCompute(model_dir)
+@pytest.fixture
+async def engine(model_dir):
+    eng = TransformersEngine(model_dir, encode_max_batch_items=8, encode_batch_wait_ms=20)
+    await eng.start()
+    yield eng
+    await eng.stop()
 
 
 @pytest.fixture
-async def pipeline(model_dir, compute):
+def compute(engine):
+    return engine.compute
+
+
+@pytest.fixture(params=["split", "merged"])
+async def pipeline(request, model_dir, engine):
+    """"split": prefill and decode apart (KV through the pool); "merged": one generate()."""
     settings = Settings()
     lane = ComputeLane("test")
     world: dict = {}
@@ -49,21 +59,18 @@ async def pipeline(model_dir, compute):
     def ctx(name: str) -> Context:
         return Context(stage=name, worker_id=name, events=sink, transfer=MemoryTransfer(name, world))
 
-    batcher = MicroBatcher(lambda items: compute.encode_images([ImagePixels(*it) for it in items]), lane,
-                           max_items=8, max_wait_ms=20)
-    await batcher.start()
+    prefill = PrefillHandler(engine) if request.param == "split" else GenerateHandler(engine)
     async with MediaFetcher(allow_hosts=(), timeout_ms=2000) as fetcher:
         yield {
-            "settings": settings, "sink": sink, "batcher": batcher, "gateway": ctx("gateway"),
+            "settings": settings, "sink": sink, "engine": engine, "gateway": ctx("gateway"),
             "stages": {
                 "media-fetch": (MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane),
                                 ctx("media-fetch")),
-                "encode": (EncodeHandler(batcher), ctx("encode")),
-                "prefill": (PrefillHandler(compute, lane, max_model_len=compute.max_model_len), ctx("prefill")),
-                "decode": (DecodeHandler(compute, lane), ctx("decode")),
+                "encode": (EncodeHandler(engine), ctx("encode")),
+                "prefill": (prefill, ctx("prefill")),
+                "decode": (DecodeHandler(engine), ctx("decode")),
             },
         }
-    await batcher.stop()
     lane.close()
 
 
@@ -133,8 +140,9 @@ async def test_concurrent_requests_share_one_encoder_forward(pipeline, compute):
                                        items=_inline(pipeline, [_png(10 + i)]),
                                        owner=pipeline["gateway"].transfer.ref()) for i in range(4)]
     await asyncio.gather(*(_run(pipeline, r) for r in reqs))
-    assert pipeline["batcher"].items == 4
-    assert pipeline["batcher"].batches < 4  # items of different messages met in one forward
+    batches, items = pipeline["engine"].encode_stats
+    assert items == 4
+    assert batches < 4  # items of different messages met in one forward
 
 
 @pytest.mark.parametrize("payload", [b"not an image at all", _png(5)[:100]])

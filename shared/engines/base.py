@@ -1,0 +1,84 @@
+"""The engine contract: what a stage needs from a model runtime, stated once.
+
+Lifecycle: ``await start()`` once → any number of concurrent calls below → ``await
+abort(request_id)`` at any time for a request in flight → ``await stop()`` once (idempotent:
+a signal handler and a ``finally`` may both call it). Every call is async; blocking work runs
+off the event loop inside the engine.
+
+Capabilities decide which stage layouts an engine can serve (checked at worker start-up, so an
+unsupported mode fails loudly before taking traffic, never mid-request):
+- ``encode``: images → embeddings (the encode stage).
+- ``generate``: prompt (+ embeddings) → tokens, prefill and decode in one place (PD and EPD).
+- ``kv_export`` / ``kv_import``: prefill here, decode elsewhere (E/P/D, EP/D): ``prefill``
+  returns the packed KV cache, ``decode`` continues from one.
+
+Token streams are ``AsyncIterator[int]``; the consumer stops early (stop string, client gone)
+by closing the iterator (``aclose``), which must free the request's engine state.
+Greedy tokens (temperature 0) of every engine must equal ``transformers`` ``generate()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from shared import protocol
+
+# (embeddings [n_tokens, hidden] float32, grid_thw) of one image, in prompt order
+ImageEmbeds = tuple[torch.Tensor, tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    encode: bool
+    generate: bool
+    kv_export: bool
+    kv_import: bool
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    """``kv``: packed float32 ``[layers, 2, kv_heads, prompt_len, head_dim]``."""
+
+    first_token: int
+    kv: torch.Tensor
+    rope_delta: int
+    prompt_len: int
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve this request (e.g. prompt too long for its cache)."""
+
+
+class Engine(Protocol):
+    name: str
+    capabilities: Capabilities
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    tokenizer: object
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def encode(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int], n_tokens: int) -> torch.Tensor:
+        """One image's embeddings; concurrent calls are batched into one forward."""
+        ...
+
+    def generate(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+                 sampling: protocol.Sampling) -> AsyncIterator[int]:
+        """Prefill + decode; yields completion tokens (eos included when produced)."""
+        ...
+
+    async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+                      sampling: protocol.Sampling) -> PrefillOutput: ...
+
+    def decode(self, request_id: str, kv: torch.Tensor, rope_delta: int, prompt_len: int, first_token: int,
+               sampling: protocol.Sampling) -> AsyncIterator[int]:
+        """Continue after ``first_token`` (not yielded again); yields the following tokens."""
+        ...

@@ -1,0 +1,118 @@
+"""The transformers engine: the CPU reference, every capability (encode, generate, KV export
+and import), on the split compute path of :mod:`shared.engines.qwen2_vl`.
+
+All model work runs on one ``ComputeLane`` thread (torch releases the GIL in kernels, so the
+event loop keeps serving Kafka, Redis and NIXL). Encoder calls from concurrent requests meet in
+a ``MicroBatcher`` and run as one forward. Token loops check for an abort between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+
+from shared import protocol
+from shared.compute import ComputeLane, MicroBatcher
+from shared.engines.base import Capabilities, ImageEmbeds, PrefillOutput
+from shared.engines.sampling import sample_at
+
+
+class TransformersEngine:
+    name = "transformers"
+    capabilities = Capabilities(encode=True, generate=True, kv_export=True, kv_import=True)
+
+    def __init__(self, model_dir: str | Path, *, encode_max_batch_items: int = 16,
+                 encode_batch_wait_ms: float = 2.0) -> None:
+        self._model_dir = Path(model_dir)
+        self._batch_items = encode_max_batch_items
+        self._batch_wait_ms = encode_batch_wait_ms
+        self._lane: ComputeLane | None = None
+        self._batcher: MicroBatcher | None = None
+        self._aborted: set[str] = set()
+        self.compute = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self.compute is not None:
+            return
+        from shared.engines.qwen2_vl import ImagePixels, Qwen2VLCompute
+
+        self._lane = ComputeLane(f"transformers-{self._model_dir.name}")
+        self.compute = await self._lane.run(Qwen2VLCompute, self._model_dir)
+        compute = self.compute
+
+        def encode_batch(items):
+            return compute.encode_images([ImagePixels(px, grid, n) for px, grid, n in items])
+
+        self._batcher = MicroBatcher(encode_batch, self._lane, max_items=self._batch_items,
+                                     max_wait_ms=self._batch_wait_ms)
+        await self._batcher.start()
+
+    async def stop(self) -> None:
+        if self._batcher is not None:
+            await self._batcher.stop()
+            self._batcher = None
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
+
+    async def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    # ------------------------------------------------------------------ model facts
+    @property
+    def tokenizer(self):
+        return self.compute.tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.compute.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.compute.max_model_len
+
+    @property
+    def encode_stats(self) -> tuple[int, int]:
+        """(forwards run, items encoded) — how well requests were batched."""
+        return (self._batcher.batches, self._batcher.items) if self._batcher else (0, 0)
+
+    # ------------------------------------------------------------------ work
+    async def encode(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int], n_tokens: int) -> torch.Tensor:
+        return await self._batcher.submit((pixels, grid_thw, n_tokens))
+
+    async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+                      sampling: protocol.Sampling) -> PrefillOutput:
+        result = await self._lane.run(self.compute.prefill, prompt_ids, images)
+        first = sample_at(result.last_logits, sampling, step=0)
+        return PrefillOutput(first_token=first, kv=result.kv, rope_delta=result.rope_delta,
+                             prompt_len=result.prompt_len)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+                       sampling: protocol.Sampling) -> AsyncIterator[int]:
+        out = await self.prefill(request_id, prompt_ids, images, sampling)
+        yield out.first_token
+        async for token in self.decode(request_id, out.kv, out.rope_delta, out.prompt_len, out.first_token,
+                                       sampling):
+            yield token
+
+    async def decode(self, request_id: str, kv: torch.Tensor, rope_delta: int, prompt_len: int, first_token: int,
+                     sampling: protocol.Sampling) -> AsyncIterator[int]:
+        """Yields tokens 2.. of the completion until eos (yielded) or ``max_tokens``."""
+        if first_token in self.eos_token_ids or sampling.max_tokens <= 1:
+            return
+        self._aborted.discard(request_id)
+        state = await self._lane.run(self.compute.start_decode, kv, rope_delta, prompt_len)
+        token, generated = first_token, 1
+        try:
+            while generated < sampling.max_tokens and request_id not in self._aborted:
+                logits = await self._lane.run(self.compute.decode_step, state, token)
+                token = sample_at(logits, sampling, step=generated)
+                generated += 1
+                yield token
+                if token in self.eos_token_ids:
+                    return
+        finally:
+            self._aborted.discard(request_id)

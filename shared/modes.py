@@ -1,0 +1,79 @@
+"""Deployment modes are configuration: which stages run together in one worker process.
+
+- ``epd``   one worker does everything (media-fetch, encode, prefill, decode);
+- ``e-pd``  media-fetch + encode apart; prefill + decode together;
+- ``e-p-d`` every stage its own worker;
+- ``ep-d``  media-fetch + encode + prefill together; decode apart (models whose engine takes no
+  embedding input).
+
+Inside one worker, a stage's output addressed to another local stage is handed over in memory
+(the runner calls the next handler; tensors stay in the process's own pool, read without NIXL)
+instead of going through Kafka. A worker consumes only the topics where work enters its chain:
+``mm.encode`` only if media-fetch runs elsewhere, ``mm.decode`` only if prefill runs elsewhere
+(``mm.prefill`` always: text-only requests enter there from the gateway).
+
+Engines: the encode stage always uses the transformers vision encoder; ``--engine`` chooses the
+language-model runtime. Prefill apart from decode needs KV export, decode apart needs KV
+import, prefill with decode needs generate; an engine lacking what a layout needs is refused
+at start-up with :class:`UnsupportedLayout`.
+"""
+
+from __future__ import annotations
+
+from shared.engines.base import Capabilities
+
+STAGE_ORDER = ("media-fetch", "encode", "prefill", "decode")
+
+MODES: dict[str, list[tuple[str, ...]]] = {
+    "epd": [("media-fetch", "encode", "prefill", "decode")],
+    "e-pd": [("media-fetch", "encode"), ("prefill", "decode")],
+    "e-p-d": [("media-fetch",), ("encode",), ("prefill",), ("decode",)],
+    "ep-d": [("media-fetch", "encode", "prefill"), ("decode",)],
+}
+
+ENGINES = ("transformers", "vllm")
+
+# the stage whose output is a stage's only input (prefill has two: encode and the gateway)
+_ONLY_UPSTREAM = {"encode": "media-fetch", "decode": "prefill"}
+
+
+class UnsupportedLayout(SystemExit):
+    """A stage layout the chosen engine cannot serve; raised before any traffic is taken."""
+
+
+def normalise(stages: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    unknown = [s for s in stages if s not in STAGE_ORDER]
+    if unknown or not stages:
+        raise UnsupportedLayout(f"unknown stage(s) {unknown or list(stages)}; choose from {', '.join(STAGE_ORDER)}")
+    return tuple(s for s in STAGE_ORDER if s in stages)
+
+
+def entry_stages(stages: tuple[str, ...]) -> tuple[str, ...]:
+    """Stages whose topic this worker consumes."""
+    return tuple(s for s in stages if _ONLY_UPSTREAM.get(s) not in stages)
+
+
+def _missing(stages: tuple[str, ...], caps: Capabilities) -> tuple[str, str] | None:
+    """(capability, what it is for) the layout needs and the engine lacks, or None."""
+    if "prefill" in stages and "decode" in stages:
+        need = ("generate", caps.generate, "prefill and decode together")
+    elif "prefill" in stages:
+        need = ("kv_export", caps.kv_export, "prefill apart from decode")
+    elif "decode" in stages:
+        need = ("kv_import", caps.kv_import, "decode apart from prefill")
+    else:
+        return None
+    return None if need[1] else (need[0], need[2])
+
+
+def supported_modes(caps: Capabilities) -> list[str]:
+    return [m for m, layout in MODES.items() if all(_missing(stages, caps) is None for stages in layout)]
+
+
+def check_engine(stages: tuple[str, ...], engine: str, caps: Capabilities) -> None:
+    missing = _missing(stages, caps)
+    if missing is not None:
+        cap, what = missing
+        raise UnsupportedLayout(
+            f"engine {engine!r} cannot run {what}: it has no {cap} capability on this build (its KV "
+            f"transfer does not move data here); modes it supports: {', '.join(supported_modes(caps))}")
