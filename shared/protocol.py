@@ -32,6 +32,18 @@ class Sampling(Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
 
 
+class StageSpan(Struct, frozen=True):
+    """Where one stage spent a request's time (ms). ``queue_ms``: from the upstream produce to
+    this stage picking the record up (0 for an in-process hand-over); ``transfer_ms``: NIXL
+    pulls/puts and media fetches; ``total_ms``: handler start to end; the rest is compute."""
+
+    stage: str
+    worker: str
+    queue_ms: float
+    transfer_ms: float
+    total_ms: float
+
+
 class RequestMeta(Struct, frozen=True, kw_only=True):
     """What every stage needs to know about a request besides its payload.
 
@@ -47,6 +59,7 @@ class RequestMeta(Struct, frozen=True, kw_only=True):
     prompt_token_ids: tuple[int, ...]
     sampling: Sampling = Sampling()
     attempt: int = 0
+    spans: tuple[StageSpan, ...] = ()  # one per stage passed so far
 
 
 class AgentRef(Struct, frozen=True):
@@ -197,10 +210,12 @@ class TokenDelta(Struct, frozen=True, tag="delta", tag_field="event"):
 
 
 class Finish(Struct, frozen=True, tag="finish", tag_field="event"):
-    """Terminal success. ``reason``: "stop" (eos or stop string) or "length"."""
+    """Terminal success. ``reason``: "stop" (eos or stop string) or "length". ``spans``: the
+    request's path through the stages, for latency breakdowns."""
 
     reason: str
     usage: Usage
+    spans: tuple[StageSpan, ...] = ()
 
 
 class ErrorEvent(Struct, frozen=True, tag="error", tag_field="event"):

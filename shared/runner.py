@@ -29,11 +29,11 @@ import msgspec
 from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
-from shared import protocol
+from shared import protocol, tracing
 from shared.bus import OffsetTracker, make_consumer
 from shared.keys import TOPIC_DEAD_LETTER, consumer_group
 from shared.settings import Settings
-from shared.stage import Context, Handler, Outcome, RequestFailed
+from shared.stage import Context, Handler, Outcome, Produce, RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ class StageRunner:
             await self._dead_letter(tp, rec, f"undecodable record: {exc}", attempts=1)
             return
         meta: protocol.RequestMeta = msg.meta
+        queue_ms = now_ms() - rec.timestamp  # producer CreateTime → picked up here
         attempts = 0
         while True:
             attempts += 1
@@ -146,7 +147,7 @@ class StageRunner:
                 await self._fail(meta, RequestFailed.deadline(meta.request_id, self.stage))
                 return
             try:
-                outcome = await self._follow_local(await self._handler.handle(msg, self._ctx))
+                outcome = await self._run_stage(self._handler, msg, self._ctx, queue_ms)
             except RequestFailed as failed:
                 await self._fail(meta, failed)
                 return
@@ -165,18 +166,20 @@ class StageRunner:
             await self._deliver(outcome)
             return
 
-    async def _follow_local(self, outcome: Outcome) -> Outcome:
-        """Run local stages on outputs addressed to them; what remains goes to Kafka."""
-        if not self._local:
-            return outcome
+    async def _run_stage(self, handler: Handler, msg, ctx: Context, queue_ms: float) -> Outcome:
+        """One handler call under its stage span; its outputs carry the span; outputs for
+        local stages are handled here too (queue 0), and only the rest goes to Kafka."""
+        with tracing.stage_span(ctx.stage, ctx.worker_id, queue_ms) as timer:
+            outcome = await handler.handle(msg, ctx)
+            span = timer.span()
         produce, releases = [], list(outcome.releases)
         for p in outcome.produce:
+            value = tracing.stamp(p.value, span)
             route = self._local.get(p.topic)
             if route is None:
-                produce.append(p)
+                produce.append(Produce(p.topic, p.key, value))
                 continue
-            handler, ctx = route
-            sub = await self._follow_local(await handler.handle(p.value, ctx))
+            sub = await self._run_stage(route[0], value, route[1], 0.0)
             produce.extend(sub.produce)
             releases.extend(sub.releases)
         return Outcome(produce, releases)

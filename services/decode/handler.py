@@ -14,6 +14,7 @@ from services.prefill.handler import check_context, embedding_releases, pull_ima
 from shared import protocol
 from shared.engines.base import Engine
 from shared.stage import Context, Outcome
+from shared.tracing import timed_transfer
 
 
 class DecodeHandler:
@@ -23,7 +24,8 @@ class DecodeHandler:
     async def handle(self, msg: protocol.DecodeRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
         meta = msg.meta
-        kv = await ctx.transfer.get(msg.owner, msg.kv)
+        with timed_transfer():
+            kv = await ctx.transfer.get(msg.owner, msg.kv)
         tokens = self._engine.decode(meta.request_id, kv, msg.rope_delta, msg.prompt_len, msg.first_token,
                                      meta.sampling)
         del kv

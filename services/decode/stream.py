@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from shared import protocol
 from shared.engines.detok import IncrementalDetokenizer, StopChecker
 from shared.stage import EventSink
+from shared.tracing import path_so_far
 
 
 async def stream_completion(events: EventSink, meta: protocol.RequestMeta, tokens: AsyncIterator[int], *,
@@ -59,4 +60,4 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
         if tail:
             await _send(generated, (), tail)
     usage = protocol.Usage(prompt_tokens=prompt_len, completion_tokens=generated)
-    await events.append(meta.request_id, protocol.Finish(reason=reason, usage=usage))
+    await events.append(meta.request_id, protocol.Finish(reason=reason, usage=usage, spans=path_so_far(meta)))

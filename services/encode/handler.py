@@ -13,6 +13,7 @@ import asyncio
 from shared import protocol
 from shared.engines.base import Engine
 from shared.keys import TOPIC_PREFILL
+from shared.tracing import timed_transfer
 from shared.stage import Context, Outcome, Produce
 
 
@@ -22,7 +23,8 @@ class EncodeHandler:
 
     async def handle(self, msg: protocol.EncodeRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
-        pixels = await asyncio.gather(*(ctx.transfer.get(msg.owner, it.pixels) for it in msg.items))
+        with timed_transfer():
+            pixels = await asyncio.gather(*(ctx.transfer.get(msg.owner, it.pixels) for it in msg.items))
         embeds = await asyncio.gather(*(self._engine.encode(px, it.grid_thw, it.n_tokens)
                                         for px, it in zip(pixels, msg.items, strict=True)))
         out_items = []
@@ -30,7 +32,8 @@ class EncodeHandler:
             for it, emb in zip(msg.items, embeds, strict=True):
                 if emb.shape[0] != it.n_tokens:
                     raise RuntimeError(f"encoder gave {emb.shape[0]} rows for {it.n_tokens} tokens")
-                ref = await ctx.transfer.put_wait(emb, timeout_ms=5_000)
+                with timed_transfer():
+                    ref = await ctx.transfer.put_wait(emb, timeout_ms=5_000)
                 out_items.append(protocol.EmbeddingItem(index=it.index, mm_hash=it.mm_hash, grid_thw=it.grid_thw,
                                                         n_tokens=it.n_tokens, embeds=ref))
         except BaseException:

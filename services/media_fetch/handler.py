@@ -15,6 +15,7 @@ from collections.abc import Callable
 import blake3
 
 from shared import protocol
+from shared.tracing import timed_transfer
 from shared.compute import ComputeLane
 from shared.keys import TOPIC_ENCODE
 from shared.media.fetch import MediaFetcher
@@ -41,10 +42,12 @@ class MediaFetchHandler:
         items: list[protocol.PixelItem] = []
         try:
             for index, src in enumerate(msg.items):
-                raw = await self._load(src, msg.owner, ctx)
+                with timed_transfer():
+                    raw = await self._load(src, msg.owner, ctx)
                 mm_hash = blake3.blake3(raw).hexdigest()
                 px = await self._lane.run(self._decode, raw, src.param)
-                ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000)
+                with timed_transfer():
+                    ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000)
                 items.append(protocol.PixelItem(index=index, mm_hash=mm_hash, grid_thw=px.grid_thw,
                                                 n_tokens=px.n_tokens, pixels=ref))
         except BaseException as exc:

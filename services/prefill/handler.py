@@ -14,6 +14,7 @@ from shared import protocol
 from shared.engines.base import Engine, ImageEmbeds
 from shared.keys import TOPIC_DECODE
 from shared.stage import Context, Outcome, Produce, RequestFailed
+from shared.tracing import timed_transfer
 
 
 def expanded_prompt_len(msg: protocol.PrefillRequest) -> int:
@@ -34,7 +35,8 @@ async def pull_images(msg: protocol.PrefillRequest, ctx: Context) -> list[ImageE
     """The request's embeddings in prompt order, pulled from their owners."""
     owners = {o.name: o for o in msg.owners}
     items = sorted(msg.items, key=lambda it: it.index)
-    embeds = await asyncio.gather(*(ctx.transfer.get(owners[it.embeds.agent], it.embeds) for it in items))
+    with timed_transfer():
+        embeds = await asyncio.gather(*(ctx.transfer.get(owners[it.embeds.agent], it.embeds) for it in items))
     return [(emb, it.grid_thw) for emb, it in zip(embeds, items, strict=True)]
 
 
@@ -56,7 +58,8 @@ class PrefillHandler:
         check_context(msg, self._engine.max_model_len)
         images = await pull_images(msg, ctx)
         out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling)
-        kv_ref = await ctx.transfer.put_wait(out.kv, timeout_ms=5_000)
+        with timed_transfer():
+            kv_ref = await ctx.transfer.put_wait(out.kv, timeout_ms=5_000)
         decode = protocol.DecodeRequest(meta=meta, owner=ctx.transfer.ref(), kv=kv_ref, prompt_len=out.prompt_len,
                                         rope_delta=out.rope_delta, first_token=out.first_token)
         return Outcome([Produce(TOPIC_DECODE, meta.request_id, decode)], embedding_releases(msg))

@@ -241,3 +241,21 @@ def test_readme_curl_example_works(fleet):
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["content"]
     assert body["usage"]["prompt_tokens"] > 0
+
+
+def test_finish_event_records_the_path_through_every_stage(client, redis_url):
+    """The token log's terminal event names each stage the request went through, with times."""
+    import redis
+
+    resp = chat(client, image_parts([png_data_url(noise_image(4))], "What is this?"))
+    r = redis.Redis.from_url(redis_url)
+    try:
+        entries = r.xrange(f"mm:stream:{resp.id}")
+    finally:
+        r.close()
+    finish = protocol.decode_event(entries[-1][1][b"e"])
+    assert isinstance(finish, protocol.Finish)
+    assert [s.stage for s in finish.spans] == ["media-fetch", "encode", "prefill", "decode"]
+    for span in finish.spans:
+        assert span.total_ms > 0 and span.queue_ms >= 0 and 0 <= span.transfer_ms <= span.total_ms
+    assert all(s.transfer_ms > 0 for s in finish.spans)  # each stage moved a tensor over NIXL

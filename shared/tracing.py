@@ -1,0 +1,68 @@
+"""Per-stage timing of a request, carried along in ``RequestMeta.spans``.
+
+The runner opens a :class:`SpanTimer` (in a context variable) around each handler call;
+handlers mark their transfer time with ``with timed_transfer():``; the runner stamps the
+finished span onto the metadata of every message the handler produced, and the stage that
+ends the request puts the whole path into its ``Finish`` event. Context variables follow the
+handler's task, so concurrent requests in one worker never mix their timers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import msgspec
+
+from shared import protocol
+
+_current: ContextVar[SpanTimer | None] = ContextVar("mmfleet_span", default=None)
+
+
+class SpanTimer:
+    def __init__(self, stage: str, worker: str, queue_ms: float) -> None:
+        self.stage = stage
+        self.worker = worker
+        self.queue_ms = max(queue_ms, 0.0)
+        self.transfer_s = 0.0
+        self._t0 = time.perf_counter()
+
+    def span(self) -> protocol.StageSpan:
+        return protocol.StageSpan(stage=self.stage, worker=self.worker, queue_ms=round(self.queue_ms, 3),
+                                  transfer_ms=round(self.transfer_s * 1000, 3),
+                                  total_ms=round((time.perf_counter() - self._t0) * 1000, 3))
+
+
+@contextmanager
+def stage_span(stage: str, worker: str, queue_ms: float) -> Iterator[SpanTimer]:
+    timer = SpanTimer(stage, worker, queue_ms)
+    token = _current.set(timer)
+    try:
+        yield timer
+    finally:
+        _current.reset(token)
+
+
+@contextmanager
+def timed_transfer() -> Iterator[None]:
+    timer = _current.get()
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.transfer_s += time.perf_counter() - t0
+
+
+def path_so_far(meta: protocol.RequestMeta) -> tuple[protocol.StageSpan, ...]:
+    """The request's spans including the current stage's (so far), for a terminal event."""
+    timer = _current.get()
+    return meta.spans + ((timer.span(),) if timer is not None else ())
+
+
+def stamp(value: msgspec.Struct, span: protocol.StageSpan) -> msgspec.Struct:
+    """``value`` (a stage message) with ``span`` appended to its ``meta.spans``."""
+    meta = value.meta
+    return msgspec.structs.replace(value, meta=msgspec.structs.replace(meta, spans=meta.spans + (span,)))
