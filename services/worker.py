@@ -28,6 +28,7 @@ from shared import protocol
 from shared.bus import make_producer
 from shared.engines.base import Engine
 from shared.keys import STAGES, RedisKeys
+from shared.ledger import StageLedger
 from shared.liveness import heartbeat
 from shared.modes import check_engine, entry_stages, normalise
 from shared.models.registry import resolve_model_path
@@ -82,7 +83,10 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
                                ttl_s=settings.stream_ttl_s)
         handlers = await _build_handlers(stages, settings, model_dir, stack)
-        contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer) for s in stages}
+        ledger = StageLedger(redis, RedisKeys(settings.redis_prefix), lease_ms=settings.stage_lease_ms,
+                             done_ttl_s=settings.done_ttl_s)
+        contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer, ledger=ledger)
+                    for s in stages}
         local = {STAGES[s][0]: (h, contexts[s]) for s, h in handlers.items()}
         runners = []
         for stage in entry_stages(stages):

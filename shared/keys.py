@@ -47,6 +47,14 @@ class RedisKeys:
         """``SET NX PX`` claim on (request, stage) for idempotent redelivery."""
         return f"{self.prefix}:lease:{stage}:{request_id}"
 
+    def done(self, request_id: str, stage: str) -> str:
+        """Set once (request, stage)'s outputs are acknowledged: redeliveries skip the work."""
+        return f"{self.prefix}:done:{stage}:{request_id}"
+
+    def abort(self, request_id: str) -> str:
+        """Set by the gateway when the client went away: stages stop working on the request."""
+        return f"{self.prefix}:abort:{request_id}"
+
     def worker(self, worker_id: str) -> str:
         """A worker's liveness record (stage, pid, started), refreshed with a TTL."""
         return f"{self.prefix}:worker:{worker_id}"

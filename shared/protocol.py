@@ -32,36 +32,6 @@ class Sampling(Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...] = ()
 
 
-class StageSpan(Struct, frozen=True):
-    """Where one stage spent a request's time (ms). ``queue_ms``: from the upstream produce to
-    this stage picking the record up (0 for an in-process hand-over); ``transfer_ms``: NIXL
-    pulls/puts and media fetches; ``total_ms``: handler start to end; the rest is compute."""
-
-    stage: str
-    worker: str
-    queue_ms: float
-    transfer_ms: float
-    total_ms: float
-
-
-class RequestMeta(Struct, frozen=True, kw_only=True):
-    """What every stage needs to know about a request besides its payload.
-
-    ``deadline_unix_ms``: wall-clock epoch ms after which work is dropped with a terminal
-    error (stages compare against their own clock, so hosts must be NTP-synchronised).
-    ``attempt`` counts redeliveries a stage has seen for this request (poison detection).
-    """
-
-    request_id: str
-    model: str
-    deadline_unix_ms: int
-    created_unix_ms: int
-    prompt_token_ids: tuple[int, ...]
-    sampling: Sampling = Sampling()
-    attempt: int = 0
-    spans: tuple[StageSpan, ...] = ()  # one per stage passed so far
-
-
 class AgentRef(Struct, frozen=True):
     """A NIXL agent: its unique name and the metadata a peer needs to connect (~0.5 KiB)."""
 
@@ -99,6 +69,40 @@ class MediaSource(Struct, frozen=True, kw_only=True):
     url: str = ""
     inline: TensorRef | None = None
     mime: str = ""
+
+
+class StageSpan(Struct, frozen=True):
+    """Where one stage spent a request's time (ms). ``queue_ms``: from the upstream produce to
+    this stage picking the record up (0 for an in-process hand-over); ``transfer_ms``: NIXL
+    pulls/puts and media fetches; ``total_ms``: handler start to end; the rest is compute."""
+
+    stage: str
+    worker: str
+    queue_ms: float
+    transfer_ms: float
+    total_ms: float
+
+
+class RequestMeta(Struct, frozen=True, kw_only=True):
+    """What every stage needs to know about a request besides its payload.
+
+    ``deadline_unix_ms``: wall-clock epoch ms after which work is dropped with a terminal
+    error (stages compare against their own clock, so hosts must be NTP-synchronised).
+    ``attempt`` counts restarts from the source after a lost tensor owner.
+    """
+
+    request_id: str
+    model: str
+    deadline_unix_ms: int
+    created_unix_ms: int
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling = Sampling()
+    attempt: int = 0
+    spans: tuple[StageSpan, ...] = ()  # one per stage passed so far
+    # the request's origin, so any stage can restart it from media-fetch when a tensor it
+    # needs is gone with its owner (``attempt`` counts such restarts)
+    sources: tuple[MediaSource, ...] = ()
+    source_owner: AgentRef | None = None
 
 
 class PixelItem(Struct, frozen=True):

@@ -9,6 +9,14 @@ Contract (every stage gets the same semantics):
   while paused, so the consumer stays in its group however long a handler runs.
 - Deadlines. A record whose ``meta.deadline_unix_ms`` has passed is not worked on: the runner
   writes a 504 terminal event and commits.
+- Idempotent (with a ``StageLedger`` in the context). A record is worked on under a claim on
+  (request, stage, attempt) and marked done once its outputs are acknowledged, so a
+  redelivered record whose work is done, or is being done by a live worker, is not redone.
+- Lost tensors. ``OwnerGoneError`` (the worker holding an input tensor died) restarts the
+  request from its source (media-fetch, or prefill for text) with ``attempt + 1``; decode
+  resumes from the token log, so the client still sees each token once. At most
+  ``max_restarts`` restarts, then a 503 terminal event.
+- Abort. A request whose client went away (abort key set by the gateway) is not worked on.
 - Faults. An unexpected exception is retried in place up to ``max_attempts`` (with backoff);
   then the record goes to ``mm.dead-letter`` with the error and the client gets a 500 event.
 - Local hand-over. Outputs addressed to a topic in ``local_routes`` (a stage this process also
@@ -31,9 +39,10 @@ from aiokafka.errors import CommitFailedError, KafkaError
 
 from shared import protocol, tracing
 from shared.bus import OffsetTracker, make_consumer
-from shared.keys import TOPIC_DEAD_LETTER, consumer_group
+from shared.keys import TOPIC_DEAD_LETTER, TOPIC_MEDIA_FETCH, TOPIC_PREFILL, consumer_group
 from shared.settings import Settings
 from shared.stage import Context, Handler, Outcome, Produce, RequestFailed
+from shared.transfer import OwnerGoneError
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +149,45 @@ class StageRunner:
             return
         meta: protocol.RequestMeta = msg.meta
         queue_ms = now_ms() - rec.timestamp  # producer CreateTime → picked up here
+        ledger = self._ctx.ledger
+        if ledger is None:
+            await self._attempts(tp, rec, msg, meta, queue_ms)
+            return
+        if await ledger.is_aborted(meta.request_id):
+            await self._fail(meta, RequestFailed(499, "the client closed the request", type_="invalid_request_error",
+                                                 code="client_closed_request"))
+            return
+        if not await self._claim(meta):
+            return  # done already (or by the live worker that holds the claim)
+        keeper = asyncio.create_task(self._keep_claim(meta))
+        try:
+            await self._attempts(tp, rec, msg, meta, queue_ms)
+            await ledger.mark_done(meta.request_id, self.stage, meta.attempt)
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+            await ledger.release(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
+
+    async def _claim(self, meta: protocol.RequestMeta) -> bool:
+        """Claim (request, stage, attempt); False when its work is done. Waits while another
+        worker holds the claim (it lapses within the lease if that worker died)."""
+        ledger = self._ctx.ledger
+        while True:
+            if await ledger.is_done(meta.request_id, self.stage, meta.attempt):
+                return False
+            if await ledger.claim(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id):
+                return True
+            if now_ms() > meta.deadline_unix_ms:
+                return True  # the deadline check ends it with a 504
+            await asyncio.sleep(0.2)
+
+    async def _keep_claim(self, meta: protocol.RequestMeta) -> None:
+        ledger = self._ctx.ledger
+        while True:
+            await asyncio.sleep(ledger.lease_ms / 3000)
+            await ledger.refresh(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
+
+    async def _attempts(self, tp: TopicPartition, rec, msg, meta: protocol.RequestMeta, queue_ms: float) -> None:
         attempts = 0
         while True:
             attempts += 1
@@ -151,6 +199,14 @@ class StageRunner:
             except RequestFailed as failed:
                 await self._fail(meta, failed)
                 return
+            except OwnerGoneError as exc:
+                log.warning("%s: %s lost an input tensor (%s); restarting it from its source", self.stage,
+                            meta.request_id, exc)
+                try:
+                    outcome = restart_from_source(meta, self._settings.max_restarts, str(exc))
+                except RequestFailed as failed:
+                    await self._fail(meta, failed)
+                    return
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -230,3 +286,15 @@ class StageRunner:
             return
         for tp, mark in offsets.items():
             self._trackers[tp].mark_committed(mark)
+
+
+def restart_from_source(meta: protocol.RequestMeta, max_restarts: int, reason: str) -> Outcome:
+    """The request's entry message again, ``attempt + 1`` (see the module contract)."""
+    if meta.attempt >= max_restarts:
+        raise RequestFailed(503, f"request {meta.request_id} lost its intermediate tensors {meta.attempt + 1} "
+                                 f"times ({reason}); giving up", type_="server_error", code="tensor_owner_lost")
+    again = msgspec.structs.replace(meta, attempt=meta.attempt + 1)
+    if meta.sources:
+        msg = protocol.MediaFetchRequest(meta=again, items=meta.sources, owner=meta.source_owner)
+        return Outcome([Produce(TOPIC_MEDIA_FETCH, meta.request_id, msg)])
+    return Outcome([Produce(TOPIC_PREFILL, meta.request_id, protocol.PrefillRequest(meta=again))])

@@ -49,6 +49,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     stage_concurrency: int = 8  # in-flight messages per worker; beyond it partitions pause
     max_attempts: int = 3  # failures of one record before it goes to mm.dead-letter
     drain_timeout_ms: int = 10_000  # SIGTERM: wait this long for in-flight work, then cancel
+    # claim on (request, stage) while working; a crashed holder's claim lapses after this
+    stage_lease_ms: int = 15_000
+    done_ttl_s: int = 3_600  # how long "this stage finished this request" is remembered
+    max_restarts: int = 3  # restarts from the source after lost tensor owners, then a 503
 
     # --- tensors (NIXL)
     pool_bytes: int = 256 * _MiB

@@ -23,6 +23,7 @@ from msgspec import Struct
 from shared import protocol
 
 if TYPE_CHECKING:
+    from shared.ledger import StageLedger
     from shared.transfer import TransferAgent
 
 
@@ -65,6 +66,10 @@ class EventSink(Protocol):
 
     async def append(self, request_id: str, event: protocol.StreamEvent) -> None: ...
 
+    async def history(self, request_id: str) -> list[protocol.StreamEvent]:
+        """Every event written for the request so far, in order."""
+        ...
+
 
 @dataclass
 class Context:
@@ -74,6 +79,7 @@ class Context:
     worker_id: str
     events: EventSink
     transfer: TransferAgent | None = None
+    ledger: StageLedger | None = None  # None: no idempotency claims (handler tests)
 
 
 class Handler(Protocol):

@@ -65,5 +65,9 @@ class TokenStreams:
                 if isinstance(event, (protocol.Finish, protocol.ErrorEvent)):
                     return
 
+    async def history(self, request_id: str) -> list[protocol.StreamEvent]:
+        entries = await self._redis.xrange(self._keys.token_stream(request_id))
+        return [protocol.decode_event(fields[_FIELD]) for _id, fields in entries]
+
     async def delete(self, request_id: str) -> None:
         await self._redis.delete(self._keys.token_stream(request_id))

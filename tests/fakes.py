@@ -63,5 +63,8 @@ class ListSink:
     async def append(self, request_id: str, event: protocol.StreamEvent) -> None:
         self.events.setdefault(request_id, []).append(event)
 
+    async def history(self, request_id: str) -> list[protocol.StreamEvent]:
+        return list(self.events.get(request_id, ()))
+
     def text(self, request_id: str) -> str:
         return "".join(e.text for e in self.events[request_id] if isinstance(e, protocol.TokenDelta))

@@ -3,13 +3,16 @@
 Two handlers, chosen by the worker's stage layout:
 - ``DecodeHandler`` (decode apart from prefill): In ``DecodeRequest``; pulls the KV cache over
   NIXL and continues after the first token; releases prefill's KV slot at the end.
+Both first read the request's token log: a finished request is not generated again, and a
+partly streamed one resumes after its last logged token (see ``services.decode.stream``).
+
 - ``GenerateHandler`` (prefill and decode in one worker): In ``PrefillRequest``; the engine
   prefills and decodes in one place (no KV leaves the engine); releases encode's slots.
 """
 
 from __future__ import annotations
 
-from services.decode.stream import stream_completion
+from services.decode.stream import read_log, stream_completion
 from services.prefill.handler import check_context, embedding_releases, pull_images
 from shared import protocol
 from shared.engines.base import Engine
@@ -24,15 +27,20 @@ class DecodeHandler:
     async def handle(self, msg: protocol.DecodeRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
         meta = msg.meta
+        done = Outcome(releases=[(msg.owner, [msg.kv.lease])])
+        log = await read_log(ctx.events, meta.request_id)
+        if log.done:
+            return done
         with timed_transfer():
-            kv = await ctx.transfer.get(msg.owner, msg.kv)
-        tokens = self._engine.decode(meta.request_id, kv, msg.rope_delta, msg.prompt_len, msg.first_token,
-                                     meta.sampling)
+            kv = await ctx.transfer.get(msg.owner, msg.kv)  # OwnerGoneError: the runner restarts
+        first = log.tokens[0] if log.tokens else msg.first_token
+        tokens = self._engine.decode(meta.request_id, kv, msg.rope_delta, msg.prompt_len, first, meta.sampling,
+                                     resume=log.tokens[1:])
         del kv
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=msg.prompt_len,
-                                first_token=msg.first_token)
-        return Outcome(releases=[(msg.owner, [msg.kv.lease])])
+                                first_token=first, skip_deltas=log.deltas, aborted=_abort_check(ctx, meta))
+        return done
 
 
 class GenerateHandler:
@@ -43,8 +51,19 @@ class GenerateHandler:
         assert ctx.transfer is not None
         meta = msg.meta
         prompt_len = check_context(msg, self._engine.max_model_len)
+        log = await read_log(ctx.events, meta.request_id)
+        if log.done:
+            return Outcome(releases=embedding_releases(msg))
         images = await pull_images(msg, ctx)
-        tokens = self._engine.generate(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling)
+        tokens = self._engine.generate(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling,
+                                       resume=log.tokens)
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
-                                eos_token_ids=self._engine.eos_token_ids, prompt_len=prompt_len)
+                                eos_token_ids=self._engine.eos_token_ids, prompt_len=prompt_len,
+                                skip_deltas=log.deltas, aborted=_abort_check(ctx, meta))
         return Outcome(releases=embedding_releases(msg))
+
+
+def _abort_check(ctx: Context, meta: protocol.RequestMeta):
+    if ctx.ledger is None:
+        return None
+    return lambda: ctx.ledger.is_aborted(meta.request_id)

@@ -5,11 +5,19 @@ and the text it completes (held back while it may still be the start of a stop s
 incomplete UTF-8 character), then one ``Finish`` with the reason and usage. A stop string
 ends generation early (the iterator is closed, which aborts the request in the engine) and is
 not itself sent, as in OpenAI's API.
+
+Resume (no token lost or duplicated): the request's stream is its token log. A decode that
+runs again for a request (redelivery after a crash, recompute after a lost tensor owner) first
+reads the log (:func:`read_log`): a terminal event means the work is done; otherwise the
+tokens already written are forced back into the engine (``resume``) and the first
+``skip_events`` deltas, which the log already holds, are regenerated but not appended again.
+Deltas are a deterministic function of the token sequence, so the client sees each once.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from shared import protocol
 from shared.engines.detok import IncrementalDetokenizer, StopChecker
@@ -17,16 +25,38 @@ from shared.stage import EventSink
 from shared.tracing import path_so_far
 
 
+@dataclass(frozen=True)
+class LogState:
+    done: bool  # a terminal event is already written
+    tokens: tuple[int, ...]  # completion tokens already written, in order
+    deltas: int  # TokenDelta entries already written
+
+
+async def read_log(events: EventSink, request_id: str) -> LogState:
+    history = await events.history(request_id)
+    deltas = sorted((e for e in history if isinstance(e, protocol.TokenDelta)), key=lambda e: e.seq)
+    done = any(isinstance(e, (protocol.Finish, protocol.ErrorEvent)) for e in history)
+    return LogState(done, tuple(t for d in deltas for t in d.token_ids), len(deltas))
+
+
 async def stream_completion(events: EventSink, meta: protocol.RequestMeta, tokens: AsyncIterator[int], *,
                             tokenizer, eos_token_ids: frozenset[int], prompt_len: int,
-                            first_token: int | None = None) -> None:
+                            first_token: int | None = None, skip_deltas: int = 0,
+                            aborted: Callable[[], Awaitable[bool]] | None = None,
+                            abort_check_every: int = 16) -> None:
+    """``aborted``: polled every ``abort_check_every`` tokens; true ends the request with an
+    error event (the client went away; the engine stops when the iterator closes)."""
     sampling = meta.sampling
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopChecker(sampling.stop)
     generated, reason = 0, "length"
+    sent = 0
 
     async def _send(seq: int, token_ids: tuple[int, ...], text: str) -> None:
-        await events.append(meta.request_id, protocol.TokenDelta(seq=seq, token_ids=token_ids, text=text))
+        nonlocal sent
+        sent += 1
+        if sent > skip_deltas:  # the log already holds the first skip_deltas deltas
+            await events.append(meta.request_id, protocol.TokenDelta(seq=seq, token_ids=token_ids, text=text))
 
     async def _all() -> AsyncIterator[int]:
         if first_token is not None:
@@ -50,6 +80,11 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
                 break
             if generated >= sampling.max_tokens:
                 break
+            if aborted is not None and generated % abort_check_every == 0 and await aborted():
+                await events.append(meta.request_id, protocol.ErrorEvent(
+                    status=499, type="invalid_request_error", message="the client closed the request",
+                    code="client_closed_request"))
+                return
     finally:
         await stream.aclose()
         await tokens.aclose()

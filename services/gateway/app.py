@@ -25,6 +25,7 @@ from aiohttp import web
 from shared import protocol
 from shared.bus import make_producer
 from shared.keys import TOPIC_MEDIA_FETCH, TOPIC_PREFILL, RedisKeys
+from shared.ledger import StageLedger
 from shared.models.registry import family_of, resolve_model_path
 from shared.settings import Settings
 from shared.stage import RequestFailed
@@ -52,6 +53,8 @@ class GatewayState:
         self.streams = streams
         self.transfer = transfer
         self.inflight = 0
+        self.ledger = StageLedger(redis, RedisKeys(settings.redis_prefix), lease_ms=settings.stage_lease_ms,
+                                  done_ttl_s=settings.done_ttl_s)
 
 
 async def _lifecycle(app: web.Application):
@@ -170,7 +173,23 @@ async def _run(request: web.Request, state: GatewayState, prepared: Prepared, mo
     except PoolFullError:
         return error_response(429, "server media buffers are full; retry shortly", code="overloaded",
                               headers={"Retry-After": "1"})
-    await state.producer.send_and_wait(topic, protocol.encode(msg), key=request_id.encode())
+    inline = [it.inline.lease for it in msg.meta.sources if it.inline is not None]
+    try:
+        await state.producer.send_and_wait(topic, protocol.encode(msg), key=request_id.encode())
+        return await _respond(request, state, msg.meta, prepared, model, chat=chat)
+    except (asyncio.CancelledError, ConnectionResetError):
+        # the client went away: tell the stages to stop working on it
+        await asyncio.shield(state.ledger.abort(request_id, ttl_s=s.stream_ttl_s))
+        raise
+    finally:
+        for lease in inline:  # held until the end: a restart from the source re-reads them
+            state.transfer.free_local(lease)
+
+
+async def _respond(request: web.Request, state: GatewayState, meta: protocol.RequestMeta, prepared: Prepared,
+                   model: str, *, chat: bool) -> web.StreamResponse:
+    s = state.settings
+    request_id = meta.request_id
 
     loop = asyncio.get_running_loop()
     events = state.streams.follow(request_id, deadline_s=loop.time() + s.request_timeout_ms / 1000)
@@ -190,6 +209,7 @@ async def _run(request: web.Request, state: GatewayState, prepared: Prepared, mo
 
 
 async def _first_message(state: GatewayState, meta: protocol.RequestMeta, prepared: Prepared):
+    """The request's entry message; its meta records the media sources (see runner restarts)."""
     if not prepared.media:
         return protocol.PrefillRequest(meta=meta), TOPIC_PREFILL
     items = []
@@ -203,6 +223,7 @@ async def _first_message(state: GatewayState, meta: protocol.RequestMeta, prepar
         else:
             items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url))
     owner = state.transfer.ref() if has_inline else None
+    meta = msgspec.structs.replace(meta, sources=tuple(items), source_owner=owner)
     return protocol.MediaFetchRequest(meta=meta, items=tuple(items), owner=owner), TOPIC_MEDIA_FETCH
 
 

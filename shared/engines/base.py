@@ -71,14 +71,17 @@ class Engine(Protocol):
         ...
 
     def generate(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
-                 sampling: protocol.Sampling) -> AsyncIterator[int]:
-        """Prefill + decode; yields completion tokens (eos included when produced)."""
+                 sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
+        """Prefill + decode; yields completion tokens (eos included when produced).
+        ``resume``: the completion's first tokens from an earlier attempt, yielded as they are
+        (not re-sampled), after which generation continues."""
         ...
 
     async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
                       sampling: protocol.Sampling) -> PrefillOutput: ...
 
     def decode(self, request_id: str, kv: torch.Tensor, rope_delta: int, prompt_len: int, first_token: int,
-               sampling: protocol.Sampling) -> AsyncIterator[int]:
-        """Continue after ``first_token`` (not yielded again); yields the following tokens."""
+               sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
+        """Continue after ``first_token`` (not yielded again); yields the following tokens,
+        the first ``len(resume)`` of them forced to ``resume``."""
         ...

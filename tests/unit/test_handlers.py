@@ -186,3 +186,43 @@ def test_data_url_roundtrip_is_what_media_fetch_sees():
     mime, data = decode_data_url("data:image/png;base64," + base64.b64encode(raw).decode(),
                                  allowed_mime=IMAGE_MIME_TYPES, max_bytes=1 << 20, param="p")
     assert (mime, data) == ("image/png", raw)
+
+
+class _CrashingSink(ListSink):
+    """Accepts ``crash_after`` appends, then fails like a worker dying mid-stream."""
+
+    def __init__(self, crash_after: int) -> None:
+        super().__init__()
+        self.crash_after = crash_after
+
+    async def append(self, request_id, event):
+        if self.crash_after <= 0:
+            raise ConnectionError("worker died")
+        self.crash_after -= 1
+        await super().append(request_id, event)
+
+
+@pytest.mark.parametrize("crash_point", ["first", "second", "middle", "before-finish"])
+async def test_decode_resumes_from_the_log_without_loss_or_duplication(pipeline, compute, crash_point):
+    """A decode that dies after writing some of its events, run again on the same message and
+    log, leaves exactly the log an uninterrupted decode writes; a third run writes nothing."""
+    prompt_ids = compute.render_prompt_ids([{"role": "user", "content": "Tell me about the sea."}])
+    await _run(pipeline, protocol.PrefillRequest(meta=_meta("clean", prompt_ids, max_tokens=10)))
+    clean = pipeline["sink"].events["clean"]
+    crash_after = {"first": 0, "second": 1, "middle": len(clean) // 2, "before-finish": len(clean) - 1}[crash_point]
+
+    sink = _CrashingSink(crash_after)
+    prefill, pctx = pipeline["stages"]["prefill"]
+    ctx = Context(stage="decode", worker_id="w2", events=sink, transfer=pctx.transfer)
+    msg = protocol.PrefillRequest(meta=_meta("resumed", prompt_ids, max_tokens=10))
+    if isinstance(prefill, PrefillHandler):  # split: decode apart, from a DecodeRequest
+        handler, msg = pipeline["stages"]["decode"][0], (await prefill.handle(msg, ctx)).produce[0].value
+    else:  # merged: one generate() that prefills again on redelivery
+        handler = prefill
+    with pytest.raises(ConnectionError):
+        await handler.handle(msg, ctx)
+    sink.crash_after = 10**6
+    await handler.handle(msg, ctx)  # the redelivery
+    assert sink.events["resumed"] == clean
+    await handler.handle(msg, ctx)
+    assert sink.events["resumed"] == clean

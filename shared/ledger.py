@@ -1,0 +1,65 @@
+"""Idempotent stages: who is working on (request, stage, attempt), and whether it is done.
+
+Kafka delivers at least once, so a record can come back: after a worker crash before its
+commit, or after a rebalance moved its partition while it was still working. The ledger makes
+that safe:
+- ``claim`` is ``SET NX PX``: one worker at a time works on a (request, stage, attempt); the
+  holder refreshes the claim while it works, so a crashed holder's claim lapses within
+  ``lease_ms`` and a redelivery can take over.
+- ``mark_done`` after the stage's outputs are acknowledged: a redelivered record whose work is
+  done is acknowledged without redoing it.
+``attempt`` is part of the key: a request restarted from its source (a lost tensor owner)
+runs every stage again.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from shared.keys import RedisKeys
+
+# delete / extend only if the claim is still ours (a lapsed claim may belong to another worker)
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+_REFRESH = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+
+
+class StageLedger:
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, *, lease_ms: int, done_ttl_s: int) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._lease_ms = lease_ms
+        self._done_ttl_s = done_ttl_s
+        self._release = redis.register_script(_RELEASE)
+        self._refresh = redis.register_script(_REFRESH)
+
+    @property
+    def lease_ms(self) -> int:
+        return self._lease_ms
+
+    def _key(self, request_id: str, stage: str, attempt: int) -> str:
+        return self._keys.lease(request_id, f"{stage}#{attempt}")
+
+    def _done_key(self, request_id: str, stage: str, attempt: int) -> str:
+        return self._keys.done(request_id, f"{stage}#{attempt}")
+
+    async def is_done(self, request_id: str, stage: str, attempt: int) -> bool:
+        return bool(await self._redis.exists(self._done_key(request_id, stage, attempt)))
+
+    async def claim(self, request_id: str, stage: str, attempt: int, owner: str) -> bool:
+        return bool(await self._redis.set(self._key(request_id, stage, attempt), owner, nx=True,
+                                          px=self._lease_ms))
+
+    async def refresh(self, request_id: str, stage: str, attempt: int, owner: str) -> bool:
+        return bool(await self._refresh(keys=[self._key(request_id, stage, attempt)], args=[owner, self._lease_ms]))
+
+    async def release(self, request_id: str, stage: str, attempt: int, owner: str) -> None:
+        await self._release(keys=[self._key(request_id, stage, attempt)], args=[owner])
+
+    async def is_aborted(self, request_id: str) -> bool:
+        return bool(await self._redis.exists(self._keys.abort(request_id)))
+
+    async def abort(self, request_id: str, ttl_s: int) -> None:
+        await self._redis.set(self._keys.abort(request_id), b"1", ex=ttl_s)
+
+    async def mark_done(self, request_id: str, stage: str, attempt: int) -> None:
+        await self._redis.set(self._done_key(request_id, stage, attempt), b"1", ex=self._done_ttl_s)
