@@ -135,8 +135,7 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
         from shared.engines.qwen2_vl import ImagePreprocessor
         from shared.media.fetch import MediaFetcher
 
-        fetcher = await stack.enter_async_context(
-            MediaFetcher(allow_hosts=settings.media_allow_hosts, timeout_ms=settings.media_fetch_timeout_ms))
+        fetcher = await stack.enter_async_context(MediaFetcher.from_settings(settings))
         lane = ComputeLane("media")
         stack.callback(lane.close)
         handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane)

@@ -78,10 +78,18 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # --- media
     max_image_bytes: int = 16 * _MiB
     max_image_pixels: int = 40_000_000
-    media_fetch_timeout_ms: int = 10_000
-    # Hosts (exact names or IPs) http(s) media may be fetched from even when they resolve to
-    # loopback / private addresses. Empty: only public addresses.
+    media_fetch_timeout_ms: int = 10_000  # a whole media fetch, redirects included
+    # Hosts whose URLs may be fetched even though they resolve to loopback / private addresses:
+    # "host" (any port) or "host:port" (that port only; IPv6 as "[::1]:8080"). Matched on the
+    # name as written in the URL, never on what it resolves to. Empty: only public addresses.
     media_allow_hosts: tuple[str, ...] = ()
+    media_connect_timeout_ms: int = 3_000  # one TCP (+TLS) connect to a media host
+    media_read_timeout_ms: int = 5_000  # longest wait for the next bytes of a media response
+    media_max_redirects: int = 3  # redirects followed per media URL; each hop is re-checked
+    # Directory that file:// media URLs may name (symlinks resolved, escapes refused). Empty: refused.
+    media_file_root: str = ""
+    media_cache_bytes: int = 64 * _MiB  # media-fetch LRU of fetched bytes (http(s)), in bytes; 0: off
+    media_cache_ttl_s: int = 300  # how long fetched bytes of a URL may be served from that cache
 
     log_level: str = "INFO"
 

@@ -16,6 +16,7 @@ Deltas are a deterministic function of the token sequence, so the client sees ea
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from shared import protocol
 from shared.engines.detok import IncrementalDetokenizer, StopChecker
 from shared.stage import EventSink
 from shared.tracing import path_so_far
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,11 @@ async def read_log(events: EventSink, request_id: str) -> LogState:
     history = await events.history(request_id)
     deltas = sorted((e for e in history if isinstance(e, protocol.TokenDelta)), key=lambda e: e.seq)
     done = any(isinstance(e, (protocol.Finish, protocol.ErrorEvent)) for e in history)
-    return LogState(done, tuple(t for d in deltas for t in d.token_ids), len(deltas))
+    state = LogState(done, tuple(t for d in deltas for t in d.token_ids), len(deltas))
+    if state.done or state.deltas:
+        log.info("request %s: token log has %d deltas%s; %s", request_id, state.deltas,
+                 " and a terminal event" if done else "", "nothing to do" if done else "resuming after them")
+    return state
 
 
 async def stream_completion(events: EventSink, meta: protocol.RequestMeta, tokens: AsyncIterator[int], *,

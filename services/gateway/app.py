@@ -146,7 +146,7 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     try:
         req = schema.parse_chat(body) if chat else schema.parse_completion(body)
         prepared = state.builder.chat(req) if chat else state.builder.completion(req)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         return error_response(400, f"invalid request body: {exc}")
     except RequestFailed as failed:
         return event_error_response(failed.event)

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared import protocol
-from shared.media.sources import IMAGE_MIME_TYPES, MediaError, check_remote_url, decode_data_url
+from shared.media.files import file_url_path
+from shared.media.sources import (MIME_TYPES_BY_KIND, REMOTE_SCHEMES, MediaError, as_allowlist, check_remote_url,
+                                  decode_data_url, scheme_of)
 from shared.settings import Settings
 from shared.stage import RequestFailed
 from services.gateway import schema
@@ -21,7 +23,7 @@ from services.gateway import schema
 class MediaInput:
     kind: str
     param: str
-    url: str = ""  # http(s)
+    url: str = ""  # http(s) or file:// (read by media-fetch)
     mime: str = ""
     data: bytes | None = None  # decoded data: URL
 
@@ -44,6 +46,8 @@ class PromptBuilder:
         self._placeholder_id = tokenizer.convert_tokens_to_ids(placeholder_token)
         self._max_model_len = max_model_len
         self._s = settings
+        self._allow = as_allowlist(settings.media_allow_hosts)
+        self._max_bytes = {"image": settings.max_image_bytes}
 
     # ------------------------------------------------------------------ chat
     def chat(self, req: schema.ChatCompletionRequest) -> Prepared:
@@ -77,7 +81,10 @@ class PromptBuilder:
                 case schema.ImagePart(image_url=image_url):
                     if msg.role != "user":
                         raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only", param=param)
-                    media.append(self._image(image_url.url, param))
+                    if image_url.detail not in (None, "auto", "low", "high"):
+                        raise RequestFailed.bad_request(f"{param}: image_url.detail must be one of auto, low, high",
+                                                        param=param)
+                    media.append(self._media("image", image_url.url, param))
                     parts.append({"type": "image"})
                 case _:
                     kind = type(part).__struct_config__.tag
@@ -86,13 +93,28 @@ class PromptBuilder:
                                         param=param, code="unsupported_modality")
         return parts
 
-    def _image(self, url: str, param: str) -> MediaInput:
+    def _media(self, kind: str, url: str, param: str) -> MediaInput:
+        """Checks that need no I/O: data: URLs are decoded here (MIME, base64, size); http(s)
+        URLs are checked for scheme, host form and non-public IP literals; file:// URLs for
+        syntax when the operator enabled them. media-fetch re-checks what it loads."""
         try:
-            if url.startswith("data:"):
-                mime, raw = decode_data_url(url, allowed_mime=IMAGE_MIME_TYPES,
-                                            max_bytes=self._s.max_image_bytes, param=param)
-                return MediaInput("image", param, mime=mime, data=raw)
-            return MediaInput("image", param, url=check_remote_url(url, param=param))
+            scheme = scheme_of(url)
+            if not url.strip():
+                raise MediaError(f"{param}: {kind} URL is empty")
+            if scheme == "data":
+                mime, raw = decode_data_url(url, allowed_mime=MIME_TYPES_BY_KIND[kind],
+                                            max_bytes=self._max_bytes[kind], param=param, kind=kind)
+                return MediaInput(kind, param, mime=mime, data=raw)
+            if scheme == "file":
+                try:
+                    file_url_path(url, enabled=bool(self._s.media_file_root))
+                except MediaError as exc:
+                    raise exc.for_param(param) from None
+                return MediaInput(kind, param, url=url)
+            if scheme not in REMOTE_SCHEMES:
+                shown = repr(scheme) if scheme else "(none)"
+                raise MediaError(f"{param}: unsupported URL scheme {shown}; use https://, http:// or a data: URL")
+            return MediaInput(kind, param, url=check_remote_url(url, param=param, allow_hosts=self._allow))
         except MediaError as exc:
             raise RequestFailed(exc.status, str(exc), param=param, code=exc.code) from None
 

@@ -1,15 +1,22 @@
 """media-fetch: load each item's bytes, hash them, decode under the media policy, preprocess to
 pixels, and hand the pixels to encode by NIXL descriptor.
 
-In: ``MediaFetchRequest`` (items are http(s) URLs, or inline bytes held by the gateway).
-Out: one ``EncodeRequest`` on ``mm.encode``; releases the gateway's inline slots once produced.
-Bad media ends the request with a 400/413/422 (``RequestFailed``); the worker goes on.
-mm_hash = BLAKE3 of the raw fetched bytes, so identical content hashes the same wherever it
-came from.
+In: ``MediaFetchRequest`` (items are http(s) or file:// URLs, or inline bytes held by the
+gateway). Out: one ``EncodeRequest`` on ``mm.encode``. The gateway's inline slots are NOT
+released here: the gateway holds them until the request ends, so a restart from the source
+(after a lost tensor owner downstream) can read them again. Bad media ends the request with a 400/413/422 (``RequestFailed``); the worker
+goes on. mm_hash = BLAKE3 of the raw fetched bytes, so identical content hashes the same
+wherever it came from.
+
+Loading: http(s) through the shared :class:`MediaFetcher` (address policy, caps, timeouts),
+with concurrent requests for one URL sharing one download and recent bytes kept in an LRU
+bounded in bytes (``media_cache_bytes``, ``media_cache_ttl_s``); ``file://`` only under
+``media_file_root``. Decoding is dispatched on the item's ``kind`` (only ``image`` today).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import blake3
@@ -18,9 +25,11 @@ from shared import protocol
 from shared.tracing import timed_transfer
 from shared.compute import ComputeLane
 from shared.keys import TOPIC_ENCODE
+from shared.media.cache import FetchCache
 from shared.media.fetch import MediaFetcher
+from shared.media.files import load_file
 from shared.media.images import decode_image
-from shared.media.sources import MediaError
+from shared.media.sources import REMOTE_SCHEMES, MediaError, scheme_of
 from shared.settings import Settings
 from shared.stage import Context, Outcome, Produce, RequestFailed
 
@@ -34,18 +43,22 @@ class MediaFetchHandler:
         self._fetcher = fetcher
         self._preprocess = preprocess
         self._lane = lane
+        self.cache = FetchCache(settings.media_cache_bytes, ttl_s=settings.media_cache_ttl_s)
+        # kind -> (byte cap, decoder run on the compute lane: (raw, param) -> preprocessed)
+        self._kinds: dict[str, tuple[int, Callable[[bytes, str], object]]] = {
+            "image": (settings.max_image_bytes, self._decode_image),
+        }
 
     async def handle(self, msg: protocol.MediaFetchRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
-        inline_leases = [it.inline.lease for it in msg.items if it.inline is not None]
-        releases = [(msg.owner, inline_leases)] if msg.owner is not None and inline_leases else []
         items: list[protocol.PixelItem] = []
         try:
             for index, src in enumerate(msg.items):
+                max_bytes, decode = self._kind(src)
                 with timed_transfer():
-                    raw = await self._load(src, msg.owner, ctx)
+                    raw = await self._load(src, max_bytes, msg.owner, ctx)
                 mm_hash = blake3.blake3(raw).hexdigest()
-                px = await self._lane.run(self._decode, raw, src.param)
+                px = await self._lane.run(decode, raw, src.param)
                 with timed_transfer():
                     ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000)
                 items.append(protocol.PixelItem(index=index, mm_hash=mm_hash, grid_thw=px.grid_thw,
@@ -54,26 +67,48 @@ class MediaFetchHandler:
             for item in items:  # nobody will read these slots: free them now, not at TTL
                 ctx.transfer.free_local(item.pixels.lease)
             if isinstance(exc, MediaError):
-                for owner, leases in releases:  # the request is over: the gateway may free its bytes
-                    await ctx.transfer.release(owner, leases)
                 raise RequestFailed(exc.status, str(exc), param=_param_of(msg, exc), code=exc.code) from None
             raise
         out = protocol.EncodeRequest(meta=msg.meta, owner=ctx.transfer.ref(), items=tuple(items))
-        return Outcome([Produce(TOPIC_ENCODE, msg.meta.request_id, out)], releases)
+        return Outcome([Produce(TOPIC_ENCODE, msg.meta.request_id, out)])
 
-    async def _load(self, src: protocol.MediaSource, owner: protocol.AgentRef | None, ctx: Context) -> bytes:
+    def _kind(self, src: protocol.MediaSource) -> tuple[int, Callable[[bytes, str], object]]:
+        entry = self._kinds.get(src.kind)
+        if entry is None:
+            raise MediaError(f"{src.param}: {src.kind} media is not supported by this server", status=422,
+                             code="unsupported_modality")
+        return entry
+
+    async def _load(self, src: protocol.MediaSource, max_bytes: int, owner: protocol.AgentRef | None,
+                    ctx: Context) -> bytes:
         if src.inline is not None:
             if owner is None:
                 raise MediaError(f"{src.param}: inline media without an owning agent")
+            if src.inline.nbytes > max_bytes:
+                raise MediaError(f"{src.param}: media is {src.inline.nbytes} bytes, above the {max_bytes} byte limit",
+                                 status=413, code="media_too_large")
             data = await ctx.transfer.get(owner, src.inline)
             return data.numpy().tobytes()
-        return await self._fetcher.fetch(src.url, max_bytes=self._s.max_image_bytes, param=src.param)
+        url = src.url
+        scheme = scheme_of(url)
+        try:
+            if scheme in REMOTE_SCHEMES:
+                return await self.cache.get_or_fetch(
+                    (url, max_bytes), lambda: self._fetcher.fetch_bytes(url, max_bytes=max_bytes))
+            if scheme == "file":
+                return await asyncio.to_thread(load_file, url, root=self._s.media_file_root, max_bytes=max_bytes)
+            raise MediaError(f"unsupported URL scheme {scheme!r}; use https://, http:// or a data: URL")
+        except MediaError as exc:
+            raise exc.for_param(src.param) from None
 
-    def _decode(self, raw: bytes, param: str):
+    def _decode_image(self, raw: bytes, param: str):
         img = decode_image(raw, max_pixels=self._s.max_image_pixels, param=param)
-        return self._preprocess(img)
+        try:
+            return self._preprocess(img)
+        except ValueError as exc:  # the model's processor refuses this image (e.g. extreme aspect ratio)
+            raise MediaError(f"{param}: the image cannot be processed by this model: {str(exc)[:200]}") from None
 
 
 def _param_of(msg: protocol.MediaFetchRequest, exc: MediaError) -> str | None:
     text = str(exc)
-    return next((it.param for it in msg.items if text.startswith(it.param)), None)
+    return next((it.param for it in msg.items if text.startswith(it.param + ":")), None)

@@ -127,10 +127,11 @@ async def test_handlers_match_generate(pipeline, compute, model_dir, n_images):
     assert tokens == [t for t in expected if t not in compute.eos_token_ids]
     assert pipeline["sink"].text(rid) == compute.tokenizer.decode(expected, skip_special_tokens=True)
     assert isinstance(events[-1], protocol.Finish)
-    # every pool slot was released along the way: nothing pinned until TTL
-    for name in ("gateway", "media-fetch", "encode", "prefill"):
-        ctx = pipeline[name] if name == "gateway" else pipeline["stages"][name][1]
-        assert ctx.transfer.slots == {}, name
+    # every stage's pool slot was released along the way: nothing pinned until TTL; the
+    # gateway's inline bytes stay until the request ends (a restart may read them again)
+    for name in ("media-fetch", "encode", "prefill"):
+        assert pipeline["stages"][name][1].transfer.slots == {}, name
+    assert len(pipeline["gateway"].transfer.slots) == n_images
 
 
 async def test_concurrent_requests_share_one_encoder_forward(pipeline, compute):
@@ -146,7 +147,7 @@ async def test_concurrent_requests_share_one_encoder_forward(pipeline, compute):
 
 
 @pytest.mark.parametrize("payload", [b"not an image at all", _png(5)[:100]])
-async def test_bad_media_fails_the_request_and_frees_the_gateway_slot(pipeline, compute, payload):
+async def test_bad_media_fails_the_request_and_leaves_no_slot(pipeline, compute, payload):
     handler, ctx = pipeline["stages"]["media-fetch"]
     msg = protocol.MediaFetchRequest(meta=_meta("bad", [1, 2]), items=_inline(pipeline, [payload]),
                                      owner=pipeline["gateway"].transfer.ref())
@@ -154,8 +155,7 @@ async def test_bad_media_fails_the_request_and_frees_the_gateway_slot(pipeline, 
         await handler.handle(msg, ctx)
     assert info.value.event.status == 400
     assert info.value.event.param == "messages[0].content[0]"
-    assert pipeline["gateway"].transfer.slots == {}
-    assert ctx.transfer.slots == {}
+    assert ctx.transfer.slots == {}  # media-fetch freed what it had put; the gateway frees its own
 
 
 async def test_stop_string_and_max_tokens(pipeline, compute):

@@ -1,0 +1,150 @@
+"""media-fetch's handler with in-memory ports: loading by source (http(s), file://, inline),
+de-duplication and caching of URL fetches, kind dispatch, and every media failure ending the
+request with a 4xx that names the item (never a worker fault)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from services.media_fetch.handler import MediaFetchHandler
+from shared import protocol
+from shared.compute import ComputeLane
+from shared.media.fetch import MediaFetcher
+from shared.settings import Settings
+from shared.stage import Context, RequestFailed
+from tests.fakes import ListSink, MemoryTransfer
+from tests.media import samples
+from tests.media.server import MediaServer
+
+
+class Pixels:
+    def __init__(self, img) -> None:
+        self.pixel_values = torch.zeros((4, 8), dtype=torch.float32)
+        self.grid_thw = (1, 2, 2)
+        self.n_tokens = 1
+        self.size = img.size
+
+
+@pytest.fixture(scope="module")
+async def server():
+    srv = await MediaServer({"/a.png": samples.png(seed=1), "/b.png": samples.png(seed=2),
+                             "/corrupt.png": samples.truncated(samples.png((64, 64))),
+                             "/bomb.png": samples.png_claiming(100_000, 100_000),
+                             "/thin.png": samples.png((1000, 1))}).start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def world(server, tmp_path):
+    (tmp_path / "c.png").write_bytes(samples.png(seed=3))
+    settings = Settings(media_allow_hosts=(f"127.0.0.1:{server.port}",), media_file_root=str(tmp_path),
+                        max_image_bytes=1 << 20, max_image_pixels=1_000_000, media_cache_bytes=1 << 20)
+    lane = ComputeLane("test-media")
+    transfers: dict = {}
+    async with MediaFetcher.from_settings(settings) as fetcher:
+        handler = MediaFetchHandler(settings, fetcher, Pixels, lane)
+        yield {"handler": handler, "server": server, "root": tmp_path, "transfers": transfers,
+               "gateway": MemoryTransfer("gateway", transfers),
+               "ctx": Context(stage="media-fetch", worker_id="mf", events=ListSink(),
+                              transfer=MemoryTransfer("media-fetch", transfers))}
+    lane.close()
+
+
+def _request(rid: str, urls: list[str], kind: str = "image") -> protocol.MediaFetchRequest:
+    now = int(time.time() * 1000)
+    meta = protocol.RequestMeta(request_id=rid, model="m", created_unix_ms=now, deadline_unix_ms=now + 60_000,
+                                prompt_token_ids=(1, 2))
+    items = tuple(protocol.MediaSource(kind=kind, param=f"messages[0].content[{i}]", url=u) for i, u in enumerate(urls))
+    return protocol.MediaFetchRequest(meta=meta, items=items)
+
+
+async def _fail(w, msg) -> protocol.ErrorEvent:
+    with pytest.raises(RequestFailed) as info:
+        await w["handler"].handle(msg, w["ctx"])
+    assert w["ctx"].transfer.slots == {}  # nothing left pinned
+    return info.value.event
+
+
+async def test_http_and_file_sources(world):
+    w, base = world, world["server"].base
+    out = await w["handler"].handle(_request("r", [base + "/a.png", f"file://{w['root']}/c.png"]), w["ctx"])
+    (produce,) = out.produce
+    assert len(produce.value.items) == 2
+    assert produce.value.items[0].mm_hash != produce.value.items[1].mm_hash
+
+
+async def test_concurrent_requests_for_one_url_download_once_then_hit_the_cache(world):
+    w, srv = world, world["server"]
+    before = srv.hits("/b.png")
+    msgs = [_request(f"c{i}", [srv.base + "/b.png"]) for i in range(6)]
+    outs = await asyncio.gather(*(w["handler"].handle(m, w["ctx"]) for m in msgs))
+    hashes = {o.produce[0].value.items[0].mm_hash for o in outs}
+    assert len(hashes) == 1
+    assert srv.hits("/b.png") - before == 1
+    await w["handler"].handle(_request("again", [srv.base + "/b.png"]), w["ctx"])
+    assert srv.hits("/b.png") - before == 1  # served from the LRU
+    assert w["handler"].cache.bytes == len(samples.png(seed=2))
+
+
+@pytest.mark.parametrize("path, status, fragment", [
+    ("/corrupt.png", 400, "corrupt or truncated"),
+    ("/bomb.png", 413, "pixels"),
+    ("/missing.png", 400, "HTTP 404"),
+])
+async def test_bad_remote_media(world, path, status, fragment):
+    w = world
+    ev = await _fail(w, _request("bad", [w["server"].base + "/a.png", w["server"].base + path]))
+    assert ev.status == status and fragment in ev.message, ev.message
+    assert ev.param == "messages[0].content[1]" and ev.message.startswith("messages[0].content[1]: ")
+
+
+async def test_image_the_model_processor_refuses_is_a_400(world, model_dir):
+    """Qwen2-VL's processor raises ValueError for an aspect ratio above 200: a bad input (400),
+    not a worker fault that would be retried and dead-lettered as a 500."""
+    from shared.engines.qwen2_vl import ImagePreprocessor
+
+    w = world
+    w["handler"]._preprocess = ImagePreprocessor(model_dir)
+    ev = await _fail(w, _request("thin", [w["server"].base + "/thin.png"]))
+    assert ev.status == 400 and "cannot be processed by this model" in ev.message
+    assert "aspect ratio" in ev.message
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("http://169.254.169.254/latest/meta-data/", "cloud metadata"),
+    ("http://localhost:{port}/a.png", "resolves to 127.0.0.1, a loopback address"),
+    ("http://127.0.0.1:{other}/a.png", "loopback"),
+    ("file:///etc/passwd", "outside the directory"),
+    ("file://{root}/../etc/passwd", "'..' segments"),
+    ("ftp://example.com/a.png", "unsupported URL scheme 'ftp'"),
+])
+async def test_refused_sources(world, url, fragment):
+    w = world
+    url = url.format(port=w["server"].port, other=w["server"].port + 1, root=w["root"])
+    ev = await _fail(w, _request("ssrf", [url]))
+    assert ev.status == 400 and fragment in ev.message, ev.message
+    assert ev.param == "messages[0].content[0]"
+
+
+async def test_unknown_kind_is_422(world):
+    ev = await _fail(world, _request("k", [world["server"].base + "/a.png"], kind="video"))
+    assert ev.status == 422 and "video media is not supported" in ev.message
+
+
+async def test_inline_media_over_the_cap_is_refused_before_reading_it(world):
+    w = world
+    gw = w["gateway"]
+    big = gw.put(torch.zeros(2 << 20, dtype=torch.uint8))
+    now = int(time.time() * 1000)
+    meta = protocol.RequestMeta(request_id="i", model="m", created_unix_ms=now, deadline_unix_ms=now + 60_000,
+                                prompt_token_ids=(1,))
+    msg = protocol.MediaFetchRequest(meta=meta, owner=gw.ref(), items=(
+        protocol.MediaSource(kind="image", param="messages[0].content[0]", inline=big, mime="image/png"),))
+    ev = await _fail(w, msg)
+    assert ev.status == 413
+    assert big.lease in gw.slots  # the gateway owns its inline bytes until the request ends

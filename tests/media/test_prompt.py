@@ -1,0 +1,132 @@
+"""The gateway's validation of content parts (what needs no I/O): every bad part is a 4xx
+RequestFailed naming the part; a property test feeds arbitrary parts and bodies."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.gateway import schema
+from services.gateway.prompt import PromptBuilder
+from shared.settings import Settings
+from shared.stage import RequestFailed
+from tests.media import samples
+
+
+@pytest.fixture(scope="module")
+def builder(model_dir):
+    from transformers import AutoTokenizer
+
+    from shared.models.registry import family_of
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    s = Settings(media_allow_hosts=("127.0.0.1:8123",), max_image_bytes=50_000, media_file_root="/srv/media")
+    return PromptBuilder(tok, placeholder_token=family_of(model_dir).image_placeholder, max_model_len=4096,
+                         settings=s)
+
+
+def body(*parts, role="user") -> bytes:
+    return json.dumps({"model": "mmfleet-demo", "messages": [{"role": role, "content": list(parts)}]}).encode()
+
+
+def img(url: str, **extra) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, **extra}}
+
+
+def build(builder, raw: bytes):
+    return builder.chat(schema.parse_chat(raw))
+
+
+def failed(builder, raw: bytes) -> RequestFailed:
+    with pytest.raises(RequestFailed) as info:
+        build(builder, raw)
+    return info.value
+
+
+def test_good_parts(builder):
+    p = build(builder, body({"type": "text", "text": "hi"}, img(samples.data_url(samples.png())),
+                            img("https://example.com/a.png", detail="low"), img("http://127.0.0.1:8123/a.png"),
+                            img("file:///srv/media/a.png")))
+    assert [m.kind for m in p.media] == ["image"] * 4
+    assert p.media[0].data == samples.png() and p.media[0].mime == "image/png"
+    assert p.media[1].url == "https://example.com/a.png"
+    assert p.media[3].url == "file:///srv/media/a.png"
+
+
+@pytest.mark.parametrize("part, status, fragment", [
+    (img(""), 400, "URL is empty"),
+    (img("   "), 400, "URL is empty"),
+    (img("example.com/a.png"), 400, "unsupported URL scheme (none)"),
+    (img("ftp://example.com/a.png"), 400, "unsupported URL scheme 'ftp'"),
+    (img("javascript:alert(1)"), 400, "unsupported URL scheme 'javascript'"),
+    (img("http://127.0.0.1/a.png"), 400, "loopback"),
+    (img("http://127.0.0.1:8124/a.png"), 400, "loopback"),
+    (img("http://[::1]:8123/a.png"), 400, "loopback"),
+    (img("http://169.254.169.254/"), 400, "cloud metadata"),
+    (img("http://0x7f.1:8123/"), 400, "non-standard form"),
+    (img("file:///srv/media/../../etc/passwd"), 400, "'..' segments"),
+    (img("file://otherhost/srv/media/a.png"), 400, "host 'otherhost' is not allowed"),
+    (img("data:image/png;base64,!!!"), 400, "invalid base64"),
+    (img("data:text/html;base64,PGh0bWw+"), 400, "does not match an image_url part"),
+    (img(samples.data_url(b"\x00" * 60_000)), 413, "50000 byte limit"),
+    (img("https://example.com/a.png", detail="ultra"), 400, "detail must be one of"),
+])
+def test_bad_parts(builder, part, status, fragment):
+    err = failed(builder, body({"type": "text", "text": "x"}, part))
+    ev = err.event
+    assert ev.status == status and fragment in ev.message, ev.message
+    assert ev.param == "messages[0].content[1]" and ev.message.startswith("messages[0].content[1]: ")
+
+
+def test_file_urls_are_refused_when_not_enabled(builder, model_dir):
+    s = Settings()
+    off = PromptBuilder(builder._tok, placeholder_token=builder._placeholder, max_model_len=4096, settings=s)
+    assert "file:// URLs are not enabled" in failed(off, body(img("file:///srv/media/a.png"))).event.message
+
+
+def test_images_outside_user_messages(builder):
+    assert "user messages only" in failed(builder, body(img("https://example.com/a.png"), role="system")).event.message
+
+
+def test_other_modalities_are_422(builder):
+    err = failed(builder, body({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}))
+    assert err.event.status == 422 and "does not accept video_url content" in err.event.message
+
+
+def test_too_many_items_is_413(builder):
+    err = failed(builder, body(*[img("https://example.com/a.png")] * 9))
+    assert err.event.status == 413 and "the limit is 8" in err.event.message
+
+
+_json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                         max_size=3), max_leaves=8)
+_urls = st.one_of(st.text(max_size=60), st.sampled_from([
+    "http://127.0.0.1/", "https://example.com/a.png", "data:image/png;base64,AAAA", "file:///etc/passwd",
+    "http://2130706433/", "data:image/png;base64," + samples.data_url(samples.png()).split(",")[1]]),
+    st.builds(lambda s, r: s + r,
+              st.sampled_from(["http://", "https://", "data:", "file://", "data:image/png;base64,"]),
+              st.text(max_size=60)))
+_parts = st.one_of(
+    st.builds(lambda u, d: {"type": "image_url", "image_url": {"url": u, **({"detail": d} if d else {})}}, _urls,
+              st.sampled_from([None, "auto", "high", "x"])),
+    st.builds(lambda t: {"type": "text", "text": t}, st.text(max_size=30)),
+    st.dictionaries(st.sampled_from(["type", "image_url", "text", "video_url", "input_audio"]), _json_values,
+                    max_size=3))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(parts=st.lists(_parts, max_size=4), role=st.sampled_from(["user", "system", "assistant", "robot"]))
+def test_property_parts_never_fail_with_a_5xx(builder, parts, role):
+    raw = json.dumps({"model": "mmfleet-demo", "messages": [{"role": role, "content": parts}]}).encode()
+    try:
+        build(builder, raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass  # the gateway answers these with a 400
+    except RequestFailed as err:
+        assert 400 <= err.event.status < 500, err.event
