@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test clean-venv
+.PHONY: install up test chaos clean-venv
 
 install: $(STAMP)
 
@@ -22,6 +22,10 @@ up: install
 
 test: install
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the long chaos run: 200 requests while each stage's worker is killed in turn
+chaos: install
+	CHAOS_REQUESTS=200 OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/chaos -s $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

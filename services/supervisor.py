@@ -5,8 +5,10 @@ Order: Kafka (use the broker at ``kafka_bootstrap`` if one answers, else start t
 port) → the demo model (built once, cached) → topics → one worker per stage group → gateway.
 
 Children get ``PR_SET_PDEATHSIG`` so they die with the supervisor even if it is SIGKILLed. A
-worker or gateway that exits unexpectedly is restarted with backoff; broker and Redis are not
-(their state is gone with them: the embedded broker keeps everything in memory). SIGINT /
+worker or gateway that exits unexpectedly is restarted with backoff (1 s doubling to 30 s,
+reset after a minute of good health). A broker or Redis started here is restarted too, and
+the topics are created again after a broker restart: the embedded broker keeps everything in
+memory, so what was queued in it is lost and those requests end at their deadline. SIGINT /
 SIGTERM stop children in reverse order: SIGTERM, wait ``stop_timeout_s``, then SIGKILL.
 """
 
@@ -20,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -49,6 +52,9 @@ class Child:
     env: dict[str, str] | None = None
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    started_at: float = 0.0
+    restarting: bool = False
+    port: int | None = None  # infra: where it must listen again after a restart
     log_path: Path | None = None
     _log_file: object = field(default=None, repr=False)
 
@@ -62,6 +68,7 @@ class Child:
         # broker while workers still drain).
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                      start_new_session=True, preexec_fn=_die_with_parent)
+        self.started_at = time.monotonic()
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
     def stop(self, timeout_s: float) -> None:
@@ -194,6 +201,7 @@ class Fleet:
     async def _start_infra(self, child: Child, host: str, port: int) -> None:
         if self.log_dir:
             child.log_path = self.log_dir / f"{child.name.split('(')[0]}.log"
+        child.port = port
         child.start()
         self.infra.append(child)
         await _wait_port(host, port, 20, child)
@@ -222,23 +230,43 @@ class Fleet:
                 raise RuntimeError(f"{child.name} exited with {child.proc.returncode}")
 
     async def supervise(self) -> None:
-        """Restart crashed services (backoff 1 s → 30 s) until ``stop()``."""
+        """Restart what exits until ``stop()``: infra at once, services with backoff."""
+        pending: set[asyncio.Task] = set()
         while not self._stopping.is_set():
-            self._check_children()
+            for child in self.infra:
+                if child.proc is not None and child.proc.poll() is not None:
+                    await self._restart_infra(child)
             for child in self.services:
-                if child.proc is not None and child.proc.poll() is not None and not self._stopping.is_set():
-                    code = child.proc.returncode
-                    child.restarts += 1
-                    delay = min(2 ** min(child.restarts, 5), 30)
-                    log.warning("%s exited with %s; restarting in %d s", child.name, code, delay)
-                    child.proc = None
-                    await asyncio.sleep(delay)
-                    if not self._stopping.is_set():
-                        child.start()
+                if child.proc is not None and child.proc.poll() is not None and not child.restarting:
+                    child.restarting = True
+                    task = asyncio.create_task(self._restart_later(child))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
             try:
                 await asyncio.wait_for(self._stopping.wait(), 0.5)
             except TimeoutError:
                 pass
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _restart_later(self, child: Child) -> None:
+        if time.monotonic() - child.started_at > 60:
+            child.restarts = 0  # it was healthy for a while: start the backoff over
+        child.restarts += 1
+        delay = min(2 ** (child.restarts - 1), 30)
+        log.warning("%s exited with %s; restarting in %d s", child.name, child.proc.returncode, delay)
+        await asyncio.sleep(delay)
+        if not self._stopping.is_set():
+            child.start()
+        child.restarting = False
+
+    async def _restart_infra(self, child: Child) -> None:
+        log.warning("%s exited with %s; restarting it", child.name, child.proc.returncode)
+        child.start()
+        await _wait_port("127.0.0.1", child.port, 20, child)
+        if child.name.startswith("kafka"):
+            await ensure_topics(self.settings)  # the in-memory broker came back empty
 
     def request_stop(self) -> None:
         self._stopping.set()

@@ -20,6 +20,7 @@ from shared.models.reference import reference_generate
 from tests import procs
 
 MAX_TOKENS = 12
+ADMISSION_BOUND = 6
 
 
 def png_data_url(img: Image.Image) -> str:
@@ -76,7 +77,8 @@ def media_server():
 @pytest.fixture(scope="module")
 def fleet(kafka_bootstrap, redis_url, model_dir, logs_dir, media_server):
     env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
-           "MMFLEET_MEDIA_ALLOW_HOSTS": "127.0.0.1", "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024)}
+           "MMFLEET_MEDIA_ALLOW_HOSTS": "127.0.0.1", "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024),
+           "MMFLEET_MAX_INFLIGHT_REQUESTS": str(ADMISSION_BOUND)}
     with procs.fleet(env, logs_dir) as (base, _proc):
         yield base
 
@@ -100,11 +102,11 @@ def streamed(client, content) -> tuple[str, str | None]:
     return "".join(text), finish
 
 
-def reference_text(model_dir, content_parts, images) -> str:
+def reference_text(model_dir, content_parts, images, max_tokens: int = MAX_TOKENS) -> str:
     from transformers import AutoTokenizer
 
     messages = [{"role": "user", "content": content_parts}]
-    ids = reference_generate(model_dir, messages, images, MAX_TOKENS)
+    ids = reference_generate(model_dir, messages, images, max_tokens)
     tok = AutoTokenizer.from_pretrained(model_dir)
     return tok.decode(ids, skip_special_tokens=True)
 
@@ -259,3 +261,31 @@ def test_finish_event_records_the_path_through_every_stage(client, redis_url):
     for span in finish.spans:
         assert span.total_ms > 0 and span.queue_ms >= 0 and 0 <= span.transfer_ms <= span.total_ms
     assert all(s.transfer_ms > 0 for s in finish.spans)  # each stage moved a tensor over NIXL
+
+
+def test_admission_at_twice_the_bound_gives_429_with_retry_after(fleet):
+    """2x the gateway's in-flight bound at once: the excess is refused with 429 + Retry-After,
+    everything admitted completes."""
+    async def run():
+        client = openai.AsyncOpenAI(base_url=fleet + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one():
+            try:
+                stream = await client.chat.completions.create(
+                    model="mmfleet-demo", stream=True, temperature=0, max_tokens=48,
+                    messages=[{"role": "user", "content": "Tell me a long story."}])
+                return "ok", "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            except openai.RateLimitError as exc:
+                return "429", exc.response.headers.get("retry-after")
+
+        try:
+            return await asyncio.gather(*(one() for _ in range(2 * ADMISSION_BOUND)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    kinds = [k for k, _ in results]
+    assert kinds.count("429") >= 1 and kinds.count("ok") >= ADMISSION_BOUND // 2, kinds
+    assert all(v == "1" for k, v in results if k == "429")
+    texts = {v for k, v in results if k == "ok"}
+    assert len(texts) == 1  # the admitted ones all completed with the same (greedy) answer
