@@ -33,6 +33,7 @@ from aiohttp import web
 
 from services.decode.stream import stream_completion
 from services.gateway import schema
+from services.worker import make_engine
 from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.responses import Shaper, error_response, event_error_response, sse_response, whole_response
 from shared import protocol
@@ -84,22 +85,16 @@ def _span(stage: str, total_s: float, *, queue_s: float = 0.0, transfer_s: float
 
 
 async def _lifecycle(app: web.Application):
-    from transformers import AutoTokenizer
-
     from shared.compute import ComputeLane
     from shared.engines.qwen2_vl import ImagePreprocessor
-    from shared.engines.transformers_engine import TransformersEngine
     from shared.media.fetch import MediaFetcher
-    from shared.models.registry import family_of, resolve_model_path
+    from shared.models.registry import resolve_model_path
 
     s = app[SETTINGS]
     model_dir = resolve_model_path(s)
-    engine = TransformersEngine(model_dir, encode_max_batch_items=s.encode_max_batch_items,
-                                encode_batch_wait_ms=s.encode_batch_wait_ms)
+    engine = make_engine("transformers", s, model_dir)  # as a worker builds it
     await engine.start()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)  # as the gateway loads it
-    builder = PromptBuilder(tokenizer, placeholder_token=family_of(model_dir).image_placeholder,
-                            max_model_len=engine.max_model_len, settings=s)
+    builder = PromptBuilder.for_model(model_dir, s)  # as the gateway builds it
     lane = ComputeLane("media")
     async with MediaFetcher.from_settings(s) as fetcher:
         app[STATE] = InprocState(s, engine, builder, fetcher, ImagePreprocessor(model_dir), lane)

@@ -25,7 +25,7 @@ from shared import protocol
 from shared.bus import make_producer
 from shared.keys import TOPIC_MEDIA_FETCH, TOPIC_PREFILL, RedisKeys
 from shared.ledger import StageLedger
-from shared.models.registry import family_of, resolve_model_path
+from shared.models.registry import resolve_model_path
 from shared.settings import Settings
 from shared.stage import RequestFailed
 from shared.streams import TokenStreams
@@ -58,14 +58,7 @@ class GatewayState:
 
 async def _lifecycle(app: web.Application):
     settings = app[SETTINGS]
-    from transformers import AutoConfig, AutoTokenizer
-
-    model_dir = resolve_model_path(settings)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
-    max_len = getattr(getattr(config, "text_config", config), "max_position_embeddings", 4096)
-    builder = PromptBuilder(tokenizer, placeholder_token=family_of(model_dir).image_placeholder,
-                            max_model_len=max_len, settings=settings)
+    builder = PromptBuilder.for_model(resolve_model_path(settings), settings)
     producer = make_producer(settings)
     redis = aioredis.from_url(settings.redis_url)
     transfer = TransferAgent(f"gateway-{uuid.uuid4().hex[:12]}", settings.pool_bytes,

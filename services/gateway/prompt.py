@@ -49,6 +49,18 @@ class PromptBuilder:
         self._allow = as_allowlist(settings.media_allow_hosts)
         self._max_bytes = {"image": settings.max_image_bytes}
 
+    @classmethod
+    def for_model(cls, model_dir, settings: Settings) -> PromptBuilder:
+        """The builder for a saved model: its tokenizer, its family's placeholder, its context."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        from shared.models.registry import family_of
+
+        config = AutoConfig.from_pretrained(model_dir)
+        max_len = getattr(getattr(config, "text_config", config), "max_position_embeddings", 4096)
+        return cls(AutoTokenizer.from_pretrained(model_dir), placeholder_token=family_of(model_dir).image_placeholder,
+                   max_model_len=max_len, settings=settings)
+
     # ------------------------------------------------------------------ chat
     def chat(self, req: schema.ChatCompletionRequest) -> Prepared:
         self._check_common(req.model, req.n)
