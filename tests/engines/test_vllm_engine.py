@@ -73,7 +73,13 @@ def cases(model_dir, compute, reference):
 
 
 @pytest.fixture(scope="module")
-async def engine(model_dir):
+def other_children() -> set[int]:
+    """Children this process had before the engine (e.g. the session's broker and Redis)."""
+    return set(children())
+
+
+@pytest.fixture(scope="module")
+async def engine(model_dir, other_children):
     eng = VllmEngine(model_dir, kv_cache_bytes=256 << 20)
     await eng.start()
     yield eng
@@ -176,12 +182,16 @@ async def test_bad_inputs_raise_engine_error(engine, cases):
         await engine.encode(torch.zeros(4, 4), (1, 2, 2), 1)
 
 
-async def test_stop_leaves_no_child_process(engine):
-    before = {pid: cmd for pid, cmd in children().items() if "resource_tracker" not in cmd}
+async def test_stop_leaves_no_child_process(engine, other_children):
+    def engine_children() -> dict[int, str]:
+        return {pid: cmd for pid, cmd in children().items()
+                if "resource_tracker" not in cmd and pid not in other_children}
+
+    before = engine_children()
     assert before, "expected vLLM's engine-core child while the engine runs"
     await engine.stop()
     await engine.stop()  # idempotent
-    after = {pid: cmd for pid, cmd in children().items() if "resource_tracker" not in cmd}
+    after = engine_children()
     assert after == {}
     assert not any(Path(f"/proc/{pid}").exists() for pid in before)
     with pytest.raises(EngineError):
