@@ -72,8 +72,10 @@ async def _load_with_kills(base: str, supervisor_pid: int) -> tuple[list, list[s
 
     tasks = [asyncio.create_task(guarded(i)) for i in range(REQUESTS)]
     killed = []
-    for stage in ("media-fetch", "encode", "prefill", "decode"):
-        await asyncio.sleep(4)
+    # downstream first: a stage is killed while work streams through it (killing media-fetch
+    # first would stall everything behind it, and the later kills would find idle workers)
+    for stage in ("decode", "prefill", "encode", "media-fetch"):
+        await asyncio.sleep(3)
         pid = _stage_pids(supervisor_pid).get(stage)
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
@@ -103,8 +105,11 @@ def test_kill_each_stage_worker_under_load(kafka_bootstrap, redis_url, model_dir
         after = _stage_pids(supervisor.pid)
     outcomes = Counter(kind for _, kind, _ in results)
     wrong = [(i, text) for i, kind, text in results if kind == "completed" and text != references[i % len(PROMPTS)]]
-    print(f"\nchaos: {REQUESTS} requests in {elapsed:.1f} s, killed {killed}, outcomes {dict(outcomes)}")
-    assert killed == ["media-fetch", "encode", "prefill", "decode"]
+    resumed = sum(p.read_text().count("resuming after them") for p in log_dir.glob("*.log"))
+    restarted = sum(p.read_text().count("restarting it from its source") for p in log_dir.glob("*.log"))
+    print(f"\nchaos: {REQUESTS} requests in {elapsed:.1f} s, killed {killed}, outcomes {dict(outcomes)}, "
+          f"decodes resumed from the token log {resumed}, restarts from the source {restarted}")
+    assert killed == ["decode", "prefill", "encode", "media-fetch"]
     assert all(after[s] != before[s] for s in killed), "every killed worker was restarted"
     assert len(results) == REQUESTS  # none hung past its deadline
     assert not wrong, f"{len(wrong)} completed streams differ from the reference: {wrong[:3]}"
