@@ -20,6 +20,7 @@ import msgspec
 import redis.asyncio as aioredis
 import torch
 from aiohttp import web
+from aiokafka.errors import KafkaError
 
 from shared import protocol
 from shared.bus import make_producer
@@ -167,7 +168,12 @@ async def _run(request: web.Request, state: GatewayState, prepared: Prepared, mo
                               headers={"Retry-After": "1"})
     inline = [it.inline.lease for it in msg.meta.sources if it.inline is not None]
     try:
-        await state.producer.send_and_wait(topic, protocol.encode(msg), key=request_id.encode())
+        try:
+            await state.producer.send_and_wait(topic, protocol.encode(msg), key=request_id.encode())
+        except KafkaError as exc:  # broker down or restarting: say so, never an unshaped 500
+            log.warning("could not queue %s on %s: %r", request_id, topic, exc)
+            return error_response(503, f"the request queue is unavailable right now ({type(exc).__name__}); "
+                                       "retry shortly", code="queue_unavailable", headers={"Retry-After": "1"})
         return await _respond(request, state, msg.meta, prepared, model, chat=chat)
     except (asyncio.CancelledError, ConnectionResetError):
         # the client went away: tell the stages to stop working on it
