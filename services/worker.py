@@ -41,28 +41,29 @@ from shared.transfer import TransferAgent
 log = logging.getLogger(__name__)
 
 
-def make_engine(name: str, settings: Settings, model_dir) -> Engine:
+def _engine_class(name: str):
     if name == "transformers":
         from shared.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(model_dir, encode_max_batch_items=settings.encode_max_batch_items,
-                                  encode_batch_wait_ms=settings.encode_batch_wait_ms)
+        return TransformersEngine
     if name == "vllm":
         from shared.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(model_dir)
+        return VllmEngine
     raise SystemExit(f"unknown engine {name!r}; choose transformers or vllm")
+
+
+def make_engine(name: str, settings: Settings, model_dir) -> Engine:
+    cls = _engine_class(name)
+    if name == "transformers":
+        return cls(model_dir, encode_max_batch_items=settings.encode_max_batch_items,
+                   encode_batch_wait_ms=settings.encode_batch_wait_ms)
+    return cls(model_dir)
 
 
 def engine_capabilities(name: str):
     """Capabilities without starting the engine (for start-up checks)."""
-    if name == "transformers":
-        from shared.engines.transformers_engine import TransformersEngine
-
-        return TransformersEngine.capabilities
-    from shared.engines.vllm_engine import VllmEngine
-
-    return VllmEngine.capabilities
+    return _engine_class(name).capabilities
 
 
 async def run_worker(settings: Settings, stages_arg: list[str]) -> int:

@@ -39,9 +39,9 @@ from aiokafka.errors import CommitFailedError, KafkaError
 
 from shared import protocol, tracing
 from shared.bus import OffsetTracker, make_consumer
-from shared.keys import TOPIC_DEAD_LETTER, TOPIC_MEDIA_FETCH, TOPIC_PREFILL, consumer_group
+from shared.keys import TOPIC_DEAD_LETTER, consumer_group
 from shared.settings import Settings
-from shared.stage import Context, Handler, Outcome, Produce, RequestFailed
+from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entry_message
 from shared.transfer import OwnerGoneError
 
 log = logging.getLogger(__name__)
@@ -293,8 +293,4 @@ def restart_from_source(meta: protocol.RequestMeta, max_restarts: int, reason: s
     if meta.attempt >= max_restarts:
         raise RequestFailed(503, f"request {meta.request_id} lost its intermediate tensors {meta.attempt + 1} "
                                  f"times ({reason}); giving up", type_="server_error", code="tensor_owner_lost")
-    again = msgspec.structs.replace(meta, attempt=meta.attempt + 1)
-    if meta.sources:
-        msg = protocol.MediaFetchRequest(meta=again, items=meta.sources, owner=meta.source_owner)
-        return Outcome([Produce(TOPIC_MEDIA_FETCH, meta.request_id, msg)])
-    return Outcome([Produce(TOPIC_PREFILL, meta.request_id, protocol.PrefillRequest(meta=again))])
+    return Outcome([entry_message(msgspec.structs.replace(meta, attempt=meta.attempt + 1))])

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from msgspec import Struct
 
 from shared import protocol
+from shared.keys import TOPIC_MEDIA_FETCH, TOPIC_PREFILL
 
 if TYPE_CHECKING:
     from shared.ledger import StageLedger
@@ -34,6 +35,15 @@ class Produce:
     topic: str
     key: str
     value: Struct
+
+
+def entry_message(meta: protocol.RequestMeta) -> Produce:
+    """Where a request enters the fleet: media-fetch when it has media (``meta.sources``),
+    prefill otherwise. The gateway sends it first; a restart from the source sends it again."""
+    if meta.sources:
+        msg = protocol.MediaFetchRequest(meta=meta, items=meta.sources, owner=meta.source_owner)
+        return Produce(TOPIC_MEDIA_FETCH, meta.request_id, msg)
+    return Produce(TOPIC_PREFILL, meta.request_id, protocol.PrefillRequest(meta=meta))
 
 
 @dataclass

@@ -24,11 +24,11 @@ from aiokafka.errors import KafkaError
 
 from shared import protocol
 from shared.bus import make_producer
-from shared.keys import TOPIC_MEDIA_FETCH, TOPIC_PREFILL, RedisKeys
+from shared.keys import RedisKeys
 from shared.ledger import StageLedger
 from shared.models.registry import resolve_model_path
 from shared.settings import Settings
-from shared.stage import RequestFailed
+from shared.stage import Produce, RequestFailed, entry_message
 from shared.streams import TokenStreams
 from shared.transfer import PoolFullError, TransferAgent
 from services.gateway import schema
@@ -162,19 +162,20 @@ async def _run(request: web.Request, state: GatewayState, prepared: Prepared, mo
                                 deadline_unix_ms=now_ms + s.request_timeout_ms,
                                 prompt_token_ids=tuple(prepared.prompt_token_ids), sampling=prepared.sampling)
     try:
-        msg, topic = await _first_message(state, meta, prepared)
+        first = await _first_message(state, meta, prepared)
     except PoolFullError:
         return error_response(429, "server media buffers are full; retry shortly", code="overloaded",
                               headers={"Retry-After": "1"})
-    inline = [it.inline.lease for it in msg.meta.sources if it.inline is not None]
+    meta = first.value.meta
+    inline = [it.inline.lease for it in meta.sources if it.inline is not None]
     try:
         try:
-            await state.producer.send_and_wait(topic, protocol.encode(msg), key=request_id.encode())
+            await state.producer.send_and_wait(first.topic, protocol.encode(first.value), key=request_id.encode())
         except KafkaError as exc:  # broker down or restarting: say so, never an unshaped 500
-            log.warning("could not queue %s on %s: %r", request_id, topic, exc)
+            log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)
             return error_response(503, f"the request queue is unavailable right now ({type(exc).__name__}); "
                                        "retry shortly", code="queue_unavailable", headers={"Retry-After": "1"})
-        return await _respond(request, state, msg.meta, prepared, model, chat=chat)
+        return await _respond(request, state, meta, prepared, model, chat=chat)
     except (asyncio.CancelledError, ConnectionResetError):
         # the client went away: tell the stages to stop working on it
         await asyncio.shield(state.ledger.abort(request_id, ttl_s=s.stream_ttl_s))
@@ -206,10 +207,8 @@ async def _respond(request: web.Request, state: GatewayState, meta: protocol.Req
         await events.aclose()
 
 
-async def _first_message(state: GatewayState, meta: protocol.RequestMeta, prepared: Prepared):
+async def _first_message(state: GatewayState, meta: protocol.RequestMeta, prepared: Prepared) -> Produce:
     """The request's entry message; its meta records the media sources (see runner restarts)."""
-    if not prepared.media:
-        return protocol.PrefillRequest(meta=meta), TOPIC_PREFILL
     items = []
     has_inline = False
     for m in prepared.media:
@@ -221,5 +220,4 @@ async def _first_message(state: GatewayState, meta: protocol.RequestMeta, prepar
         else:
             items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url))
     owner = state.transfer.ref() if has_inline else None
-    meta = msgspec.structs.replace(meta, sources=tuple(items), source_owner=owner)
-    return protocol.MediaFetchRequest(meta=meta, items=tuple(items), owner=owner), TOPIC_MEDIA_FETCH
+    return entry_message(msgspec.structs.replace(meta, sources=tuple(items), source_owner=owner))
