@@ -156,6 +156,8 @@ class Fleet:
         model_dir = await asyncio.to_thread(resolve_model_path, s)
         self.settings = s = s.with_overrides(model_path=str(model_dir))
         await ensure_topics(s)
+        if any(c.name.startswith("kafka") for c in self.infra):
+            await self._new_broker_epoch()
         env = settings_mod.child_env(s)
         cli = [sys.executable, "-m", "services.cli"]
         for stages in MODES[self.mode]:
@@ -266,7 +268,28 @@ class Fleet:
         child.start()
         await _wait_port("127.0.0.1", child.port, 20, child)
         if child.name.startswith("kafka"):
-            await ensure_topics(self.settings)  # the in-memory broker came back empty
+            # The in-memory broker came back empty: every record in flight is gone. Say so
+            # before the topics exist again (gateways re-drive their unfinished requests, see
+            # services/gateway/redrive.py), then create them.
+            await self._new_broker_epoch()
+            await ensure_topics(self.settings)
+
+    async def _new_broker_epoch(self) -> None:
+        """A fresh broker-epoch token in Redis: the broker this supervisor runs keeps records in
+        memory only, so a (re)start means records in flight were lost."""
+        import uuid
+
+        import redis.asyncio as aioredis
+
+        from shared.keys import RedisKeys
+
+        redis = aioredis.from_url(self.settings.redis_url)
+        try:
+            await redis.set(RedisKeys(self.settings.redis_prefix).broker_epoch(), uuid.uuid4().hex)
+        except Exception as exc:  # Redis away: gateways cannot re-drive; say so loudly
+            log.error("could not record the broker restart in Redis (%r); requests in flight may be lost", exc)
+        finally:
+            await redis.aclose()
 
     def request_stop(self) -> None:
         self._stopping.set()

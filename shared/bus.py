@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 
 from shared.keys import ALL_TOPICS
 from shared.settings import Settings
@@ -31,9 +32,9 @@ def make_producer(settings: Settings) -> AIOKafkaProducer:
     )
 
 
-def make_consumer(settings: Settings, topic: str, group_id: str) -> AIOKafkaConsumer:
-    return AIOKafkaConsumer(
-        topic,
+def make_consumer(settings: Settings, topic: str, group_id: str,
+                  listener: ConsumerRebalanceListener | None = None) -> AIOKafkaConsumer:
+    consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.kafka_bootstrap,
         group_id=group_id,
         enable_auto_commit=False,  # the runner commits only after outputs are acknowledged
@@ -46,6 +47,8 @@ def make_consumer(settings: Settings, topic: str, group_id: str) -> AIOKafkaCons
         session_timeout_ms=10_000,
         heartbeat_interval_ms=3_000,
     )
+    consumer.subscribe([topic], listener=listener)
+    return consumer
 
 
 async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS, *, timeout_s: float = 30.0) -> None:
@@ -74,6 +77,31 @@ async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS
             await asyncio.sleep(0.3)
         finally:
             await admin.close()
+
+
+async def send_retrying(producer: AIOKafkaProducer, topic: str, value: bytes, key: bytes, *,
+                        deadline_unix_ms: int, first_try=None) -> None:
+    """Produce one record and wait for the broker's ack, retrying broker errors (a broker that
+    is restarting refuses connections, and one that came back empty answers "unknown topic"
+    or an unknown error until the topics are created again) with backoff until
+    ``deadline_unix_ms``; then the last error is raised. ``first_try``: an already-sent
+    record's future to wait on before retrying."""
+    delay_s = 0.1
+    while True:
+        try:
+            if first_try is not None:
+                fut, first_try = first_try, None
+                await fut
+            else:
+                await producer.send_and_wait(topic, value, key=key)
+            return
+        except KafkaError as exc:
+            left_s = deadline_unix_ms / 1000 - time.time()
+            if left_s <= delay_s:
+                raise
+            log.warning("produce to %s failed (%r); retrying in %.1f s", topic, exc, delay_s)
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 2.0)
 
 
 class OffsetTracker:

@@ -51,6 +51,17 @@ class RedisKeys:
         """Set once (request, stage)'s outputs are acknowledged: redeliveries skip the work."""
         return f"{self.prefix}:done:{stage}:{request_id}"
 
+    def attempts(self, request_id: str) -> str:
+        """Counter of the request's attempts: every restart from the source takes a fresh number,
+        so two restarts (a lost tensor owner, a broker that lost its records) never share one."""
+        return f"{self.prefix}:attempts:{request_id}"
+
+    def broker_epoch(self) -> str:
+        """Bumped by whoever restarts a broker that keeps records in memory only (``mmfleet up``'s
+        embedded broker): records in flight before the bump are gone, so gateways re-drive their
+        unfinished requests from the source."""
+        return f"{self.prefix}:broker-epoch"
+
     def abort(self, request_id: str) -> str:
         """Set by the gateway when the client went away: stages stop working on the request."""
         return f"{self.prefix}:abort:{request_id}"

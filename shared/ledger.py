@@ -8,8 +8,10 @@ that safe:
   ``lease_ms`` and a redelivery can take over.
 - ``mark_done`` after the stage's outputs are acknowledged: a redelivered record whose work is
   done is acknowledged without redoing it.
-``attempt`` is part of the key: a request restarted from its source (a lost tensor owner)
-runs every stage again.
+``attempt`` is part of the key: a request restarted from its source (a lost tensor owner, a
+broker restart that lost its records) runs every stage again. ``next_attempt`` hands out those
+numbers from one counter per request, so two restarts never reuse a number whose done-marks
+exist (which would skip the work and lose the request).
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ from shared.keys import RedisKeys
 
 # delete / extend only if the claim is still ours (a lapsed claim may belong to another worker)
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# a fresh attempt number above ``current`` (the counter may be gone after a Redis flush)
+_NEXT_ATTEMPT = """
+local n = redis.call('incr', KEYS[1])
+if n <= tonumber(ARGV[1]) then n = tonumber(ARGV[1]) + 1; redis.call('set', KEYS[1], n) end
+redis.call('expire', KEYS[1], ARGV[2])
+return n
+"""
 _REFRESH = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 
 
@@ -31,6 +40,7 @@ class StageLedger:
         self._done_ttl_s = done_ttl_s
         self._release = redis.register_script(_RELEASE)
         self._refresh = redis.register_script(_REFRESH)
+        self._next_attempt = redis.register_script(_NEXT_ATTEMPT)
 
     @property
     def lease_ms(self) -> int:
@@ -63,3 +73,13 @@ class StageLedger:
 
     async def mark_done(self, request_id: str, stage: str, attempt: int) -> None:
         await self._redis.set(self._done_key(request_id, stage, attempt), b"1", ex=self._done_ttl_s)
+
+    async def next_attempt(self, request_id: str, current: int) -> int:
+        """A fresh attempt number for the request, greater than ``current`` and than any number
+        handed out before (while the counter lives, ``done_ttl_s``)."""
+        return int(await self._next_attempt(keys=[self._keys.attempts(request_id)],
+                                            args=[current, self._done_ttl_s]))
+
+    async def broker_epoch(self) -> bytes | None:
+        """The broker-epoch token (see ``RedisKeys.broker_epoch``); None when unset or flushed."""
+        return await self._redis.get(self._keys.broker_epoch())

@@ -34,11 +34,11 @@ import logging
 import time
 
 import msgspec
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from shared import protocol, tracing
-from shared.bus import OffsetTracker, make_consumer
+from shared.bus import OffsetTracker, make_consumer, send_retrying
 from shared.keys import TOPIC_DEAD_LETTER, consumer_group
 from shared.settings import Settings
 from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entry_message
@@ -66,12 +66,13 @@ class StageRunner:
         self._producer = producer
         self._settings = settings
         self._concurrency = concurrency or settings.stage_concurrency
-        self._consumer = make_consumer(settings, topic, consumer_group(stage))
+        self._consumer = make_consumer(settings, topic, consumer_group(stage), _Rebalance(self))
         self._trackers: dict[TopicPartition, OffsetTracker] = {}
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
         self._paused = False
         self._commit_wanted = asyncio.Event()
+        self._epoch: bytes | None = None  # broker-epoch token last seen (see _broker_restarted)
         self.processed = 0  # records finished (any outcome), for stats and tests
         self.assigned = asyncio.Event()  # set once the group gave this runner partitions
 
@@ -95,7 +96,7 @@ class StageRunner:
                     tracker = self._trackers.setdefault(tp, OffsetTracker())
                     for rec in records:
                         tracker.begin(rec.offset)
-                        task = asyncio.create_task(self._process(tp, rec))
+                        task = asyncio.create_task(self._process(tp, tracker, rec))
                         self._tasks.add(task)
                         task.add_done_callback(self._tasks.discard)
         finally:
@@ -128,10 +129,12 @@ class StageRunner:
         self._paused = paused
 
     # ------------------------------------------------------------------ one record
-    async def _process(self, tp: TopicPartition, rec) -> None:
+    async def _process(self, tp: TopicPartition, tracker: OffsetTracker, rec) -> None:
+        """``tracker``: the partition's tracker when the record was fetched; a rebalance since
+        replaced it, so a record of a partition given away never moves the new watermark."""
         try:
             await self._handle_record(tp, rec)
-            self._trackers[tp].done(rec.offset)
+            tracker.done(rec.offset)
             self.processed += 1
             self._commit_wanted.set()
         except asyncio.CancelledError:
@@ -203,7 +206,10 @@ class StageRunner:
                 log.warning("%s: %s lost an input tensor (%s); restarting it from its source", self.stage,
                             meta.request_id, exc)
                 try:
-                    outcome = restart_from_source(meta, self._settings.max_restarts, str(exc))
+                    fresh = None
+                    if self._ctx.ledger is not None and meta.attempt < self._settings.max_restarts:
+                        fresh = await self._ctx.ledger.next_attempt(meta.request_id, meta.attempt)
+                    outcome = restart_from_source(meta, self._settings.max_restarts, str(exc), fresh)
                 except RequestFailed as failed:
                     await self._fail(meta, failed)
                     return
@@ -219,7 +225,12 @@ class StageRunner:
                     return
                 await asyncio.sleep(min(0.05 * 2 ** attempts, 2.0))
                 continue
-            await self._deliver(outcome)
+            try:
+                await self._deliver(outcome, meta.deadline_unix_ms)
+            except KafkaError as exc:  # the broker stayed unreachable until the deadline
+                await self._fail(meta, RequestFailed(503, f"stage {self.stage} could not queue its output before "
+                                                          f"the deadline ({type(exc).__name__})",
+                                                     type_="server_error", code="queue_unavailable"))
             return
 
     async def _run_stage(self, handler: Handler, msg, ctx: Context, queue_ms: float) -> Outcome:
@@ -240,13 +251,20 @@ class StageRunner:
             releases.extend(sub.releases)
         return Outcome(produce, releases)
 
-    async def _deliver(self, outcome: Outcome) -> None:
-        sends = [
-            await self._producer.send(p.topic, protocol.encode(p.value), key=p.key.encode())
-            for p in outcome.produce
-        ]
-        for fut in sends:
-            await fut  # broker ack: the output is durable before anything upstream is freed
+    async def _deliver(self, outcome: Outcome, deadline_unix_ms: int) -> None:
+        """Produce the outputs (all sent at once), wait for every broker ack (the output is
+        durable before anything upstream is freed), retrying broker errors until the deadline."""
+        sends = []
+        for p in outcome.produce:
+            value = protocol.encode(p.value)
+            try:
+                fut = await self._producer.send(p.topic, value, key=p.key.encode())
+            except KafkaError:
+                fut = None  # not even queued (e.g. no metadata for the topic yet): retried below
+            sends.append((p, value, fut))
+        for p, value, fut in sends:
+            await send_retrying(self._producer, p.topic, value, p.key.encode(), deadline_unix_ms=deadline_unix_ms,
+                                first_try=fut)
         if self._ctx.transfer is not None:
             for owner, leases in outcome.releases:
                 await self._ctx.transfer.release(owner, leases)
@@ -263,18 +281,47 @@ class StageRunner:
     # ------------------------------------------------------------------ commits
     async def _commit_loop(self) -> None:
         while True:
-            await self._commit_wanted.wait()
+            try:  # at least once a second, so an idle runner notices a broker restart too
+                await asyncio.wait_for(self._commit_wanted.wait(), 1.0)
+            except TimeoutError:
+                pass
             self._commit_wanted.clear()
             await self._commit()
             await asyncio.sleep(0.005)  # coalesce bursts of completions into one commit
 
+    async def _broker_restarted(self) -> bool:
+        """True once per change of the broker-epoch token (a broker that lost its records came
+        back): every watermark is stale then (offsets start at 0 again), so they are dropped,
+        nothing is committed, and every partition is read again from its beginning (the ledger
+        skips what is done). Checked right before each commit, so a stale watermark never
+        reaches the new broker: the epoch changes before the topics exist again."""
+        if self._ctx.ledger is None:
+            return False
+        try:
+            epoch = await self._ctx.ledger.broker_epoch()
+        except Exception:  # Redis away: commits go on as before
+            return False
+        if epoch is None or epoch == self._epoch:
+            return False
+        first, self._epoch = self._epoch is None, epoch
+        if first:
+            return False
+        log.warning("%s: the broker lost its records (restarted); reading every partition again", self.stage)
+        self._trackers.clear()
+        parts = list(self._consumer.assignment())
+        if parts:
+            await self._consumer.seek_to_beginning(*parts)
+        return True
+
     async def _commit(self) -> None:
-        offsets = {}
+        if await self._broker_restarted():
+            return
+        offsets, trackers = {}, {}
         assigned = self._consumer.assignment()
         for tp, tracker in list(self._trackers.items()):
             mark = tracker.committable()
             if mark is not None and tp in assigned:
-                offsets[tp] = mark
+                offsets[tp], trackers[tp] = mark, tracker
         if not offsets:
             return
         try:
@@ -285,12 +332,34 @@ class StageRunner:
             log.warning("%s: commit failed (%s); records will be redelivered", self.stage, exc)
             return
         for tp, mark in offsets.items():
-            self._trackers[tp].mark_committed(mark)
+            trackers[tp].mark_committed(mark)
 
 
-def restart_from_source(meta: protocol.RequestMeta, max_restarts: int, reason: str) -> Outcome:
-    """The request's entry message again, ``attempt + 1`` (see the module contract)."""
+class _Rebalance(ConsumerRebalanceListener):
+    """Commit finished work before partitions go; start every (re)assigned partition with a
+    fresh watermark. A tracker kept across a rebalance could commit a stale offset: after the
+    embedded broker restarts empty, offsets start at 0 again, and an old watermark would commit
+    past records nobody has processed."""
+
+    def __init__(self, runner: StageRunner) -> None:
+        self._runner = runner
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        await self._runner._commit()
+        for tp in revoked:
+            self._runner._trackers.pop(tp, None)
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        for tp in assigned:
+            self._runner._trackers.pop(tp, None)
+
+
+def restart_from_source(meta: protocol.RequestMeta, max_restarts: int, reason: str,
+                        attempt: int | None = None) -> Outcome:
+    """The request's entry message again with a fresh ``attempt`` (default ``attempt + 1``;
+    the ledger's ``next_attempt`` where there is one), see the module contract."""
     if meta.attempt >= max_restarts:
         raise RequestFailed(503, f"request {meta.request_id} lost its intermediate tensors {meta.attempt + 1} "
                                  f"times ({reason}); giving up", type_="server_error", code="tensor_owner_lost")
-    return Outcome([entry_message(msgspec.structs.replace(meta, attempt=meta.attempt + 1))])
+    fresh = meta.attempt + 1 if attempt is None else attempt
+    return Outcome([entry_message(msgspec.structs.replace(meta, attempt=fresh))])

@@ -72,6 +72,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     max_request_bytes: int = 32 * _MiB
     max_media_items: int = 8
     max_inflight_requests: int = 256
+    # how long the gateway keeps trying to queue a request while the broker is unreachable (a
+    # restart takes a few seconds) before it answers 503 with Retry-After
+    queue_retry_ms: int = 15_000
     stream_maxlen: int = 100_000
     stream_ttl_s: int = 600
 

@@ -23,7 +23,7 @@ from aiohttp import web
 from aiokafka.errors import KafkaError
 
 from shared import protocol
-from shared.bus import make_producer
+from shared.bus import make_producer, send_retrying
 from shared.keys import RedisKeys
 from shared.ledger import StageLedger
 from shared.models.registry import resolve_model_path
@@ -33,6 +33,7 @@ from shared.streams import TokenStreams
 from shared.transfer import PoolFullError, TransferAgent
 from services.gateway import schema
 from services.gateway.prompt import Prepared, PromptBuilder
+from services.gateway.redrive import Redriver
 from services.gateway.responses import Shaper, error_response, event_error_response, sse_response, whole_response
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class GatewayState:
         self.inflight = 0
         self.ledger = StageLedger(redis, RedisKeys(settings.redis_prefix), lease_ms=settings.stage_lease_ms,
                                   done_ttl_s=settings.done_ttl_s)
+        self.redriver = Redriver(redis, RedisKeys(settings.redis_prefix), self.ledger, producer)
 
 
 async def _lifecycle(app: web.Application):
@@ -68,10 +70,13 @@ async def _lifecycle(app: web.Application):
     await transfer.start()
     streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
                            ttl_s=settings.stream_ttl_s)
-    app[STATE] = GatewayState(settings, builder, producer, redis, streams, transfer)
+    app[STATE] = state = GatewayState(settings, builder, producer, redis, streams, transfer)
+    redrive = asyncio.create_task(state.redriver.run(), name="redrive")
     try:
         yield
     finally:
+        redrive.cancel()
+        await asyncio.gather(redrive, return_exceptions=True)
         await transfer.stop()
         await producer.stop()
         await redis.aclose()
@@ -168,10 +173,12 @@ async def _run(request: web.Request, state: GatewayState, prepared: Prepared, mo
                               headers={"Retry-After": "1"})
     meta = first.value.meta
     inline = [it.inline.lease for it in meta.sources if it.inline is not None]
+    state.redriver.track(meta)
     try:
         try:
-            await state.producer.send_and_wait(first.topic, protocol.encode(first.value), key=request_id.encode())
-        except KafkaError as exc:  # broker down or restarting: say so, never an unshaped 500
+            await send_retrying(state.producer, first.topic, protocol.encode(first.value), request_id.encode(),
+                                deadline_unix_ms=min(meta.deadline_unix_ms, now_ms + s.queue_retry_ms))
+        except KafkaError as exc:  # broker down for longer than queue_retry_ms: say so, never an unshaped 500
             log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)
             return error_response(503, f"the request queue is unavailable right now ({type(exc).__name__}); "
                                        "retry shortly", code="queue_unavailable", headers={"Retry-After": "1"})
@@ -181,6 +188,7 @@ async def _run(request: web.Request, state: GatewayState, prepared: Prepared, mo
         await asyncio.shield(state.ledger.abort(request_id, ttl_s=s.stream_ttl_s))
         raise
     finally:
+        state.redriver.forget(request_id)
         for lease in inline:  # held until the end: a restart from the source re-reads them
             state.transfer.free_local(lease)
 

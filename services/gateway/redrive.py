@@ -1,0 +1,92 @@
+"""Re-drive unfinished requests after the broker lost its records.
+
+The embedded broker of ``mmfleet up`` keeps records in memory only: when it is restarted, every
+record in flight on any topic is gone, and with it the requests they carried. Whoever restarts
+such a broker writes a fresh token to ``RedisKeys.broker_epoch`` (the supervisor does, after the
+broker listens again and before the topics exist again). The gateway watches that token; when
+it changes, every request the gateway is still answering is produced again from its source
+(its entry message, the inline media still held in the gateway's pool) under a fresh attempt
+number, so every stage works on it again (``StageLedger`` keys carry the attempt) and decode
+resumes from the token log: the client sees each token once.
+
+A request whose entry message reached the new broker before the gateway saw the token change is
+re-driven too: it then runs twice, which the token log makes invisible to the client (readers
+skip sequence numbers they have already seen; at temperature 0 both runs write the same tokens).
+A durable broker (the compose cluster's Apache Kafka) keeps its records across restarts and
+nobody bumps the epoch, so nothing is re-driven there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+
+from shared import protocol
+from shared.bus import send_retrying
+from shared.keys import RedisKeys
+from shared.ledger import StageLedger
+from shared.stage import entry_message
+
+log = logging.getLogger(__name__)
+
+
+class Redriver:
+    """Tracks the requests the gateway is answering; re-drives them when the broker epoch changes.
+
+    Bounded by the gateway's admission limit (one entry per in-flight request)."""
+
+    def __init__(self, redis, keys: RedisKeys, ledger: StageLedger, producer, *, poll_ms: int = 500) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._ledger = ledger
+        self._producer = producer
+        self._poll_s = poll_ms / 1000
+        self._tracked: dict[str, protocol.RequestMeta] = {}
+        self._epoch: bytes | None = None
+        self.redriven = 0  # requests produced again, for logs and tests
+
+    def track(self, meta: protocol.RequestMeta) -> None:
+        """``meta``: the request's entry-message meta (sources included)."""
+        self._tracked[meta.request_id] = meta
+
+    def forget(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+
+    async def run(self) -> None:
+        """Poll the epoch until cancelled. Redis errors only delay the check (a flushed Redis
+        loses the token: the last one seen stays the reference)."""
+        while True:
+            try:
+                epoch = await self._redis.get(self._keys.broker_epoch())
+            except Exception as exc:  # Redis away: try again at the next tick
+                log.debug("broker epoch check failed: %r", exc)
+                epoch = None
+            if epoch is not None:
+                if self._epoch is not None and epoch != self._epoch:
+                    log.warning("the broker was restarted and lost its records; re-driving %d requests",
+                                len(self._tracked))
+                    await self._redrive_all()
+                self._epoch = epoch
+            await asyncio.sleep(self._poll_s)
+
+    async def _redrive_all(self) -> None:
+        metas = list(self._tracked.values())
+        results = await asyncio.gather(*(self._redrive(m) for m in metas), return_exceptions=True)
+        for meta, result in zip(metas, results):
+            if isinstance(result, BaseException):
+                log.warning("could not re-drive %s: %r", meta.request_id, result)
+
+    async def _redrive(self, meta: protocol.RequestMeta) -> None:
+        if meta.deadline_unix_ms <= time.time() * 1000:
+            return  # its reader ends it with a 504
+        attempt = await self._ledger.next_attempt(meta.request_id, meta.attempt)
+        fresh = msgspec.structs.replace(meta, attempt=attempt)
+        first = entry_message(fresh)
+        await send_retrying(self._producer, first.topic, protocol.encode(first.value), meta.request_id.encode(),
+                            deadline_unix_ms=meta.deadline_unix_ms)
+        if meta.request_id in self._tracked:
+            self._tracked[meta.request_id] = fresh
+        self.redriven += 1

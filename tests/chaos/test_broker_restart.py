@@ -1,0 +1,92 @@
+"""Chaos: the broker is killed (``kill -9``) mid-load and restarted by ``mmfleet up``.
+
+The embedded broker keeps records in memory only, so the restart loses every record in flight
+and every committed offset. The promise still holds because nothing depends on the broker's
+durability alone: the supervisor records the restart (a fresh broker-epoch token in Redis), the
+gateway re-drives each request it is still answering from its source under a fresh attempt,
+stages redo them (their ledger keys carry the attempt), and decode resumes from the Redis token
+log, so every stream shows each token once. Requests that arrive while the broker is down wait
+for it (``queue_retry_ms``) instead of failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests import procs
+from tests.chaos.test_kill_workers import MAX_TOKENS, PROMPTS, TIMEOUT_MS, _one
+from tests.e2e.test_skeleton import ref_parts, reference_text
+
+REQUESTS = int(os.environ.get("CHAOS_REQUESTS", "48"))
+CONCURRENCY = 6
+
+
+def _broker_pid(supervisor_pid: int) -> int | None:
+    for pid in procs.children_of(supervisor_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and b"tansu" in os.path.basename(argv[0]) and b"broker" in argv:
+            return pid
+    return None
+
+
+async def _load_with_broker_kill(base: str, supervisor_pid: int) -> tuple[list, int | None, int | None]:
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+                                timeout=TIMEOUT_MS / 1000 + 30)
+    sem = asyncio.Semaphore(CONCURRENCY)
+
+    async def guarded(i: int):
+        async with sem:
+            return await _one(client, i)
+
+    tasks = [asyncio.create_task(guarded(i)) for i in range(REQUESTS)]
+    await asyncio.sleep(4)  # work streams through every stage
+    killed = _broker_pid(supervisor_pid)
+    if killed is not None:
+        os.kill(killed, signal.SIGKILL)
+    done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=TIMEOUT_MS / 1000 * 3)
+    await client.close()
+    return done, killed, _broker_pid(supervisor_pid)
+
+
+@pytest.fixture(scope="module")
+def references(model_dir):
+    return [reference_text(model_dir, ref_parts(len(imgs), text) if imgs else text, imgs, max_tokens=MAX_TOKENS)
+            for imgs, text in PROMPTS]
+
+
+def test_broker_killed_and_restarted_under_load(redis_url, model_dir, logs_dir, references):
+    # no broker answers on this port: `mmfleet up` starts (and restarts) its own tansu there
+    env = {"KAFKA_BOOTSTRAP": f"127.0.0.1:{procs.free_port()}", "REDIS_URL": redis_url,
+           "MMFLEET_MODEL_PATH": str(model_dir), "MMFLEET_REDIS_PREFIX": "chaos-broker",
+           "MMFLEET_REQUEST_TIMEOUT_MS": str(TIMEOUT_MS), "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024),
+           "MMFLEET_STAGE_LEASE_MS": "6000"}
+    log_dir = logs_dir / "chaos-broker"
+    log_dir.mkdir()
+    with procs.fleet(env, log_dir, mode="e-p-d") as (base, supervisor):
+        t0 = time.monotonic()
+        results, killed, restarted = asyncio.run(_load_with_broker_kill(base, supervisor.pid))
+        elapsed = time.monotonic() - t0
+    outcomes = Counter(kind for _, kind, _ in results)
+    wrong = [(i, text) for i, kind, text in results if kind == "completed" and text != references[i % len(PROMPTS)]]
+    redriven = sum(p.read_text().count("re-driving") for p in log_dir.glob("gateway*.log"))
+    print(f"\nbroker chaos: {REQUESTS} requests in {elapsed:.1f} s, broker pid {killed} -> {restarted}, "
+          f"outcomes {dict(outcomes)}, gateway re-drives {redriven}")
+    for i, kind, text in results:
+        if kind != "completed":
+            print(f"  request {i}: {kind}: {text[:300]}")
+    assert killed is not None and restarted is not None and restarted != killed, "the broker was restarted"
+    assert len(results) == REQUESTS  # none hung past its deadline
+    assert not wrong, f"{len(wrong)} completed streams differ from the reference: {wrong[:3]}"
+    assert redriven >= 1, "the gateway noticed the restart and re-drove its unfinished requests"
+    assert outcomes["completed"] >= REQUESTS * 0.9, outcomes
