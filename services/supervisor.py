@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from shared import settings as settings_mod
-from shared.bus import ensure_topics
+from shared.bus import ensure_topics, fleet_topics
 from shared.models.registry import resolve_model_path
 from shared.modes import MODES, check_engine
 from shared.settings import Settings
@@ -155,7 +155,7 @@ class Fleet:
             await self._start_infra(redis_child(rhost, rport), rhost, rport)
         model_dir = await asyncio.to_thread(resolve_model_path, s)
         self.settings = s = s.with_overrides(model_path=str(model_dir))
-        await ensure_topics(s)
+        await ensure_topics(s, fleet_topics(s))
         env = settings_mod.child_env(s)
         cli = [sys.executable, "-m", "services.cli"]
         for stages in MODES[self.mode]:
@@ -169,13 +169,13 @@ class Fleet:
 
     async def _wait_workers(self, timeout_s: float = 180) -> None:
         """Until every stage group has a live worker holding partitions (its liveness record)."""
-        import redis.asyncio as aioredis
+        from shared.redis_conn import make_redis
 
         from shared.keys import RedisKeys
         from shared.liveness import live_workers
 
         wanted = {tuple(stages) for stages in MODES[self.mode]}
-        redis = aioredis.from_url(self.settings.redis_url)
+        redis = make_redis(self.settings)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         try:
@@ -266,7 +266,7 @@ class Fleet:
         child.start()
         await _wait_port("127.0.0.1", child.port, 20, child)
         if child.name.startswith("kafka"):
-            await ensure_topics(self.settings)  # the in-memory broker came back empty
+            await ensure_topics(self.settings, fleet_topics(self.settings))  # the in-memory broker came back empty
 
     def request_stop(self) -> None:
         self._stopping.set()
