@@ -138,3 +138,12 @@ def test_authenticator_identifies_or_refuses_with_401():
         ev = info.value.event
         assert (ev.status, ev.type, ev.code) == (401, "authentication_error", code)
         assert API_KEY not in ev.message
+
+
+def test_benchmark_reports_record_settings_without_secrets():
+    from loadtest.targets import Targets
+
+    shown = Targets._settings_of({"MMFLEET_REDIS_PASSWORD": REDIS_PASSWORD, "MMFLEET_KAFKA_SASL_PASSWORD": SASL_PASSWORD,
+                                  "REDIS_URL": f"redis://u:{REDIS_PASSWORD}@h:1/0", "MMFLEET_POOL_BYTES": "1"})
+    assert SASL_PASSWORD not in str(shown) and REDIS_PASSWORD not in str(shown)
+    assert shown["MMFLEET_POOL_BYTES"] == "1" and shown["MMFLEET_REDIS_PASSWORD"] == "***"
