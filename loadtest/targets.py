@@ -125,7 +125,12 @@ class Targets:
 
     @staticmethod
     def _settings_of(env: dict[str, str]) -> dict[str, str]:
-        return {k: v for k, v in sorted(env.items()) if k.startswith("MMFLEET_") or k in ("KAFKA_BOOTSTRAP", "REDIS_URL")}
+        """The fleet's settings for the report, secrets redacted (reports get shared)."""
+        from shared.settings import ENV_PREFIX, REDACTED, SECRET_FIELDS, redact_url
+
+        secret_vars = {ENV_PREFIX + name.upper() for name in SECRET_FIELDS}
+        return {k: (REDACTED if k in secret_vars and v else redact_url(v) if k.endswith("_URL") else v)
+                for k, v in sorted(env.items()) if k.startswith("MMFLEET_") or k in ("KAFKA_BOOTSTRAP", "REDIS_URL")}
 
     # ------------------------------------------------------------------ fleet
     @contextmanager

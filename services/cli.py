@@ -6,6 +6,8 @@
   mmfleet topics    create the topics (idempotent) and list them
   mmfleet bench     benchmark the fleet against in-process and vllm serve (see loadtest/README.md)
   mmfleet model     build the tiny offline demo model (cached) and print its path
+  mmfleet submit    run a JSONL file of requests through Kafka (mm.requests), replies to JSONL
+  mmfleet keys hash print the sha256 of an API key read from stdin (for MMFLEET_API_KEY_HASHES)
 
 Settings come from ``MMFLEET_<NAME>`` environment variables (``mmfleet settings`` lists them
 with their defaults); the flags below override them.
@@ -59,7 +61,23 @@ def _parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="build (once) the tiny demo model and print its path")
     common(model)
 
-    sub.add_parser("settings", help="list every setting with its environment variable and default")
+    submit = sub.add_parser("submit", help="run a JSONL file of requests through the Kafka ingress; replies "
+                                           "to a JSONL file (resumable: ids already answered are skipped)")
+    common(submit)
+    submit.add_argument("input", type=Path, help="requests, one per line: {custom_id, url?, body}")
+    submit.add_argument("output", type=Path, help="replies are appended here, one per line")
+    submit.add_argument("--reply-topic", help="topic to read replies from (default: mm.replies.<input stem>)")
+    submit.add_argument("--api-key-file", type=Path,
+                        help="file holding the API key (default: env OPENAI_API_KEY; never pass a key as a flag)")
+    submit.add_argument("--max-outstanding", type=int, default=1000, help="unanswered requests at most")
+    submit.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    keys = sub.add_parser("keys", help="API key helpers")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    keys_sub.add_parser("hash", help="read one API key from stdin, print its sha256 (what settings hold)")
+
+    sub.add_parser("settings", help="list every setting with its environment variable and value "
+                                    "(defaults, or from the environment; secrets redacted)")
     sub.add_parser("bench", add_help=False,
                    help="benchmark the fleet against inproc and vllm serve (mmfleet bench --help)")
     return p
@@ -73,9 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "settings":
-        defaults = settings_mod.Settings()
-        for name in settings_mod.field_names():
-            print(f"{settings_mod.ENV_PREFIX}{name.upper():<28} {getattr(defaults, name)!r}")
+        for name, value in settings_mod.redacted(settings_mod.from_env()).items():
+            print(f"{settings_mod.ENV_PREFIX}{name.upper():<36} {value!r}")
+        return 0
+    if args.command == "keys":
+        from services.gateway.auth import hash_key
+
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("mmfleet keys hash: no key on stdin", file=sys.stderr)
+            return 2
+        print(hash_key(key))
         return 0
     overrides = {k: getattr(args, k, None) for k in ("kafka_bootstrap", "redis_url", "model_path", "log_level",
                                                       "gateway_port", "engine")}
@@ -96,17 +122,39 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run_gateway(settings))
     if args.command == "topics":
         from shared.bus import ensure_topics
-        from shared.keys import ALL_TOPICS
 
-        asyncio.run(ensure_topics(settings))
-        print("\n".join(ALL_TOPICS))
+        from shared.bus import fleet_topics
+
+        asyncio.run(ensure_topics(settings, fleet_topics(settings)))
+        print("\n".join(fleet_topics(settings)))
         return 0
+    if args.command == "submit":
+        return _submit(args, settings)
     if args.command == "model":
         from shared.models.registry import resolve_model_path
 
         print(resolve_model_path(settings))
         return 0
     raise AssertionError(args.command)
+
+
+def _submit(args: argparse.Namespace, settings: settings_mod.Settings) -> int:
+    import os
+
+    from services.submit import submit
+
+    # the client's own key (not a fleet setting): a file, else the variable OpenAI clients use
+    api_key = args.api_key_file.read_text().strip() if args.api_key_file else os.environ.get("OPENAI_API_KEY")
+    try:
+        result = asyncio.run(submit(settings, args.input, args.output, reply_topic=args.reply_topic,
+                                    api_key=api_key, max_outstanding=args.max_outstanding,
+                                    progress=not args.no_progress))
+    except (ValueError, TimeoutError) as exc:
+        print(f"mmfleet submit: {exc}", file=sys.stderr)
+        return 1
+    print(f"sent {result.sent}, skipped {result.skipped} already answered, wrote {result.written} replies "
+          f"({result.errors} errors) to {args.output}")
+    return 0
 
 
 if __name__ == "__main__":

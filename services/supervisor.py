@@ -30,9 +30,10 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from shared import settings as settings_mod
-from shared.bus import ensure_topics
+from shared.bus import ensure_topics, fleet_topics
 from shared.models.registry import resolve_model_path
 from shared.modes import MODES, check_engine
+from shared.redis_conn import make_redis
 from shared.settings import Settings
 
 log = logging.getLogger("mmfleet.up")
@@ -155,7 +156,7 @@ class Fleet:
             await self._start_infra(redis_child(rhost, rport), rhost, rport)
         model_dir = await asyncio.to_thread(resolve_model_path, s)
         self.settings = s = s.with_overrides(model_path=str(model_dir))
-        await ensure_topics(s)
+        await ensure_topics(s, fleet_topics(s))
         if any(c.name.startswith("kafka") for c in self.infra):
             await self._new_broker_epoch()
         env = settings_mod.child_env(s)
@@ -171,13 +172,13 @@ class Fleet:
 
     async def _wait_workers(self, timeout_s: float = 180) -> None:
         """Until every stage group has a live worker holding partitions (its liveness record)."""
-        import redis.asyncio as aioredis
+        from shared.redis_conn import make_redis
 
         from shared.keys import RedisKeys
         from shared.liveness import live_workers
 
         wanted = {tuple(stages) for stages in MODES[self.mode]}
-        redis = aioredis.from_url(self.settings.redis_url)
+        redis = make_redis(self.settings)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         try:
@@ -272,18 +273,16 @@ class Fleet:
             # before the topics exist again (gateways re-drive their unfinished requests, see
             # services/gateway/redrive.py), then create them.
             await self._new_broker_epoch()
-            await ensure_topics(self.settings)
+            await ensure_topics(self.settings, fleet_topics(self.settings))
 
     async def _new_broker_epoch(self) -> None:
         """A fresh broker-epoch token in Redis: the broker this supervisor runs keeps records in
         memory only, so a (re)start means records in flight were lost."""
         import uuid
 
-        import redis.asyncio as aioredis
-
         from shared.keys import RedisKeys
 
-        redis = aioredis.from_url(self.settings.redis_url)
+        redis = make_redis(self.settings)
         try:
             await redis.set(RedisKeys(self.settings.redis_prefix).broker_epoch(), uuid.uuid4().hex)
         except Exception as exc:  # Redis away: gateways cannot re-drive; say so loudly

@@ -21,7 +21,7 @@ import time
 import uuid
 from contextlib import AsyncExitStack
 
-import redis.asyncio as aioredis
+from shared.redis_conn import make_redis
 import torch
 
 from shared import protocol
@@ -74,7 +74,7 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     worker_id = f"{'+'.join(stages)}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     model_dir = resolve_model_path(settings)
     async with AsyncExitStack() as stack:
-        redis = aioredis.from_url(settings.redis_url)
+        redis = make_redis(settings)
         stack.push_async_callback(redis.aclose)
         producer = make_producer(settings)
         await producer.start()

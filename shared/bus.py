@@ -1,7 +1,8 @@
 """Kafka plumbing: client construction, topic creation, and commit bookkeeping.
 
-Everything that knows aiokafka's constructor arguments lives here so stages and the gateway
-share one configuration (and later one place for TLS/SASL).
+Everything that knows aiokafka's constructor arguments lives here so stages, the gateway, the
+ingress and ``mmfleet submit`` share one configuration, TLS and SASL included
+(:func:`kafka_client_kwargs`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+from aiokafka.helpers import create_ssl_context
 
 from shared.keys import ALL_TOPICS
 from shared.settings import Settings
@@ -20,11 +22,42 @@ from shared.settings import Settings
 log = logging.getLogger(__name__)
 
 
+_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+def kafka_client_kwargs(settings: Settings) -> dict:
+    """Connection arguments every aiokafka client gets: bootstrap, TLS and SASL.
+
+    Raises ``ValueError`` for an unknown protocol or mechanism, or SASL without a username;
+    the message names the setting, never a secret's value.
+    """
+    proto = settings.kafka_security_protocol.upper()
+    if proto not in _PROTOCOLS:
+        raise ValueError(f"MMFLEET_KAFKA_SECURITY_PROTOCOL must be one of {', '.join(_PROTOCOLS)}")
+    kw: dict = {"bootstrap_servers": settings.kafka_bootstrap, "security_protocol": proto}
+    if proto in ("SSL", "SASL_SSL"):
+        ctx = create_ssl_context(cafile=settings.kafka_ssl_cafile or None,
+                                 certfile=settings.kafka_ssl_certfile or None,
+                                 keyfile=settings.kafka_ssl_keyfile or None)
+        ctx.check_hostname = settings.kafka_ssl_check_hostname
+        kw["ssl_context"] = ctx
+    if proto.startswith("SASL_"):
+        mech = settings.kafka_sasl_mechanism.upper()
+        if mech not in _MECHANISMS:
+            raise ValueError(f"MMFLEET_KAFKA_SASL_MECHANISM must be one of {', '.join(_MECHANISMS)} with {proto}")
+        if not settings.kafka_sasl_username:
+            raise ValueError(f"MMFLEET_KAFKA_SASL_USERNAME is required with {proto}")
+        kw.update(sasl_mechanism=mech, sasl_plain_username=settings.kafka_sasl_username,
+                  sasl_plain_password=settings.kafka_sasl_password)
+    return kw
+
+
 def make_producer(settings: Settings) -> AIOKafkaProducer:
     # acks=all: an output counts as produced only once the broker has it; linger 0 because
     # every record is on a request's critical path.
     return AIOKafkaProducer(
-        bootstrap_servers=settings.kafka_bootstrap,
+        **kafka_client_kwargs(settings),
         acks="all",
         linger_ms=0,
         request_timeout_ms=30_000,
@@ -35,7 +68,7 @@ def make_producer(settings: Settings) -> AIOKafkaProducer:
 def make_consumer(settings: Settings, topic: str, group_id: str,
                   listener: ConsumerRebalanceListener | None = None) -> AIOKafkaConsumer:
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap,
+        **kafka_client_kwargs(settings),
         group_id=group_id,
         enable_auto_commit=False,  # the runner commits only after outputs are acknowledged
         auto_offset_reset="earliest",
@@ -51,13 +84,19 @@ def make_consumer(settings: Settings, topic: str, group_id: str,
     return consumer
 
 
+def fleet_topics(settings: Settings) -> tuple[str, ...]:
+    """Every topic the fleet needs, including a configured ingress fallback reply topic."""
+    extra = settings.ingress_fallback_reply_topic
+    return ALL_TOPICS + ((extra,) if extra and extra not in ALL_TOPICS else ())
+
+
 async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS, *, timeout_s: float = 30.0) -> None:
     """Create missing topics with ``settings.topic_partitions`` partitions (idempotent);
     retries until the broker answers or ``timeout_s`` passes."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
-        admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, request_timeout_ms=5_000)
+        admin = AIOKafkaAdminClient(**kafka_client_kwargs(settings), request_timeout_ms=5_000)
         try:
             await admin.start()
             existing = set(await admin.list_topics())

@@ -15,9 +15,11 @@ TOPIC_DECODE = "mm.decode"
 TOPIC_KV_EVENTS = "mm.kv-events"
 TOPIC_DEAD_LETTER = "mm.dead-letter"
 TOPIC_REQUESTS = "mm.requests"
+# error replies to ingress requests that named no reply_to (settings may name another topic)
+TOPIC_REPLY_ERRORS = "mm.replies.errors"
 
 STAGE_TOPICS: tuple[str, ...] = (TOPIC_MEDIA_FETCH, TOPIC_ENCODE, TOPIC_PREFILL, TOPIC_DECODE)
-ALL_TOPICS: tuple[str, ...] = STAGE_TOPICS + (TOPIC_KV_EVENTS, TOPIC_DEAD_LETTER, TOPIC_REQUESTS)
+ALL_TOPICS: tuple[str, ...] = STAGE_TOPICS + (TOPIC_KV_EVENTS, TOPIC_DEAD_LETTER, TOPIC_REQUESTS, TOPIC_REPLY_ERRORS)
 
 # stage name -> (topic it consumes, the union decoded from that topic)
 STAGES: dict[str, tuple[str, object]] = {
@@ -26,6 +28,11 @@ STAGES: dict[str, tuple[str, object]] = {
     "prefill": (TOPIC_PREFILL, protocol.PrefillMsg),
     "decode": (TOPIC_DECODE, protocol.DecodeMsg),
 }
+
+
+# the Kafka ingress: one consumer group over mm.requests (every gateway joins it); its
+# request_id claims go through StageLedger under this stage name
+INGRESS_STAGE = "ingress"
 
 
 def consumer_group(stage: str) -> str:
@@ -69,6 +76,10 @@ class RedisKeys:
     def worker(self, worker_id: str) -> str:
         """A worker's liveness record (stage, pid, started), refreshed with a TTL."""
         return f"{self.prefix}:worker:{worker_id}"
+
+    def rate(self, key_id: str, window: int) -> str:
+        """Requests an API key (by its hash prefix, never the key) made in one rate window."""
+        return f"{self.prefix}:rate:{key_id}:{window}"
 
     def workers_pattern(self) -> str:
         """``SCAN MATCH`` pattern over every worker's liveness record."""

@@ -94,10 +94,83 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     media_cache_bytes: int = 64 * _MiB  # media-fetch LRU of fetched bytes (http(s)), in bytes; 0: off
     media_cache_ttl_s: int = 300  # how long fetched bytes of a URL may be served from that cache
 
+    # --- who may send (HTTP and the Kafka ingress alike)
+    # API keys as lowercase hex sha256 of the key (``mmfleet keys hash`` prints one), each
+    # optionally ``<hash>:<requests per minute>``. Empty: no key needed (the local demo); set:
+    # every request must carry ``Authorization: Bearer <key>`` (HTTP header or Kafka header).
+    api_key_hashes: tuple[str, ...] = ()
+    # requests per minute per key for keys without their own ``:<n>``; 0: unlimited
+    api_key_rate_per_min: int = 0
+
+    # --- Kafka ingress (``mm.requests``), run inside the gateway process
+    ingress_enabled: bool = True  # consume mm.requests in the gateway
+    ingress_concurrency: int = 64  # requests in flight from Kafka per gateway; beyond it fetching waits
+    # where error replies go when a request names no ``reply_to`` (there is nowhere else to
+    # answer); empty: mm.replies.errors (created with the fleet's topics)
+    ingress_fallback_reply_topic: str = ""
+    ingress_dedupe_ttl_s: int = 86_400  # how long a request_id is remembered as answered
+
+    # --- transport security (every aiokafka client and every Redis client)
+    kafka_security_protocol: str = "PLAINTEXT"  # PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL
+    kafka_sasl_mechanism: str = ""  # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512 (SASL_* protocols)
+    kafka_sasl_username: str = ""
+    kafka_sasl_password: str = ""  # secret: redacted wherever settings are shown
+    kafka_ssl_cafile: str = ""  # CA bundle to verify the brokers; empty: the system's
+    kafka_ssl_certfile: str = ""  # client certificate (mutual TLS)
+    kafka_ssl_keyfile: str = ""  # its private key
+    kafka_ssl_check_hostname: bool = True  # verify the broker's name against its certificate
+    redis_username: str = ""  # Redis ACL user; empty: the default user
+    redis_password: str = ""  # secret: redacted wherever settings are shown
+    redis_ssl_cafile: str = ""  # with a rediss:// URL: CA bundle to verify Redis
+    redis_ssl_certfile: str = ""  # with a rediss:// URL: client certificate
+    redis_ssl_keyfile: str = ""  # with a rediss:// URL: its private key
+
     log_level: str = "INFO"
 
     def with_overrides(self, **changes: Any) -> Settings:
         return msgspec.structs.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def __repr__(self) -> str:  # settings end up in logs and tracebacks: never with secrets
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in redacted(self).items()) + ")"
+
+    __str__ = __repr__
+
+
+# settings whose values are secrets: shown as REDACTED (when set) by ``redacted``
+SECRET_FIELDS: frozenset[str] = frozenset({"kafka_sasl_password", "redis_password"})
+REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its userinfo replaced (``redis://u:p@h`` → ``redis://u:***@h``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest.split("/", 1)[0]:
+        return url
+    userinfo, _, hostpart = rest.partition("@")
+    user = userinfo.split(":", 1)[0] + (":" + REDACTED if ":" in userinfo else "")
+    return f"{scheme}://{user}@{hostpart}"
+
+
+def redacted(settings: Settings) -> dict[str, Any]:
+    """Every setting by name, secrets replaced: what may be printed or logged."""
+    out: dict[str, Any] = {}
+    for name in field_names():
+        value = getattr(settings, name)
+        if name in SECRET_FIELDS and value:
+            value = REDACTED
+        elif name.endswith("_url") and isinstance(value, str):
+            value = redact_url(value)
+        out[name] = value
+    return out
+
+
+def secret_values(settings: Settings) -> list[str]:
+    """The secret strings in ``settings`` (for scrubbing text that must never show them)."""
+    found = [getattr(settings, n) for n in SECRET_FIELDS if getattr(settings, n)]
+    userinfo = settings.redis_url.partition("://")[2].split("/", 1)[0].rpartition("@")[0]
+    if ":" in userinfo:
+        found.append(userinfo.split(":", 1)[1])
+    return found
 
 
 def field_names() -> tuple[str, ...]:
@@ -122,7 +195,7 @@ def from_env(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings
                 raise ValueError(f"unknown setting {key}; known: {', '.join(sorted(names))}")
             raw[name] = value  # explicit MMFLEET_ wins over the alias
     for name, value in list(raw.items()):
-        if name == "media_allow_hosts" and isinstance(value, str):
+        if name in ("media_allow_hosts", "api_key_hashes") and isinstance(value, str):
             raw[name] = tuple(h.strip() for h in value.split(",") if h.strip())
     raw.update({k: v for k, v in overrides.items() if v is not None})
     return msgspec.convert(raw, Settings, strict=False)

@@ -1,40 +1,42 @@
-"""The OpenAI-compatible HTTP gateway.
+"""The OpenAI-compatible HTTP gateway (and, in the same process, the Kafka ingress).
 
-Per request: validate → admission → build the prompt → hold inline media in the gateway's
-NIXL pool → produce to ``mm.media-fetch`` (media present) or ``mm.prefill`` → follow the
-request's Redis token stream → SSE chunks or one JSON body.
+Per request, through the one path in ``frontend.py`` that the Kafka ingress shares:
+authenticate → validate → admission → hold inline media in the gateway's NIXL pool →
+produce to ``mm.media-fetch`` (media present) or ``mm.prefill`` → follow the request's Redis
+token stream → SSE chunks or one JSON body.
 
 The response status is decided by the stream's first event: an ``ErrorEvent`` before any
 token becomes a proper HTTP error (so a bad image is a 400 even for ``stream=true``); after
 the first token, errors arrive as an SSE ``error`` object, which the openai client raises.
+
+The Kafka ingress (``mm.requests``) runs inside this process rather than as a process of its
+own: it needs exactly what HTTP requests need — the tokenizer and prompt builder, a NIXL pool
+holding inline media until the request ends, the producer, the token-stream reader and one
+in-flight bound — so sharing them costs nothing, while a separate process would load the
+tokenizer and register a pool a second time on a 2-core machine. Every gateway joins the
+ingress consumer group, so scaling gateways scales both ways in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 
-import msgspec
-import redis.asyncio as aioredis
-import torch
 from aiohttp import web
-from aiokafka.errors import KafkaError
 
-from shared import protocol
-from shared.bus import make_producer, send_retrying
-from shared.keys import RedisKeys
+from shared.bus import make_producer
+from shared.keys import INGRESS_STAGE, RedisKeys
 from shared.ledger import StageLedger
 from shared.models.registry import resolve_model_path
+from shared.redis_conn import make_redis
 from shared.settings import Settings
-from shared.stage import Produce, RequestFailed, entry_message
 from shared.streams import TokenStreams
-from shared.transfer import PoolFullError, TransferAgent
-from services.gateway import schema
-from services.gateway.prompt import Prepared, PromptBuilder
-from services.gateway.redrive import Redriver
-from services.gateway.responses import Shaper, error_response, event_error_response, sse_response, whole_response
+from shared.transfer import TransferAgent
+from services.gateway.auth import Authenticator
+from services.gateway.frontend import Frontend
+from services.gateway.prompt import PromptBuilder
+from services.gateway.responses import Rejected, error_response, http_reply
 
 log = logging.getLogger(__name__)
 
@@ -45,38 +47,44 @@ STATE = web.AppKey("state", "GatewayState")
 class GatewayState:
     """Everything the handlers share; built in ``cleanup_ctx`` and torn down there."""
 
-    def __init__(self, settings: Settings, builder: PromptBuilder, producer, redis, streams: TokenStreams,
-                 transfer: TransferAgent) -> None:
+    def __init__(self, settings: Settings, front: Frontend, producer, redis) -> None:
         self.settings = settings
-        self.builder = builder
+        self.front = front
         self.producer = producer
         self.redis = redis
-        self.streams = streams
-        self.transfer = transfer
-        self.inflight = 0
-        self.ledger = StageLedger(redis, RedisKeys(settings.redis_prefix), lease_ms=settings.stage_lease_ms,
-                                  done_ttl_s=settings.done_ttl_s)
-        self.redriver = Redriver(redis, RedisKeys(settings.redis_prefix), self.ledger, producer)
 
 
 async def _lifecycle(app: web.Application):
     settings = app[SETTINGS]
+    keys = RedisKeys(settings.redis_prefix)
     builder = PromptBuilder.for_model(resolve_model_path(settings), settings)
     producer = make_producer(settings)
-    redis = aioredis.from_url(settings.redis_url)
-    transfer = TransferAgent(f"gateway-{uuid.uuid4().hex[:12]}", settings.pool_bytes,
-                             lease_ttl_ms=settings.lease_ttl_ms)
+    redis = make_redis(settings)
+    auth = Authenticator(settings, redis, keys)
+    gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"
+    transfer = TransferAgent(gateway_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms)
     await producer.start()
     await transfer.start()
-    streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
-                           ttl_s=settings.stream_ttl_s)
-    app[STATE] = state = GatewayState(settings, builder, producer, redis, streams, transfer)
-    redrive = asyncio.create_task(state.redriver.run(), name="redrive")
+    streams = TokenStreams(redis, keys, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s)
+    ledger = StageLedger(redis, keys, lease_ms=settings.stage_lease_ms, done_ttl_s=settings.done_ttl_s)
+    front = Frontend(settings, builder, producer, streams, transfer, auth, ledger)
+    app[STATE] = GatewayState(settings, front, producer, redis)
+    redrive_task = asyncio.create_task(front.redriver.run(), name="redrive")
+    ingress_task = None
+    if settings.ingress_enabled:
+        from services.gateway.ingress import Ingress
+
+        claims = StageLedger(redis, keys, lease_ms=settings.stage_lease_ms, done_ttl_s=settings.ingress_dedupe_ttl_s)
+        ingress = Ingress(front, claims, owner=gateway_id)
+        ingress_task = asyncio.create_task(ingress.run(), name=INGRESS_STAGE)
     try:
         yield
     finally:
-        redrive.cancel()
-        await asyncio.gather(redrive, return_exceptions=True)
+        redrive_task.cancel()
+        await asyncio.gather(redrive_task, return_exceptions=True)
+        if ingress_task is not None:
+            ingress.stop()
+            await asyncio.gather(ingress_task, return_exceptions=True)
         await transfer.stop()
         await producer.stop()
         await redis.aclose()
@@ -134,98 +142,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 # ---------------------------------------------------------------------- one request
 async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
-    state = request.app[STATE]
-    s = state.settings
+    front = request.app[STATE].front
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        return error_response(413, f"request body is larger than {s.max_request_bytes} bytes",
+        return error_response(413, f"request body is larger than {front.settings.max_request_bytes} bytes",
                               code="request_too_large")
     try:
-        req = schema.parse_chat(body) if chat else schema.parse_completion(body)
-        prepared = state.builder.chat(req) if chat else state.builder.completion(req)
-    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
-        return error_response(400, f"invalid request body: {exc}")
-    except RequestFailed as failed:
-        return event_error_response(failed.event)
-    if state.inflight >= s.max_inflight_requests:
-        return error_response(429, f"server is at its limit of {s.max_inflight_requests} in-flight requests; "
-                                   "retry shortly", code="overloaded", headers={"Retry-After": "1"})
-    state.inflight += 1
-    try:
-        return await _run(request, state, prepared, req.model, chat=chat)
-    finally:
-        state.inflight -= 1
-
-
-async def _run(request: web.Request, state: GatewayState, prepared: Prepared, model: str, *,
-               chat: bool) -> web.StreamResponse:
-    s = state.settings
-    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    now_ms = int(time.time() * 1000)
-    meta = protocol.RequestMeta(request_id=request_id, model=model, created_unix_ms=now_ms,
-                                deadline_unix_ms=now_ms + s.request_timeout_ms,
-                                prompt_token_ids=tuple(prepared.prompt_token_ids), sampling=prepared.sampling)
-    try:
-        first = await _first_message(state, meta, prepared)
-    except PoolFullError:
-        return error_response(429, "server media buffers are full; retry shortly", code="overloaded",
-                              headers={"Retry-After": "1"})
-    meta = first.value.meta
-    inline = [it.inline.lease for it in meta.sources if it.inline is not None]
-    state.redriver.track(meta)
-    try:
-        try:
-            await send_retrying(state.producer, first.topic, protocol.encode(first.value), request_id.encode(),
-                                deadline_unix_ms=min(meta.deadline_unix_ms, now_ms + s.queue_retry_ms))
-        except KafkaError as exc:  # broker down for longer than queue_retry_ms: say so, never an unshaped 500
-            log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)
-            return error_response(503, f"the request queue is unavailable right now ({type(exc).__name__}); "
-                                       "retry shortly", code="queue_unavailable", headers={"Retry-After": "1"})
-        return await _respond(request, state, meta, prepared, model, chat=chat)
-    except (asyncio.CancelledError, ConnectionResetError):
-        # the client went away: tell the stages to stop working on it
-        await asyncio.shield(state.ledger.abort(request_id, ttl_s=s.stream_ttl_s))
-        raise
-    finally:
-        state.redriver.forget(request_id)
-        for lease in inline:  # held until the end: a restart from the source re-reads them
-            state.transfer.free_local(lease)
-
-
-async def _respond(request: web.Request, state: GatewayState, meta: protocol.RequestMeta, prepared: Prepared,
-                   model: str, *, chat: bool) -> web.StreamResponse:
-    s = state.settings
-    request_id = meta.request_id
-
-    loop = asyncio.get_running_loop()
-    events = state.streams.follow(request_id, deadline_s=loop.time() + s.request_timeout_ms / 1000)
-    shaper = Shaper(request_id, model, chat=chat)
-    try:
-        first = await anext(events)
-        if isinstance(first, protocol.ErrorEvent):
-            return event_error_response(first)
-        if prepared.stream:
-            return await sse_response(request, shaper, first, events, prepared.include_usage)
-        return await whole_response(shaper, first, events)
-    except TimeoutError:
-        return error_response(504, f"request {request_id} did not finish within {s.request_timeout_ms} ms",
-                              code="deadline_exceeded")
-    finally:
-        await events.aclose()
-
-
-async def _first_message(state: GatewayState, meta: protocol.RequestMeta, prepared: Prepared) -> Produce:
-    """The request's entry message; its meta records the media sources (see runner restarts)."""
-    items = []
-    has_inline = False
-    for m in prepared.media:
-        if m.data is not None:
-            has_inline = True
-            ref = await state.transfer.put_wait(torch.frombuffer(bytearray(m.data), dtype=torch.uint8),
-                                                timeout_ms=2_000)
-            items.append(protocol.MediaSource(kind=m.kind, param=m.param, inline=ref, mime=m.mime))
-        else:
-            items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url))
-    owner = state.transfer.ref() if has_inline else None
-    return entry_message(msgspec.structs.replace(meta, sources=tuple(items), source_owner=owner))
+        async with front.admit(body, chat=chat, authorization=request.headers.get("Authorization"),
+                               via="http") as adm:
+            replies = front.replies(adm)
+            try:
+                return await http_reply(request, replies, stream=adm.prepared.stream)
+            finally:
+                await replies.aclose()
+    except Rejected as rejected:
+        return rejected.response()

@@ -26,7 +26,6 @@ import msgspec
 
 from shared import protocol
 from shared.bus import send_retrying
-from shared.keys import RedisKeys
 from shared.ledger import StageLedger
 from shared.stage import entry_message
 
@@ -38,9 +37,7 @@ class Redriver:
 
     Bounded by the gateway's admission limit (one entry per in-flight request)."""
 
-    def __init__(self, redis, keys: RedisKeys, ledger: StageLedger, producer, *, poll_ms: int = 500) -> None:
-        self._redis = redis
-        self._keys = keys
+    def __init__(self, ledger: StageLedger, producer, *, poll_ms: int = 500) -> None:
         self._ledger = ledger
         self._producer = producer
         self._poll_s = poll_ms / 1000
@@ -60,7 +57,7 @@ class Redriver:
         loses the token: the last one seen stays the reference)."""
         while True:
             try:
-                epoch = await self._redis.get(self._keys.broker_epoch())
+                epoch = await self._ledger.broker_epoch()
             except Exception as exc:  # Redis away: try again at the next tick
                 log.debug("broker epoch check failed: %r", exc)
                 epoch = None

@@ -1,9 +1,15 @@
-"""OpenAI response shapes (bodies, SSE chunks, errors) built from stream events."""
+"""OpenAI response shapes (bodies, stream chunks, errors) built from stream events.
+
+:func:`shape_replies` is the one place that turns a request's token-stream events into what
+the client receives, as a sequence of :class:`Reply` JSON bodies; the HTTP handler writes them
+as one body or as SSE ``data:`` lines, the Kafka ingress as one record each.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
@@ -32,9 +38,51 @@ def event_error_response(ev: protocol.ErrorEvent) -> web.Response:
     return error_response(ev.status, ev.message, type_=ev.type, param=ev.param, code=ev.code)
 
 
+def event_error_body(ev: protocol.ErrorEvent) -> dict:
+    return error_body(ev.status, ev.message, type_=ev.type, param=ev.param, code=ev.code)
+
+
+class Rejected(Exception):
+    """A request refused before it entered the fleet (auth, bad body, admission, queue down).
+    ``retry_after_s``: set when retrying later can succeed (429, 503)."""
+
+    def __init__(self, event: protocol.ErrorEvent, retry_after_s: int | None = None) -> None:
+        super().__init__(event.message)
+        self.event = event
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def of(cls, status: int, message: str, *, param: str | None = None, code: str | None = None,
+           retry_after_s: int | None = None) -> Rejected:
+        ev = protocol.ErrorEvent(status=status, type=_ERROR_TYPES.get(status, "server_error"), message=message,
+                                 param=param, code=code)
+        return cls(ev, retry_after_s)
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
+        ev = self.event
+        return error_response(ev.status, ev.message, type_=ev.type, param=ev.param, code=ev.code, headers=headers)
+
+
 def usage_dict(usage: protocol.Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One JSON body for the client. ``kind``: "completion" (a whole answer), "chunk" (one
+    stream chunk) or "error" (an OpenAI error body; ``status`` its HTTP status). ``last``: the
+    request's terminal reply."""
+
+    kind: str
+    body: dict
+    status: int = 200
+    last: bool = False
+
+
+def error_reply(ev: protocol.ErrorEvent) -> Reply:
+    return Reply("error", event_error_body(ev), ev.status, last=True)
 
 
 class Shaper:
@@ -50,26 +98,19 @@ class Shaper:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def chunk(self, text: str | None, finish_reason: str | None, *, first: bool = False) -> bytes:
+    def chunk_body(self, text: str | None, finish_reason: str | None, *, first: bool = False) -> dict:
         if self.chat:
             delta: dict = {"role": "assistant", "content": text or ""} if first else (
                 {"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("chat.completion.chunk", [choice])
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("text_completion", [choice])
-        return b"data: " + orjson.dumps(body) + b"\n\n"
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
 
-    def usage_chunk(self, usage: protocol.Usage) -> bytes:
+    def usage_body(self, usage: protocol.Usage) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
         body["usage"] = usage_dict(usage)
-        return b"data: " + orjson.dumps(body) + b"\n\n"
-
-    @staticmethod
-    def error_chunk(ev: protocol.ErrorEvent) -> bytes:
-        return b"data: " + orjson.dumps(error_body(ev.status, ev.message, type_=ev.type, param=ev.param,
-                                                   code=ev.code)) + b"\n\n"
+        return body
 
     def whole(self, text: str, finish: protocol.Finish) -> dict:
         if self.chat:
@@ -83,44 +124,72 @@ class Shaper:
         return body
 
 
-async def whole_response(shaper: Shaper, first: protocol.StreamEvent,
-                         events: AsyncIterator[protocol.StreamEvent]) -> web.Response:
-    """Collect a request's events (``first``, then ``events``) into one JSON body."""
+async def shape_replies(shaper: Shaper, first: protocol.StreamEvent, events: AsyncIterator[protocol.StreamEvent],
+                        *, stream: bool, include_usage: bool) -> AsyncIterator[Reply]:
+    """A request's replies from its events (``first``, then ``events``), ending with one whose
+    ``last`` is set. An error before any token is a single error reply; with ``stream``, a
+    role chunk, one chunk per non-empty delta, the finish chunk and, with ``include_usage``,
+    a usage chunk (or an error reply where the stream failed)."""
+    if isinstance(first, protocol.ErrorEvent):
+        yield error_reply(first)
+        return
+    if stream:
+        yield Reply("chunk", shaper.chunk_body("", None, first=True))
     texts: list[str] = []
     ev = first
     while True:
         match ev:
             case protocol.TokenDelta(text=text):
-                texts.append(text)
-            case protocol.Finish():
-                return web.Response(body=orjson.dumps(shaper.whole("".join(texts), ev)),
-                                    content_type="application/json")
+                if not stream:
+                    texts.append(text)
+                elif text:
+                    yield Reply("chunk", shaper.chunk_body(text, None))
+            case protocol.Finish(reason=reason, usage=usage):
+                if not stream:
+                    yield Reply("completion", shaper.whole("".join(texts), ev), last=True)
+                    return
+                yield Reply("chunk", shaper.chunk_body(None, reason), last=not include_usage)
+                if include_usage:
+                    yield Reply("chunk", shaper.usage_body(usage), last=True)
+                return
             case protocol.ErrorEvent():
-                return event_error_response(ev)
+                yield error_reply(ev)
+                return
         ev = await anext(events)
+
+
+def sse_line(body: dict) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+async def http_reply(request: web.Request, replies: AsyncIterator[Reply], *, stream: bool) -> web.StreamResponse:
+    """Write a request's replies as HTTP: the first reply decides the status (an error before
+    any token is a proper HTTP error, even with ``stream``); a stream is SSE ending with
+    ``data: [DONE]``, where a later error travels as an SSE error object."""
+    first = await anext(replies)
+    if first.kind == "error":
+        return web.Response(status=first.status, body=orjson.dumps(first.body), content_type="application/json")
+    if not stream:
+        return web.Response(body=orjson.dumps(first.body), content_type="application/json")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    await resp.write(sse_line(first.body))
+    async for reply in replies:
+        await resp.write(sse_line(reply.body))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def whole_response(shaper: Shaper, first: protocol.StreamEvent,
+                         events: AsyncIterator[protocol.StreamEvent]) -> web.Response:
+    """Collect a request's events (``first``, then ``events``) into one JSON body."""
+    reply = await anext(shape_replies(shaper, first, events, stream=False, include_usage=False))
+    return web.Response(status=reply.status, body=orjson.dumps(reply.body), content_type="application/json")
 
 
 async def sse_response(request: web.Request, shaper: Shaper, first: protocol.StreamEvent,
                        events: AsyncIterator[protocol.StreamEvent], include_usage: bool) -> web.StreamResponse:
     """Forward a request's events as OpenAI SSE chunks, ending with ``data: [DONE]``."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    await resp.write(shaper.chunk("", None, first=True))
-    ev = first
-    while True:
-        match ev:
-            case protocol.TokenDelta(text=text):
-                if text:
-                    await resp.write(shaper.chunk(text, None))
-            case protocol.Finish(reason=reason, usage=usage):
-                await resp.write(shaper.chunk(None, reason))
-                if include_usage:
-                    await resp.write(shaper.usage_chunk(usage))
-                break
-            case protocol.ErrorEvent():
-                await resp.write(Shaper.error_chunk(ev))
-                break
-        ev = await anext(events)
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+    return await http_reply(request, shape_replies(shaper, first, events, stream=True, include_usage=include_usage),
+                            stream=True)

@@ -1,0 +1,166 @@
+"""The one code path by which a request enters the fleet, whatever way it came in.
+
+HTTP (``app.py``) and the Kafka ingress (``ingress.py``) both call :meth:`Frontend.admit`
+and :meth:`Frontend.replies`, so they validate, refuse and answer identically (same checks,
+same error texts, same JSON shapes):
+
+1. who: the API key (401) — before the body is even parsed;
+2. what: parse the OpenAI body and build the prompt (400/404/413/422 with the offending field);
+3. admission: the process's in-flight bound (429 ``overloaded``), then the key's rate (429
+   ``rate_limit_exceeded``), so a request refused for load does not use up the key's quota;
+4. entry: inline ``data:`` media go into this process's NIXL pool (so no record carries
+   media; 429 when the pool is full) and the entry message is produced (503 when the broker
+   does not take it);
+5. answer: the request's Redis token stream, shaped by ``responses.shape_replies``.
+
+Steps 1-4 raise :class:`Rejected`; from step 5 on every outcome is a reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import msgspec
+import torch
+from aiokafka.errors import KafkaError
+
+from shared import protocol
+from shared.bus import send_retrying
+from shared.ledger import StageLedger
+from shared.settings import Settings
+from shared.stage import RequestFailed, entry_message
+from shared.streams import TokenStreams
+from shared.transfer import PoolFullError, TransferAgent
+from services.gateway import schema
+from services.gateway.auth import Authenticator
+from services.gateway.prompt import Prepared, PromptBuilder
+from services.gateway.redrive import Redriver
+from services.gateway.responses import Rejected, Reply, Shaper, error_reply, shape_replies
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request that is in the fleet: its entry message is acknowledged by the broker."""
+
+    request_id: str
+    model: str
+    chat: bool
+    prepared: Prepared
+    key_id: str | None
+
+
+class Frontend:
+    """Shared by every way in of one gateway process (one in-flight count for all of them)."""
+
+    def __init__(self, settings: Settings, builder: PromptBuilder, producer, streams: TokenStreams,
+                 transfer: TransferAgent, auth: Authenticator, ledger: StageLedger) -> None:
+        self.settings = settings
+        self.builder = builder
+        self.producer = producer
+        self.streams = streams
+        self.transfer = transfer
+        self.auth = auth
+        self.ledger = ledger
+        self.inflight = 0
+        self.redriver = Redriver(ledger, producer)  # its run() is started by the gateway app
+
+    def prepare(self, body: bytes, *, chat: bool) -> tuple[Prepared, str]:
+        """Validate ``body`` and build its prompt: (prepared, model); raises ``Rejected``."""
+        try:
+            req = schema.parse_chat(body) if chat else schema.parse_completion(body)
+            prepared = self.builder.chat(req) if chat else self.builder.completion(req)
+        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise Rejected.of(400, f"invalid request body: {exc}") from None
+        except RequestFailed as failed:
+            raise Rejected(failed.event) from None
+        return prepared, req.model
+
+    @asynccontextmanager
+    async def admit(self, body: bytes, *, chat: bool, authorization: str | None,
+                    via: str) -> AsyncIterator[Admitted]:
+        """Steps 1-4 (see the module docstring); raises ``Rejected``. Inside the block the
+        request runs; leaving it frees the request's inline media and its in-flight slot. A
+        cancelled block (the client went away) tells the stages to abort the request."""
+        s = self.settings
+        key_id = self.auth.identify(authorization, via=via)
+        prepared, model = self.prepare(body, chat=chat)
+        if self.inflight >= s.max_inflight_requests:
+            raise Rejected.of(429, f"server is at its limit of {s.max_inflight_requests} in-flight requests; "
+                                   "retry shortly", code="overloaded", retry_after_s=1)
+        await self.auth.charge(key_id, via=via)
+        self.inflight += 1
+        leases: list[int] = []
+        try:
+            request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            first = await self._entry(request_id, model, prepared, leases)
+            self.redriver.track(first.value.meta)
+            try:
+                now_ms = int(time.time() * 1000)
+                await send_retrying(self.producer, first.topic, protocol.encode(first.value), request_id.encode(),
+                                    deadline_unix_ms=min(first.value.meta.deadline_unix_ms, now_ms + s.queue_retry_ms))
+            except KafkaError as exc:  # broker down longer than queue_retry_ms: say so, never an unshaped 500
+                log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)
+                raise Rejected.of(503, f"the request queue is unavailable right now ({type(exc).__name__}); "
+                                       "retry shortly", code="queue_unavailable", retry_after_s=1) from None
+            try:
+                yield Admitted(request_id, model, chat, prepared, key_id)
+            except (asyncio.CancelledError, ConnectionResetError):
+                await asyncio.shield(self.ledger.abort(request_id, ttl_s=s.stream_ttl_s))
+                raise
+        finally:
+            self.redriver.forget(request_id)
+            for lease in leases:  # held until the end: a restart from the source re-reads them
+                self.transfer.free_local(lease)
+            self.inflight -= 1
+
+    async def replies(self, adm: Admitted) -> AsyncIterator[Reply]:
+        """Step 5: the request's replies, the last one with ``last`` set (a 504 error reply when
+        the request's deadline passes first)."""
+        s = self.settings
+        deadline_s = asyncio.get_running_loop().time() + s.request_timeout_ms / 1000
+        events = self.streams.follow(adm.request_id, deadline_s=deadline_s)
+        shaper = Shaper(adm.request_id, adm.model, chat=adm.chat)
+        try:
+            first = await anext(events)
+            async for reply in shape_replies(shaper, first, events, stream=adm.prepared.stream,
+                                             include_usage=adm.prepared.include_usage):
+                yield reply
+        except TimeoutError:
+            yield error_reply(protocol.ErrorEvent(
+                status=504, type="timeout_error", code="deadline_exceeded",
+                message=f"request {adm.request_id} did not finish within {s.request_timeout_ms} ms"))
+        finally:
+            await events.aclose()
+
+    async def _entry(self, request_id: str, model: str, prepared: Prepared, leases: list[int]):
+        """The request's entry message; its meta records the media sources (see runner
+        restarts). Inline media go into the pool; their leases are appended to ``leases`` as
+        they are taken, so the caller frees them even when a later item does not fit."""
+        now_ms = int(time.time() * 1000)
+        items = []
+        for m in prepared.media:
+            if m.data is None:
+                items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url))
+                continue
+            try:
+                ref = await self.transfer.put_wait(torch.frombuffer(bytearray(m.data), dtype=torch.uint8),
+                                                   timeout_ms=2_000)
+            except PoolFullError:
+                raise Rejected.of(429, "server media buffers are full; retry shortly", code="overloaded",
+                                  retry_after_s=1) from None
+            leases.append(ref.lease)
+            items.append(protocol.MediaSource(kind=m.kind, param=m.param, inline=ref, mime=m.mime))
+        owner = self.transfer.ref() if leases else None
+        meta = protocol.RequestMeta(request_id=request_id, model=model, created_unix_ms=now_ms,
+                                    deadline_unix_ms=now_ms + self.settings.request_timeout_ms,
+                                    prompt_token_ids=tuple(prepared.prompt_token_ids), sampling=prepared.sampling,
+                                    sources=tuple(items), source_owner=owner)
+        return entry_message(meta)

@@ -1,0 +1,32 @@
+"""The one way a process opens Redis: URL plus ACL user/password and TLS from settings.
+
+Credentials come from ``redis_username`` / ``redis_password`` (or the URL's userinfo), TLS from
+a ``rediss://`` URL plus the ``redis_ssl_*`` files; nothing here logs a secret.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from shared.settings import Settings
+
+
+def redis_kwargs(settings: Settings) -> dict:
+    """Keyword arguments for ``redis.asyncio.from_url(settings.redis_url, **kw)``."""
+    kw: dict = {}
+    if settings.redis_username:
+        kw["username"] = settings.redis_username
+    if settings.redis_password:
+        kw["password"] = settings.redis_password
+    if settings.redis_url.startswith("rediss://"):
+        for name, arg in (("redis_ssl_cafile", "ssl_ca_certs"), ("redis_ssl_certfile", "ssl_certfile"),
+                          ("redis_ssl_keyfile", "ssl_keyfile")):
+            if getattr(settings, name):
+                kw[arg] = getattr(settings, name)
+    elif settings.redis_ssl_cafile or settings.redis_ssl_certfile or settings.redis_ssl_keyfile:
+        raise ValueError("MMFLEET_REDIS_SSL_* files need a rediss:// MMFLEET_REDIS_URL")
+    return kw
+
+
+def make_redis(settings: Settings) -> aioredis.Redis:
+    return aioredis.from_url(settings.redis_url, **redis_kwargs(settings))
