@@ -31,9 +31,10 @@ def make_producer(settings: Settings) -> AIOKafkaProducer:
     )
 
 
-def make_consumer(settings: Settings, topic: str, group_id: str) -> AIOKafkaConsumer:
-    return AIOKafkaConsumer(
-        topic,
+def make_consumer(settings: Settings, topic: str, group_id: str, listener=None) -> AIOKafkaConsumer:
+    """``listener``: an aiokafka ``ConsumerRebalanceListener`` told of every rebalance."""
+    consumer = AIOKafkaConsumer(
+        *(() if listener is not None else (topic,)),
         bootstrap_servers=settings.kafka_bootstrap,
         group_id=group_id,
         enable_auto_commit=False,  # the runner commits only after outputs are acknowledged
@@ -46,6 +47,9 @@ def make_consumer(settings: Settings, topic: str, group_id: str) -> AIOKafkaCons
         session_timeout_ms=10_000,
         heartbeat_interval_ms=3_000,
     )
+    if listener is not None:
+        consumer.subscribe([topic], listener=listener)
+    return consumer
 
 
 async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS, *, timeout_s: float = 30.0) -> None:

@@ -19,6 +19,8 @@ Contract (every stage gets the same semantics):
 - Abort. A request whose client went away (abort key set by the gateway) is not worked on.
 - Faults. An unexpected exception is retried in place up to ``max_attempts`` (with backoff);
   then the record goes to ``mm.dead-letter`` with the error and the client gets a 500 event.
+- Routing. Records for ``mm.prefill`` go to the partition the process's ``router`` picks
+  (KV-aware routing, :mod:`shared.kv.router`); a ``Produce.partition`` set by a handler wins.
 - Local hand-over. Outputs addressed to a topic in ``local_routes`` (a stage this process also
   runs) are handled right here by that stage's handler, recursively, instead of going through
   Kafka; the record is committed once the whole local chain's external outputs are acked, and
@@ -39,7 +41,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 
 from shared import protocol, tracing
 from shared.bus import OffsetTracker, make_consumer
-from shared.keys import TOPIC_DEAD_LETTER, consumer_group
+from shared.keys import TOPIC_DEAD_LETTER, TOPIC_PREFILL, consumer_group
 from shared.settings import Settings
 from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entry_message
 from shared.transfer import OwnerGoneError
@@ -56,7 +58,8 @@ class StageRunner:
 
     def __init__(self, *, stage: str, topic: str, union: object, handler: Handler, ctx: Context,
                  producer, settings: Settings, concurrency: int | None = None,
-                 local_routes: dict[str, tuple[Handler, Context]] | None = None) -> None:
+                 local_routes: dict[str, tuple[Handler, Context]] | None = None, router=None,
+                 rebalance_listener=None) -> None:
         self.stage = stage
         self.topic = topic
         self._decoder = protocol.decoder_for(union)
@@ -66,7 +69,8 @@ class StageRunner:
         self._producer = producer
         self._settings = settings
         self._concurrency = concurrency or settings.stage_concurrency
-        self._consumer = make_consumer(settings, topic, consumer_group(stage))
+        self._router = router  # shared.kv.router.Router: picks mm.prefill partitions (None: by key)
+        self._consumer = make_consumer(settings, topic, consumer_group(stage), listener=rebalance_listener)
         self._trackers: dict[TopicPartition, OffsetTracker] = {}
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
@@ -230,10 +234,10 @@ class StageRunner:
             span = timer.span()
         produce, releases = [], list(outcome.releases)
         for p in outcome.produce:
-            value = tracing.stamp(p.value, span)
+            value = tracing.stamp(p.value, span) if hasattr(p.value, "meta") else p.value  # KV events: no meta
             route = self._local.get(p.topic)
             if route is None:
-                produce.append(Produce(p.topic, p.key, value))
+                produce.append(Produce(p.topic, p.key, value, p.partition))
                 continue
             sub = await self._run_stage(route[0], value, route[1], 0.0)
             produce.extend(sub.produce)
@@ -242,7 +246,8 @@ class StageRunner:
 
     async def _deliver(self, outcome: Outcome) -> None:
         sends = [
-            await self._producer.send(p.topic, protocol.encode(p.value), key=p.key.encode())
+            await self._producer.send(p.topic, protocol.encode(p.value), key=p.key.encode(),
+                                      partition=await self._partition(p))
             for p in outcome.produce
         ]
         for fut in sends:
@@ -250,6 +255,11 @@ class StageRunner:
         if self._ctx.transfer is not None:
             for owner, leases in outcome.releases:
                 await self._ctx.transfer.release(owner, leases)
+
+    async def _partition(self, p: Produce) -> int | None:
+        if p.partition is None and p.topic == TOPIC_PREFILL and self._router is not None:
+            return await self._router.partition_for(p.value)
+        return p.partition
 
     async def _fail(self, meta: protocol.RequestMeta, failed: RequestFailed) -> None:
         log.info("%s: request %s failed: %s", self.stage, meta.request_id, failed.event.message)

@@ -24,9 +24,10 @@ from aiokafka.errors import KafkaError
 
 from shared import protocol
 from shared.bus import make_producer
-from shared.keys import RedisKeys
+from shared.keys import TOPIC_PREFILL, RedisKeys
+from shared.kv.router import Router
 from shared.ledger import StageLedger
-from shared.models.registry import resolve_model_path
+from shared.models.registry import placeholder_token_id, resolve_model_path
 from shared.settings import Settings
 from shared.stage import Produce, RequestFailed, entry_message
 from shared.streams import TokenStreams
@@ -55,6 +56,9 @@ class GatewayState:
         self.inflight = 0
         self.ledger = StageLedger(redis, RedisKeys(settings.redis_prefix), lease_ms=settings.stage_lease_ms,
                                   done_ttl_s=settings.done_ttl_s)
+        # text-only requests enter at mm.prefill: KV-aware routing picks the partition
+        self.router = Router(redis, RedisKeys(settings.redis_prefix), settings,
+                             placeholder_token_id(resolve_model_path(settings)))
 
 
 async def _lifecycle(app: web.Application):
@@ -170,7 +174,9 @@ async def _run(request: web.Request, state: GatewayState, prepared: Prepared, mo
     inline = [it.inline.lease for it in meta.sources if it.inline is not None]
     try:
         try:
-            await state.producer.send_and_wait(first.topic, protocol.encode(first.value), key=request_id.encode())
+            partition = await state.router.partition_for(first.value) if first.topic == TOPIC_PREFILL else None
+            await state.producer.send_and_wait(first.topic, protocol.encode(first.value), key=request_id.encode(),
+                                               partition=partition)
         except KafkaError as exc:  # broker down or restarting: say so, never an unshaped 500
             log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)
             return error_response(503, f"the request queue is unavailable right now ({type(exc).__name__}); "

@@ -34,7 +34,8 @@ def event_error_response(ev: protocol.ErrorEvent) -> web.Response:
 
 def usage_dict(usage: protocol.Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 class Shaper:
