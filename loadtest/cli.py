@@ -106,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     _common(suite)
 
     kv = sub.add_parser("kv", help="KV-aware routing vs round-robin on multi-turn sessions (issue #7)")
-    kv.add_argument("--sessions", type=int, default=12)
+    kv.add_argument("--sessions", type=int, default=13,
+                    help="sessions (not a multiple of --prefill-replicas: round-robin would pin sessions by accident)")
     kv.add_argument("--turns", type=int, default=4)
     kv.add_argument("--window", type=int, default=4, help="images kept in the conversation (sliding window)")
     kv.add_argument("--text-words", type=int, default=48, help="words of text per user turn")
