@@ -105,6 +105,16 @@ def _parser() -> argparse.ArgumentParser:
     suite.add_argument("--duration-s", type=float, default=60)
     _common(suite)
 
+    kv = sub.add_parser("kv", help="KV-aware routing vs round-robin on multi-turn sessions (issue #7)")
+    kv.add_argument("--sessions", type=int, default=13,
+                    help="sessions (not a multiple of --prefill-replicas: round-robin would pin sessions by accident)")
+    kv.add_argument("--turns", type=int, default=4)
+    kv.add_argument("--window", type=int, default=4, help="images kept in the conversation (sliding window)")
+    kv.add_argument("--text-words", type=int, default=48, help="words of text per user turn")
+    kv.add_argument("--concurrency", type=int, default=4)
+    kv.add_argument("--prefill-replicas", type=int, default=3)
+    _common(kv)
+
     media_server.add_arguments(sub.add_parser("media-server", help="serve deterministic test images"))
     inproc_server.add_arguments(sub.add_parser("inproc", help="run the in-process OpenAI server"))
     return p
@@ -141,6 +151,17 @@ def _bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"loadtest: {exc}", file=sys.stderr)
         return 2
+    if args.command == "kv":
+        from loadtest import kvbench
+
+        opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
+                             extra_env=extra_env, ready_timeout_s=args.ready_timeout_s)
+        result = kvbench.run_kv(out, opts, sessions=args.sessions, turns=args.turns, window=args.window,
+                                text_words=args.text_words, concurrency=args.concurrency,
+                                replicas=args.prefill_replicas, progress=not args.no_progress)
+        print(kvbench.write(result, out, plots=not args.no_plots).read_text())
+        print(f"results in {out}", file=sys.stderr)
+        return 1 if result.get("failed") or not result["runs"] else 0
     if args.command == "suite":
         targets = args.target or suite.TARGETS
         workload = suite.suite_workload(max(args.low_requests, args.sat_requests))

@@ -35,6 +35,7 @@ class RequestRecord:
     itl_ms: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (prefix cache hits)
     usage_reported: bool = False
     n_chunks: int = 0
     n_images: int = 0
@@ -100,6 +101,7 @@ async def _consume(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float) 
         if usage:
             rec.output_tokens = int(usage.get("completion_tokens") or 0)
             rec.prompt_tokens = usage.get("prompt_tokens")
+            rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             rec.usage_reported = True
         for choice in chunk.get("choices") or ():
             content = (choice.get("delta") or {}).get("content") or choice.get("text")

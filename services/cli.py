@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, dest="gateway_port", help="gateway port (default 8000)")
     up.add_argument("--log-dir", type=Path, help="write each child's output to DIR/<name>.log")
     up.add_argument("--ready-file", type=Path, help="write the gateway URL to FILE once every stage serves")
+    up.add_argument("--replicas", dest="stage_replicas",
+                    help="worker processes per stage, e.g. prefill=3,encode=2 (env MMFLEET_STAGE_REPLICAS)")
 
     worker = sub.add_parser("worker", help="run one worker process")
     common(worker)
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(hash_key(key))
         return 0
     overrides = {k: getattr(args, k, None) for k in ("kafka_bootstrap", "redis_url", "model_path", "log_level",
-                                                      "gateway_port", "engine")}
+                                                      "gateway_port", "engine", "stage_replicas")}
     settings = settings_mod.from_env(**overrides)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")

@@ -2,7 +2,8 @@
 
 Order: Kafka (use the broker at ``kafka_bootstrap`` if one answers, else start the embedded
 ``tansu`` broker there) → Redis (``redis_url`` if it answers, else a ``redis-server`` on that
-port) → the demo model (built once, cached) → topics → one worker per stage group → gateway.
+port) → the demo model (built once, cached) → topics → one worker per stage group (more where
+``stage_replicas`` asks, e.g. ``prefill=3``) → gateway.
 
 Children get ``PR_SET_PDEATHSIG`` so they die with the supervisor even if it is SIGKILLed. A
 worker or gateway that exits unexpectedly is restarted with backoff (1 s doubling to 30 s,
@@ -32,7 +33,7 @@ import aiohttp
 from shared import settings as settings_mod
 from shared.bus import ensure_topics, fleet_topics
 from shared.models.registry import resolve_model_path
-from shared.modes import MODES, check_engine
+from shared.modes import MODES, check_engine, group_replicas, parse_replicas
 from shared.redis_conn import make_redis
 from shared.settings import Settings
 
@@ -139,6 +140,7 @@ class Fleet:
         for stages in MODES[mode]:  # refuse an unsupported (mode, engine) before starting anything
             check_engine(stages, settings.engine, caps)
         self.settings = settings
+        self.replicas = parse_replicas(settings.stage_replicas)
         self.mode = mode
         self.log_dir = log_dir
         self.stop_timeout_s = stop_timeout_s
@@ -163,7 +165,9 @@ class Fleet:
         cli = [sys.executable, "-m", "services.cli"]
         for stages in MODES[self.mode]:
             name = "+".join(stages)
-            self.services.append(self._child(name, cli + ["worker", "--stages", ",".join(stages)], env))
+            for i in range(group_replicas(stages, self.replicas)):  # replica 1 keeps the plain name
+                self.services.append(self._child(name if i == 0 else f"{name}-{i + 1}",
+                                                 cli + ["worker", "--stages", ",".join(stages)], env))
         self.services.append(self._child("gateway", cli + ["gateway"], env))
         for child in self.services:
             child.start()
@@ -177,7 +181,9 @@ class Fleet:
         from shared.keys import RedisKeys
         from shared.liveness import live_workers
 
-        wanted = {tuple(stages) for stages in MODES[self.mode]}
+        from collections import Counter
+
+        wanted = Counter({tuple(stages): group_replicas(tuple(stages), self.replicas) for stages in MODES[self.mode]})
         redis = make_redis(self.settings)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -188,11 +194,12 @@ class Fleet:
                     if child.proc is not None and child.proc.poll() is not None:
                         where = f"; see {child.log_path}" if child.log_path else ""
                         raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during start{where}")
-                live = {w.stages for w in await live_workers(redis, RedisKeys(self.settings.redis_prefix))}
-                if wanted <= live:
+                live = Counter(w.stages for w in await live_workers(redis, RedisKeys(self.settings.redis_prefix)))
+                missing = wanted - live
+                if not missing:
                     return
                 if loop.time() > deadline:
-                    raise RuntimeError(f"workers for {sorted(wanted - live)} not serving after {timeout_s} s")
+                    raise RuntimeError(f"workers for {sorted(missing.elements())} not serving after {timeout_s} s")
                 await asyncio.sleep(0.3)
         finally:
             await redis.aclose()

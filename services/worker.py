@@ -27,11 +27,15 @@ import torch
 from shared import protocol
 from shared.bus import make_producer
 from shared.engines.base import Engine
-from shared.keys import STAGES, RedisKeys
+from shared.keys import STAGES, TOPIC_PREFILL, RedisKeys
+from shared.kv.prefix_cache import PrefixCache
+from shared.kv.reuse import PrefixReuse
+from shared.kv.router import Router
+from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
 from shared.ledger import StageLedger
 from shared.liveness import heartbeat
 from shared.modes import check_engine, entry_stages, normalise
-from shared.models.registry import resolve_model_path
+from shared.models.registry import placeholder_token_id, resolve_model_path
 from shared.runner import StageRunner
 from shared.settings import Settings
 from shared.stage import Context
@@ -83,7 +87,17 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         await stack.enter_async_context(transfer)
         streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
                                ttl_s=settings.stream_ttl_s)
-        handlers = await _build_handlers(stages, settings, model_dir, stack)
+        keys = RedisKeys(settings.redis_prefix)
+        placeholder = placeholder_token_id(model_dir)
+        # KV-aware routing: every process may produce to mm.prefill (restarts included), so each
+        # routes; a prefill worker apart from decode keeps a prefix cache and reports to the table
+        router = Router(redis, keys, settings, placeholder)
+        load = LoadTracker()
+        kv_worker = "prefill" in stages and "decode" not in stages
+        reuse = PrefixReuse(PrefixCache(settings.prefix_cache_bytes, settings.kv_block_size), placeholder) \
+            if kv_worker and settings.prefix_cache_bytes > 0 else None
+        reporter = LoadReporter(redis, keys, worker_id, load, settings) if kv_worker else None
+        handlers = await _build_handlers(stages, settings, model_dir, stack, reuse, load)
         ledger = StageLedger(redis, RedisKeys(settings.redis_prefix), lease_ms=settings.stage_lease_ms,
                              done_ttl_s=settings.done_ttl_s)
         contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer, ledger=ledger)
@@ -96,29 +110,36 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
                 else None
             runners.append(StageRunner(stage=stage, topic=topic, union=union, handler=handlers[stage],
                                        ctx=contexts[stage], producer=producer, settings=settings,
-                                       concurrency=concurrency, local_routes=local))
+                                       concurrency=concurrency, local_routes=local, router=router,
+                                       rebalance_listener=reporter if topic == TOPIC_PREFILL else None))
+        updater = KvTableUpdater(redis, keys, settings) if kv_worker else None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: [r.stop() for r in runners])
+            loop.add_signal_handler(sig, lambda: [r.stop() for r in [*runners, *([updater] if updater else [])]])
         log.info("worker %s running stages %s (engine %s, model %s)", worker_id, stages, settings.engine, model_dir)
         tasks = [asyncio.create_task(r.run(), name=r.stage) for r in runners]
+        if updater is not None:  # it ending (broker gone) ends the process like a runner's end
+            tasks.append(asyncio.create_task(updater.run(), name="kv-table"))
+        background = [asyncio.create_task(reporter.run(), name="kv-report")] if reporter else []
         info = protocol.WorkerInfo(worker_id=worker_id, stages=stages, pid=os.getpid(),
                                    host=socket.gethostname(), started_unix_ms=int(time.time() * 1000))
         beat = asyncio.create_task(heartbeat(redis, RedisKeys(settings.redis_prefix), info,
                                              lambda: all(r.assigned.is_set() for r in runners)))
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for r in runners:  # one runner ending (stop or fatal) ends the process
+        for r in [*runners, *([updater] if updater else [])]:  # one ending (stop or fatal) ends the process
             r.stop()
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        beat.cancel()
-        await asyncio.gather(beat, return_exceptions=True)
+        for t in [beat, *background]:
+            t.cancel()
+        await asyncio.gather(beat, *background, return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
     for exc in failed:
         log.error("runner failed: %r", exc)
     return 1 if failed else 0
 
 
-async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir, stack: AsyncExitStack) -> dict:
+async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir, stack: AsyncExitStack,
+                          reuse: PrefixReuse | None = None, load: LoadTracker | None = None) -> dict:
     engines: dict[str, Engine] = {}
 
     async def engine(name: str) -> Engine:
@@ -153,7 +174,7 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
         else:
             from services.prefill.handler import PrefillHandler
 
-            handlers["prefill"] = PrefillHandler(lm)
+            handlers["prefill"] = PrefillHandler(lm, reuse, load)
     if "decode" in stages and "prefill" not in stages:
         from services.decode.handler import DecodeHandler
 

@@ -119,7 +119,7 @@ async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS
 
 
 async def send_retrying(producer: AIOKafkaProducer, topic: str, value: bytes, key: bytes, *,
-                        deadline_unix_ms: int, first_try=None) -> None:
+                        deadline_unix_ms: int, first_try=None, partition: int | None = None) -> None:
     """Produce one record and wait for the broker's ack, retrying broker errors (a broker that
     is restarting refuses connections, and one that came back empty answers "unknown topic"
     or an unknown error until the topics are created again) with backoff until
@@ -132,7 +132,7 @@ async def send_retrying(producer: AIOKafkaProducer, topic: str, value: bytes, ke
                 fut, first_try = first_try, None
                 await fut
             else:
-                await producer.send_and_wait(topic, value, key=key)
+                await producer.send_and_wait(topic, value, key=key, partition=partition)
             return
         except KafkaError as exc:
             left_s = deadline_unix_ms / 1000 - time.time()

@@ -81,6 +81,19 @@ class RedisKeys:
         """Requests an API key (by its hash prefix, never the key) made in one rate window."""
         return f"{self.prefix}:rate:{key_id}:{window}"
 
+    def kv_blocks(self, worker_id: str) -> str:
+        """Set of KV block hashes (decimal) a prefill worker's prefix cache holds (from mm.kv-events)."""
+        return f"{self.prefix}:kv:blocks:{worker_id}"
+
+    def kv_load(self, worker_id: str) -> str:
+        """Hash of a prefill worker's load (in-flight, queued tokens), refreshed with a TTL."""
+        return f"{self.prefix}:kv:load:{worker_id}"
+
+    def kv_owners(self, topic: str) -> str:
+        """Hash partition -> worker id of who consumes each partition of ``topic`` (rewritten on
+        every rebalance and refreshed while the worker lives)."""
+        return f"{self.prefix}:kv:owners:{topic}"
+
     def workers_pattern(self) -> str:
         """``SCAN MATCH`` pattern over every worker's liveness record."""
         return f"{self.prefix}:worker:*"

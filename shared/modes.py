@@ -70,6 +70,26 @@ def supported_modes(caps: Capabilities) -> list[str]:
     return [m for m, layout in MODES.items() if all(_missing(stages, caps) is None for stages in layout)]
 
 
+def parse_replicas(spec: str) -> dict[str, int]:
+    """``"prefill=3,encode=2"`` -> ``{"prefill": 3, "encode": 2}`` (setting ``stage_replicas``)."""
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        stage, sep, count = part.partition("=")
+        stage = stage.strip()
+        if not sep or stage not in STAGE_ORDER or not count.strip().isdigit() or int(count) < 1:
+            raise UnsupportedLayout(f"stage_replicas {spec!r}: expected stage=N,... with N >= 1 and stages from "
+                                    f"{', '.join(STAGE_ORDER)}")
+        out[stage] = int(count)
+    return out
+
+
+def group_replicas(stages: tuple[str, ...], replicas: dict[str, int]) -> int:
+    """Worker processes for one stage group: the largest count asked for any of its stages."""
+    return max([replicas.get(s, 1) for s in stages] + [1])
+
+
 def check_engine(stages: tuple[str, ...], engine: str, caps: Capabilities) -> None:
     missing = _missing(stages, caps)
     if missing is not None:

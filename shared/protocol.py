@@ -168,6 +168,7 @@ class DecodeRequest(Struct, frozen=True, tag="decode.request"):
     prompt_len: int
     rope_delta: int
     first_token: int
+    cached_tokens: int = 0  # prompt positions whose KV came from prefill's prefix cache
 
 
 MediaFetchMsg = MediaFetchRequest
@@ -187,6 +188,19 @@ class DeadLetter(Struct, frozen=True, tag="dead_letter"):
     value: bytes
 
 
+class KvEvent(Struct, frozen=True, tag="kv.event"):
+    """prefill → ``mm.kv-events`` (key: worker id, so one worker's events stay in order): KV
+    blocks (u64 hashes, shared.kv.blocks) its prefix cache stored and removed."""
+
+    worker_id: str
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    cleared: bool = False  # the worker's cache was emptied (e.g. start-up): forget all its blocks
+
+
+KvEventMsg = KvEvent
+
+
 class WorkerInfo(Struct, frozen=True):
     """A worker's liveness record in Redis (refreshed with a TTL while it holds partitions)."""
 
@@ -203,6 +217,7 @@ class WorkerInfo(Struct, frozen=True):
 class Usage(Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, reused from a prefix cache (OpenAI prompt_tokens_details)
 
 
 class TokenDelta(Struct, frozen=True, tag="delta", tag_field="event"):

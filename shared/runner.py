@@ -19,6 +19,8 @@ Contract (every stage gets the same semantics):
 - Abort. A request whose client went away (abort key set by the gateway) is not worked on.
 - Faults. An unexpected exception is retried in place up to ``max_attempts`` (with backoff);
   then the record goes to ``mm.dead-letter`` with the error and the client gets a 500 event.
+- Routing. Records for ``mm.prefill`` go to the partition the process's ``router`` picks
+  (KV-aware routing, :mod:`shared.kv.router`); a ``Produce.partition`` set by a handler wins.
 - Local hand-over. Outputs addressed to a topic in ``local_routes`` (a stage this process also
   runs) are handled right here by that stage's handler, recursively, instead of going through
   Kafka; the record is committed once the whole local chain's external outputs are acked, and
@@ -39,7 +41,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 
 from shared import protocol, tracing
 from shared.bus import OffsetTracker, make_consumer, send_retrying
-from shared.keys import TOPIC_DEAD_LETTER, consumer_group
+from shared.keys import TOPIC_DEAD_LETTER, TOPIC_PREFILL, consumer_group
 from shared.settings import Settings
 from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entry_message
 from shared.transfer import OwnerGoneError
@@ -56,7 +58,8 @@ class StageRunner:
 
     def __init__(self, *, stage: str, topic: str, union: object, handler: Handler, ctx: Context,
                  producer, settings: Settings, concurrency: int | None = None,
-                 local_routes: dict[str, tuple[Handler, Context]] | None = None) -> None:
+                 local_routes: dict[str, tuple[Handler, Context]] | None = None, router=None,
+                 rebalance_listener=None) -> None:
         self.stage = stage
         self.topic = topic
         self._decoder = protocol.decoder_for(union)
@@ -66,7 +69,9 @@ class StageRunner:
         self._producer = producer
         self._settings = settings
         self._concurrency = concurrency or settings.stage_concurrency
-        self._consumer = make_consumer(settings, topic, consumer_group(stage), _Rebalance(self))
+        self._router = router  # shared.kv.router.Router: picks mm.prefill partitions (None: by key)
+        self._consumer = make_consumer(settings, topic, consumer_group(stage),
+                                       listener=_Rebalance(self, rebalance_listener))
         self._trackers: dict[TopicPartition, OffsetTracker] = {}
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
@@ -241,10 +246,10 @@ class StageRunner:
             span = timer.span()
         produce, releases = [], list(outcome.releases)
         for p in outcome.produce:
-            value = tracing.stamp(p.value, span)
+            value = tracing.stamp(p.value, span) if hasattr(p.value, "meta") else p.value  # KV events: no meta
             route = self._local.get(p.topic)
             if route is None:
-                produce.append(Produce(p.topic, p.key, value))
+                produce.append(Produce(p.topic, p.key, value, p.partition))
                 continue
             sub = await self._run_stage(route[0], value, route[1], 0.0)
             produce.extend(sub.produce)
@@ -252,22 +257,29 @@ class StageRunner:
         return Outcome(produce, releases)
 
     async def _deliver(self, outcome: Outcome, deadline_unix_ms: int) -> None:
-        """Produce the outputs (all sent at once), wait for every broker ack (the output is
-        durable before anything upstream is freed), retrying broker errors until the deadline."""
+        """Produce the outputs (all sent at once; mm.prefill records to the partition the router
+        picks), wait for every broker ack (the output is durable before anything upstream is
+        freed), retrying broker errors until the deadline."""
         sends = []
         for p in outcome.produce:
             value = protocol.encode(p.value)
+            partition = await self._partition(p)
             try:
-                fut = await self._producer.send(p.topic, value, key=p.key.encode())
+                fut = await self._producer.send(p.topic, value, key=p.key.encode(), partition=partition)
             except KafkaError:
                 fut = None  # not even queued (e.g. no metadata for the topic yet): retried below
-            sends.append((p, value, fut))
-        for p, value, fut in sends:
+            sends.append((p, value, partition, fut))
+        for p, value, partition, fut in sends:
             await send_retrying(self._producer, p.topic, value, p.key.encode(), deadline_unix_ms=deadline_unix_ms,
-                                first_try=fut)
+                                first_try=fut, partition=partition)
         if self._ctx.transfer is not None:
             for owner, leases in outcome.releases:
                 await self._ctx.transfer.release(owner, leases)
+
+    async def _partition(self, p: Produce) -> int | None:
+        if p.partition is None and p.topic == TOPIC_PREFILL and self._router is not None:
+            return await self._router.partition_for(p.value)
+        return p.partition
 
     async def _fail(self, meta: protocol.RequestMeta, failed: RequestFailed) -> None:
         log.info("%s: request %s failed: %s", self.stage, meta.request_id, failed.event.message)
@@ -341,17 +353,22 @@ class _Rebalance(ConsumerRebalanceListener):
     embedded broker restarts empty, offsets start at 0 again, and an old watermark would commit
     past records nobody has processed."""
 
-    def __init__(self, runner: StageRunner) -> None:
+    def __init__(self, runner: StageRunner, also: ConsumerRebalanceListener | None = None) -> None:
         self._runner = runner
+        self._also = also  # a stage's own listener (prefill: partition ownership for routing)
 
     async def on_partitions_revoked(self, revoked) -> None:
         await self._runner._commit()
         for tp in revoked:
             self._runner._trackers.pop(tp, None)
+        if self._also is not None:
+            await self._also.on_partitions_revoked(revoked)
 
     async def on_partitions_assigned(self, assigned) -> None:
         for tp in assigned:
             self._runner._trackers.pop(tp, None)
+        if self._also is not None:
+            await self._also.on_partitions_assigned(assigned)
 
 
 def restart_from_source(meta: protocol.RequestMeta, max_restarts: int, reason: str,

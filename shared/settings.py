@@ -125,6 +125,23 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     redis_ssl_certfile: str = ""  # with a rediss:// URL: client certificate
     redis_ssl_keyfile: str = ""  # with a rediss:// URL: its private key
 
+    # --- KV-aware routing (shared.kv)
+    # how producers of mm.prefill pick its partition: "kv" (prefix overlap vs load, over the
+    # routing table in Redis) or "round_robin" (next live prefill worker in turn, for comparison)
+    routing_policy: str = "kv"
+    kv_block_size: int = 16  # prompt positions per KV block (hashing, prefix cache, routing)
+    # kv routing cost of a worker = weight * prompt blocks it would compute + blocks queued on it;
+    # higher weights favour cache hits over spreading load
+    kv_overlap_weight: float = 1.0
+    prefix_cache_bytes: int = 64 * _MiB  # prefill worker's prefix KV cache (LRU by block), in bytes; 0: off
+    kv_report_interval_ms: int = 500  # how often a prefill worker refreshes its load + partitions in Redis
+    kv_report_ttl_ms: int = 5_000  # a prefill worker not heard from for this long is not routed to
+
+    # --- fleet layout (mmfleet up)
+    # worker processes per stage group, "stage=N,..." (e.g. "prefill=3,encode=2"); a group of
+    # several stages (mode e-pd, epd, ep-d) gets the largest count among its stages; default 1
+    stage_replicas: str = ""
+
     log_level: str = "INFO"
 
     def with_overrides(self, **changes: Any) -> Settings:

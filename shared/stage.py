@@ -30,11 +30,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Produce:
-    """One record to produce: topic, key (request_id, or mm_hash on the encode topic), value."""
+    """One record to produce: topic, key (request_id, or mm_hash on the encode topic), value.
+    ``partition``: None lets the producer choose (the router for ``mm.prefill``, else the key)."""
 
     topic: str
     key: str
     value: Struct
+    partition: int | None = None
 
 
 def entry_message(meta: protocol.RequestMeta) -> Produce:

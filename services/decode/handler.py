@@ -39,7 +39,8 @@ class DecodeHandler:
         del kv
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=msg.prompt_len,
-                                first_token=first, skip_deltas=log.deltas, aborted=_abort_check(ctx, meta))
+                                first_token=first, skip_deltas=log.deltas, cached_tokens=msg.cached_tokens,
+                                aborted=_abort_check(ctx, meta))
         return done
 
 

@@ -48,7 +48,7 @@ async def read_log(events: EventSink, request_id: str) -> LogState:
 
 async def stream_completion(events: EventSink, meta: protocol.RequestMeta, tokens: AsyncIterator[int], *,
                             tokenizer, eos_token_ids: frozenset[int], prompt_len: int,
-                            first_token: int | None = None, skip_deltas: int = 0,
+                            first_token: int | None = None, skip_deltas: int = 0, cached_tokens: int = 0,
                             aborted: Callable[[], Awaitable[bool]] | None = None,
                             abort_check_every: int = 16) -> None:
     """``aborted``: polled every ``abort_check_every`` tokens; true ends the request with an
@@ -101,5 +101,5 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
         reason = "stop" if res.stopped else reason
         if tail:
             await _send(generated, (), tail)
-    usage = protocol.Usage(prompt_tokens=prompt_len, completion_tokens=generated)
+    usage = protocol.Usage(prompt_tokens=prompt_len, completion_tokens=generated, cached_tokens=cached_tokens)
     await events.append(meta.request_id, protocol.Finish(reason=reason, usage=usage, spans=path_so_far(meta)))

@@ -27,8 +27,9 @@ from aiohttp import web
 
 from shared.bus import make_producer
 from shared.keys import INGRESS_STAGE, RedisKeys
+from shared.kv.router import Router
 from shared.ledger import StageLedger
-from shared.models.registry import resolve_model_path
+from shared.models.registry import placeholder_token_id, resolve_model_path
 from shared.redis_conn import make_redis
 from shared.settings import Settings
 from shared.streams import TokenStreams
@@ -67,7 +68,9 @@ async def _lifecycle(app: web.Application):
     await transfer.start()
     streams = TokenStreams(redis, keys, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s)
     ledger = StageLedger(redis, keys, lease_ms=settings.stage_lease_ms, done_ttl_s=settings.done_ttl_s)
-    front = Frontend(settings, builder, producer, streams, transfer, auth, ledger)
+    # text-only requests enter at mm.prefill: KV-aware routing picks the partition
+    router = Router(redis, keys, settings, placeholder_token_id(resolve_model_path(settings)))
+    front = Frontend(settings, builder, producer, streams, transfer, auth, ledger, router)
     app[STATE] = GatewayState(settings, front, producer, redis)
     redrive_task = asyncio.create_task(front.redriver.run(), name="redrive")
     ingress_task = None

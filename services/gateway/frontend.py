@@ -32,6 +32,7 @@ from aiokafka.errors import KafkaError
 
 from shared import protocol
 from shared.bus import send_retrying
+from shared.keys import TOPIC_PREFILL
 from shared.ledger import StageLedger
 from shared.settings import Settings
 from shared.stage import RequestFailed, entry_message
@@ -61,7 +62,7 @@ class Frontend:
     """Shared by every way in of one gateway process (one in-flight count for all of them)."""
 
     def __init__(self, settings: Settings, builder: PromptBuilder, producer, streams: TokenStreams,
-                 transfer: TransferAgent, auth: Authenticator, ledger: StageLedger) -> None:
+                 transfer: TransferAgent, auth: Authenticator, ledger: StageLedger, router=None) -> None:
         self.settings = settings
         self.builder = builder
         self.producer = producer
@@ -70,6 +71,7 @@ class Frontend:
         self.auth = auth
         self.ledger = ledger
         self.inflight = 0
+        self.router = router  # shared.kv.router.Router for entries at mm.prefill (None: by key)
         self.redriver = Redriver(ledger, producer)  # its run() is started by the gateway app
 
     def prepare(self, body: bytes, *, chat: bool) -> tuple[Prepared, str]:
@@ -104,8 +106,12 @@ class Frontend:
             self.redriver.track(first.value.meta)
             try:
                 now_ms = int(time.time() * 1000)
+                partition = None
+                if first.topic == TOPIC_PREFILL and self.router is not None:
+                    partition = await self.router.partition_for(first.value)
                 await send_retrying(self.producer, first.topic, protocol.encode(first.value), request_id.encode(),
-                                    deadline_unix_ms=min(first.value.meta.deadline_unix_ms, now_ms + s.queue_retry_ms))
+                                    deadline_unix_ms=min(first.value.meta.deadline_unix_ms, now_ms + s.queue_retry_ms),
+                                    partition=partition)
             except KafkaError as exc:  # broker down longer than queue_retry_ms: say so, never an unshaped 500
                 log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)
                 raise Rejected.of(503, f"the request queue is unavailable right now ({type(exc).__name__}); "

@@ -4,6 +4,11 @@ sample the first token, keep the KV cache in this worker's pool and send its des
 In: ``PrefillRequest`` (text-only requests come straight from the gateway with no items).
 Out: ``DecodeRequest`` on ``mm.decode``; releases encode's embedding slots once produced.
 Needs an engine that exports KV (``capabilities.kv_export``).
+
+Prefix reuse (with a ``PrefixReuse`` and an engine with ``capabilities.prefix_kv``): the
+longest cached prefix of the prompt's KV blocks is reused and only the rest is computed; the
+prompt's blocks are then kept, and what the cache stored / evicted goes out on
+``mm.kv-events`` for the routing table. ``load`` counts the positions still to compute.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import asyncio
 from shared import protocol
 from shared.engines.base import Engine, ImageEmbeds
 from shared.keys import TOPIC_DECODE
+from shared.kv.reuse import Lookup, PrefixReuse
+from shared.kv.table import LoadTracker
 from shared.stage import Context, Outcome, Produce, RequestFailed
 from shared.tracing import timed_transfer
 
@@ -49,17 +56,27 @@ def embedding_releases(msg: protocol.PrefillRequest) -> list[tuple[protocol.Agen
 
 
 class PrefillHandler:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, prefix: PrefixReuse | None = None, load: LoadTracker | None = None) -> None:
         self._engine = engine
+        self._prefix = prefix if engine.capabilities.prefix_kv else None
+        self._load = load or LoadTracker()
 
     async def handle(self, msg: protocol.PrefillRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
         meta = msg.meta
-        check_context(msg, self._engine.max_model_len)
+        total = check_context(msg, self._engine.max_model_len)
         images = await pull_images(msg, ctx)
-        out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling)
+        lookup = self._prefix.lookup(msg, total) if self._prefix is not None else Lookup([], None, 0, 0)
+        with self._load.track(total - lookup.prefix_len):
+            if lookup.prefix_kv is None:  # engines without prefix_kv take no such argument
+                out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling)
+            else:
+                out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling,
+                                                 prefix_kv=lookup.prefix_kv)
+        events = self._prefix.keep(lookup, out.kv, ctx.worker_id) if self._prefix is not None else []
         with timed_transfer():
             kv_ref = await ctx.transfer.put_wait(out.kv, timeout_ms=5_000)
         decode = protocol.DecodeRequest(meta=meta, owner=ctx.transfer.ref(), kv=kv_ref, prompt_len=out.prompt_len,
-                                        rope_delta=out.rope_delta, first_token=out.first_token)
-        return Outcome([Produce(TOPIC_DECODE, meta.request_id, decode)], embedding_releases(msg))
+                                        rope_delta=out.rope_delta, first_token=out.first_token,
+                                        cached_tokens=lookup.prefix_len)
+        return Outcome([Produce(TOPIC_DECODE, meta.request_id, decode), *events], embedding_releases(msg))

@@ -37,6 +37,9 @@ class Capabilities:
     generate: bool
     kv_export: bool
     kv_import: bool
+    # ``prefill(prefix_kv=...)`` reuses a given prompt prefix's KV (the prefill worker's own
+    # prefix cache, shared.kv); engines without it (vLLM: its own prefix caching) compute all
+    prefix_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,10 @@ class Engine(Protocol):
         ...
 
     async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
-                      sampling: protocol.Sampling) -> PrefillOutput: ...
+                      sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
+        """``prefix_kv``: packed KV of the expanded prompt's first positions (fewer than all),
+        only with ``capabilities.prefix_kv``; the output's ``kv`` covers the whole prompt."""
+        ...
 
     def decode(self, request_id: str, kv: torch.Tensor, rope_delta: int, prompt_len: int, first_token: int,
                sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:

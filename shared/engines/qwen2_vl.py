@@ -176,9 +176,17 @@ class Qwen2VLCompute:
 
     @torch.inference_mode()
     def prefill(
-        self, prompt_ids: list[int], images: list[tuple[torch.Tensor, tuple[int, int, int]]]
+        self, prompt_ids: list[int], images: list[tuple[torch.Tensor, tuple[int, int, int]]],
+        prefix_kv: torch.Tensor | None = None,
     ) -> PrefillResult:
-        """Run the LM over the prompt with image embeddings merged at the placeholders."""
+        """Run the LM over the prompt with image embeddings merged at the placeholders.
+
+        ``prefix_kv``: packed KV of the prompt's first ``P < prompt_len`` expanded positions
+        (from an earlier prompt with the same prefix, see :mod:`shared.kv`); only positions
+        ``P..`` are computed, with their M-RoPE positions taken from the whole prompt (an
+        image's positions depend only on what precedes it and on its grid), and the returned
+        KV covers the whole prompt.
+        """
         from transformers import DynamicCache
 
         expanded = self.expand_prompt(prompt_ids, images)
@@ -206,10 +214,17 @@ class Qwen2VLCompute:
             image_embeds = torch.cat([e.to(embeds.dtype) for e, _ in images], dim=0)
             embeds = embeds.masked_scatter(is_image.unsqueeze(-1), image_embeds)
 
-        cache = DynamicCache(config=self.model.config)
+        start = 0
+        if prefix_kv is not None and prefix_kv.shape[3] > 0:
+            start = int(prefix_kv.shape[3])
+            if start >= seq_len:
+                raise ValueError(f"prefix of {start} positions leaves nothing to compute of {seq_len}")
+            cache = self.start_decode(prefix_kv, 0, start).cache
+        else:
+            cache = DynamicCache(config=self.model.config)
         out = self.model(
-            inputs_embeds=embeds,
-            position_ids=position_ids,
+            inputs_embeds=embeds[:, start:],
+            position_ids=position_ids[:, :, start:],
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,

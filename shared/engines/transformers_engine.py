@@ -21,7 +21,7 @@ from shared.engines.sampling import sample_at
 
 class TransformersEngine:
     name = "transformers"
-    capabilities = Capabilities(encode=True, generate=True, kv_export=True, kv_import=True)
+    capabilities = Capabilities(encode=True, generate=True, kv_export=True, kv_import=True, prefix_kv=True)
 
     def __init__(self, model_dir: str | Path, *, encode_max_batch_items: int = 16,
                  encode_batch_wait_ms: float = 2.0) -> None:
@@ -84,8 +84,8 @@ class TransformersEngine:
         return await self._batcher.submit((pixels, grid_thw, n_tokens))
 
     async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
-                      sampling: protocol.Sampling) -> PrefillOutput:
-        result = await self._lane.run(self.compute.prefill, prompt_ids, images)
+                      sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
+        result = await self._lane.run(self.compute.prefill, prompt_ids, images, prefix_kv)
         first = sample_at(result.last_logits, sampling, step=0)
         return PrefillOutput(first_token=first, kv=result.kv, rope_delta=result.rope_delta,
                              prompt_len=result.prompt_len)

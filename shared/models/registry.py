@@ -42,3 +42,13 @@ def resolve_model_path(settings: Settings) -> Path:
     from shared.models.qwen2_vl_tiny import ensure_tiny_qwen2_vl
 
     return ensure_tiny_qwen2_vl(Path(settings.cache_dir) / "models")
+
+
+def placeholder_token_id(model_dir: str | Path) -> int:
+    """The token id that stands for one image position in the language model's prompt
+    (``image_token_id`` of the saved ``config.json``): what KV block hashes expand."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    token = config.get("image_token_id", config.get("text_config", {}).get("image_token_id"))
+    if token is None:
+        raise ValueError(f"config.json at {model_dir} names no image_token_id")
+    return int(token)

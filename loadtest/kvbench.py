@@ -1,0 +1,136 @@
+"""KV-aware routing vs round-robin (issue #7): ``python -m loadtest kv`` (part of ``make bench``).
+
+The same multi-turn workload (sessions of ``turns`` turns, each resending the conversation
+with its last ``window`` images; turn-major, so a session's turns go out in order) against two
+``fleet:e-p-d`` fleets with ``prefill_replicas`` prefill workers, one routing ``kv``, one
+``round_robin``. Reported per policy, over the follow-up turns (turn >= 2, the ones that can
+hit): request hit rate (share with ``usage.prompt_tokens_details.cached_tokens > 0``, i.e.
+landed on a worker holding part of their prefix), token hit rate (cached / prompt tokens), and
+TTFT p50 / p99 (also over all turns). Goals: hit rate >= 90 % (round-robin ~ 1/N) and follow-up
+TTFT p50 >= 2x better than round-robin.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from loadtest import metrics
+from loadtest.bench import BenchConfig, run_bench
+from loadtest.loadgen import LoadShape
+from loadtest.targets import TargetOptions
+from loadtest.workloads import WorkloadConfig, build
+
+POLICIES = ("kv", "round_robin")
+
+
+def kv_workload(sessions: int, turns: int, window: int, text_words: int, seed: int = 0) -> WorkloadConfig:
+    return WorkloadConfig(kind="multiturn", num_requests=sessions * turns, seed=seed, max_tokens=(16, 16),
+                          text_words=(text_words, text_words), images=(1, 1), resolutions=((224, 224),),
+                          turns=turns, window=window)
+
+
+def run_kv(out: Path, opts: TargetOptions, *, sessions: int, turns: int, window: int, text_words: int,
+           concurrency: int, replicas: int, progress: bool = True) -> dict:
+    workload = kv_workload(sessions, turns, window, text_words)
+    specs = build(workload)
+    shape = LoadShape("concurrency", concurrency, len(specs), duration_s=600, grace_s=60)
+    result: dict = {"config": {"workload": workload.to_dict(), "concurrency": concurrency,
+                               "prefill_replicas": replicas}, "policies": {}, "runs": []}
+    for policy in POLICIES:
+        env = {**opts.extra_env, "MMFLEET_STAGE_REPLICAS": f"prefill={replicas}", "MMFLEET_ROUTING_POLICY": policy,
+               "MMFLEET_TOPIC_PARTITIONS": str(max(4, 2 * replicas))}
+        cfg = BenchConfig(targets=["fleet:e-p-d"], workload=workload, shapes=[shape], out_dir=out, warmup=0,
+                          progress=progress)
+        res = run_bench(cfg, replace(opts, extra_env=env))
+        for run in res["runs"]:
+            run["target"] = f"fleet:e-p-d[{policy}]"
+            result["runs"].append(run)
+            result["policies"][policy] = summarize(run["records"], specs)
+        if res["failed"]:
+            result.setdefault("failed", {}).update({f"{k}[{policy}]": v for k, v in res["failed"].items()})
+    result["goals"] = goals(result["policies"])
+    return result
+
+
+def summarize(records: list[dict], specs) -> dict:
+    """Hit rates and TTFT of one run, follow-up turns apart (see the module contract)."""
+    ok = [r for r in records if r["status"] == 200 and r["error"] is None]
+    later = [r for r in ok if specs[r["index"] % len(specs)].turn]
+    prompt = sum(r["prompt_tokens"] or 0 for r in later)
+    return {
+        "requests": len(records), "ok": len(ok), "followups": len(later),
+        "request_hit_rate": sum(1 for r in later if r["cached_tokens"] > 0) / len(later) if later else None,
+        "token_hit_rate": sum(r["cached_tokens"] for r in later) / prompt if prompt else None,
+        "ttft_ms_followups": metrics.summarize([r["ttft_ms"] for r in later if r["ttft_ms"] is not None]),
+        "ttft_ms_all": metrics.summarize([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None]),
+    }
+
+
+def goals(p: dict) -> list[dict]:
+    rows = []
+    kv, rr = p.get("kv"), p.get("round_robin")
+    if kv and kv["request_hit_rate"] is not None:
+        rows.append({"goal": "kv: follow-up hit rate >= 90 %", "measured": f"{kv['request_hit_rate']:.0%} "
+                     f"(round-robin {rr['request_hit_rate']:.0%})" if rr else f"{kv['request_hit_rate']:.0%}",
+                     "met": kv["request_hit_rate"] >= 0.9})
+    if kv and rr and kv["ttft_ms_followups"].get("p50") and rr["ttft_ms_followups"].get("p50"):
+        ratio = rr["ttft_ms_followups"]["p50"] / kv["ttft_ms_followups"]["p50"]
+        rows.append({"goal": "follow-up TTFT p50 >= 2x better than round-robin",
+                     "measured": f"{rr['ttft_ms_followups']['p50']:.1f} / {kv['ttft_ms_followups']['p50']:.1f} ms "
+                                 f"= {ratio:.2f}x", "met": ratio >= 2.0})
+    return rows
+
+
+def write(result: dict, out: Path, plots: bool = True) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kv_routing.json").write_text(json.dumps(result, indent=1, default=str))
+    lines = ["# KV-aware routing vs round-robin", "",
+             f"workload: {json.dumps(result['config'])}", "",
+             "| policy | ok/requests | follow-up hit rate | token hit rate | TTFT p50 / p99 follow-ups (ms) "
+             "| TTFT p50 / p99 all (ms) |", "|---|---|---|---|---|---|"]
+    for name, s in result["policies"].items():
+        f, a = s["ttft_ms_followups"], s["ttft_ms_all"]
+        lines.append(f"| {name} | {s['ok']}/{s['requests']} | {_pct(s['request_hit_rate'])} | "
+                     f"{_pct(s['token_hit_rate'])} | {_ms(f, 'p50')} / {_ms(f, 'p99')} | {_ms(a, 'p50')} / {_ms(a, 'p99')} |")
+    lines += ["", "| goal | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {g['goal']} | {g['measured']} | {'met' if g['met'] else '**not met**'} |" for g in result["goals"]]
+    for name, why in result.get("failed", {}).items():
+        lines.append(f"\n{name} failed: {why[:300]}")
+    if plots:
+        lines += ["", _plot(result, out)]
+    path = out / "kv_summary.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _pct(x) -> str:
+    return "–" if x is None else f"{x:.0%}"
+
+
+def _ms(s: dict, k: str) -> str:
+    return "–" if not s.get(k) else f"{s[k]:.1f}"
+
+
+def _plot(result: dict, out: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(no plot: matplotlib is not installed; pip install -e '.[bench]')"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run in result["runs"]:
+        ttfts = sorted(r["ttft_ms"] for r in run["records"] if r["ttft_ms"] is not None)
+        if ttfts:
+            ax.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=run["target"])
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("multi-turn sessions: KV-aware vs round-robin")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "kv_ttft_cdf.png", dpi=100)
+    plt.close(fig)
+    return "![TTFT CDF](kv_ttft_cdf.png)"

@@ -1,0 +1,74 @@
+"""Content-addressed KV block hashes of a prompt.
+
+Contract: the prompt is taken as the language model sees it, with each image placeholder
+expanded to the image's ``n_tokens`` positions, and cut into blocks of ``block_size``
+positions (a trailing partial block has no hash: only whole blocks are cached or routed on).
+Block ``i``'s hash is BLAKE3(parent hash, the block's token ids, the sorted ``mm_hash`` es of
+every media item with a position in the block), as a u64. So:
+- a hash names a whole prefix (its parent chain), never a block in isolation;
+- two different images behind identical placeholder tokens never share a block (their
+  ``mm_hash`` es, BLAKE3 of the fetched bytes, differ), while the same image fetched from two
+  different URLs does share it.
+The router (any producer of a ``PrefillRequest``) and the prefill worker compute hashes with
+this one function from the same message, so they always agree.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Protocol
+
+import blake3
+import numpy as np
+
+
+class MediaSpan(Protocol):
+    """What a block hash needs of one media item (``EmbeddingItem`` fits)."""
+
+    index: int
+    mm_hash: str
+    n_tokens: int
+
+
+def expand(prompt_ids: Sequence[int], items: Sequence[MediaSpan], placeholder_id: int
+           ) -> tuple[list[int], list[tuple[int, int, str]]]:
+    """(expanded token ids, [(start, end, mm_hash)] of each item's positions).
+
+    The i-th placeholder (in prompt order) takes the item of i-th lowest ``index``; placeholders
+    beyond the items (e.g. a text-only prompt that spells the placeholder) stay single tokens.
+    """
+    ordered = sorted(items, key=lambda it: it.index)
+    out: list[int] = []
+    spans: list[tuple[int, int, str]] = []
+    k = 0
+    for tok in prompt_ids:
+        if tok == placeholder_id and k < len(ordered):
+            item = ordered[k]
+            k += 1
+            spans.append((len(out), len(out) + item.n_tokens, item.mm_hash))
+            out.extend([placeholder_id] * item.n_tokens)
+        else:
+            out.append(tok)
+    return out, spans
+
+
+def block_hashes(prompt_ids: Sequence[int], items: Sequence[MediaSpan], *, placeholder_id: int,
+                 block_size: int) -> list[int]:
+    """One u64 hash per whole block of the expanded prompt, in order (see the module contract)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    tokens, spans = expand(prompt_ids, items, placeholder_id)
+    arr = np.asarray(tokens, dtype=np.int64)
+    hashes: list[int] = []
+    parent = 0
+    for b in range(len(tokens) // block_size):
+        lo, hi = b * block_size, (b + 1) * block_size
+        media = sorted(h for start, end, h in spans if start < hi and end > lo)
+        h = blake3.blake3(struct.pack("<Q", parent))
+        h.update(arr[lo:hi].tobytes())
+        for mm_hash in media:
+            h.update(b"\x00" + mm_hash.encode())
+        parent = int.from_bytes(h.digest(8), "little")
+        hashes.append(parent)
+    return hashes

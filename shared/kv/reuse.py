@@ -1,0 +1,61 @@
+"""A prefill worker's use of its prefix cache for one request: find the longest cached prefix
+before the forward, keep the new blocks after it, count both, and say so on ``mm.kv-events``.
+
+The reused prefix is the cached whole blocks, cut to ``prompt_len - 1`` positions when they
+cover the whole prompt: at least one position is always computed, since its logits give the
+first token. The blocks hashed here are exactly the router's (same function, same message).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import Counter, Gauge
+
+from shared import protocol
+from shared.keys import TOPIC_KV_EVENTS
+from shared.kv.blocks import block_hashes
+from shared.kv.prefix_cache import PrefixCache
+from shared.stage import Produce
+
+BLOCKS_HIT = Counter("mmfleet_prefix_blocks_hit_total", "Prompt KV blocks reused from the prefix cache", ["worker"])
+BLOCKS_COMPUTED = Counter("mmfleet_prefix_blocks_computed_total",
+                          "Whole prompt KV blocks computed (not found in the prefix cache)", ["worker"])
+CACHE_BYTES = Gauge("mmfleet_prefix_cache_bytes", "Bytes of KV held by the prefill worker's prefix cache", ["worker"])
+
+
+@dataclass(frozen=True)
+class Lookup:
+    hashes: list[int]
+    prefix_kv: torch.Tensor | None  # packed KV of the reused positions, None when nothing is reused
+    prefix_len: int  # reused prompt positions
+    hit_blocks: int
+
+
+class PrefixReuse:
+    def __init__(self, cache: PrefixCache, placeholder_id: int) -> None:
+        self.cache = cache
+        self._placeholder = placeholder_id
+
+    def lookup(self, msg: protocol.PrefillRequest, prompt_len: int) -> Lookup:
+        """``prompt_len``: the expanded prompt's length (positions)."""
+        hashes = block_hashes(msg.meta.prompt_token_ids, msg.items, placeholder_id=self._placeholder,
+                              block_size=self.cache.block_size)
+        blocks = self.cache.match(hashes)
+        prefix_len = min(len(blocks) * self.cache.block_size, prompt_len - 1)
+        if prefix_len <= 0:
+            return Lookup(hashes, None, 0, 0)
+        kv = torch.cat(blocks, dim=3) if len(blocks) > 1 else blocks[0]
+        return Lookup(hashes, kv[:, :, :, :prefix_len, :].contiguous(), prefix_len, len(blocks))
+
+    def keep(self, lookup: Lookup, kv: torch.Tensor, worker_id: str) -> list[Produce]:
+        """Store the prompt's blocks from its full packed ``kv``; the KV event to produce, if any."""
+        BLOCKS_HIT.labels(worker_id).inc(lookup.hit_blocks)
+        BLOCKS_COMPUTED.labels(worker_id).inc(len(lookup.hashes) - lookup.hit_blocks)
+        changes = self.cache.store(lookup.hashes, kv)
+        CACHE_BYTES.labels(worker_id).set(self.cache.bytes)
+        if not (changes.stored or changes.removed):
+            return []
+        event = protocol.KvEvent(worker_id=worker_id, stored=tuple(changes.stored), removed=tuple(changes.removed))
+        return [Produce(TOPIC_KV_EVENTS, worker_id, event)]

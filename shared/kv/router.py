@@ -1,0 +1,131 @@
+"""Which partition of ``mm.prefill`` a ``PrefillRequest`` goes to.
+
+Every producer of a ``PrefillRequest`` (the gateway for text-only requests, the runner for any
+stage's output, restarts included) asks its process's :class:`Router` for a partition at the
+produce point. Contract:
+- ``kv`` policy: for each live prefill worker in the routing table (:mod:`shared.kv.table`),
+  ``overlap`` = how many leading block hashes of the request (:mod:`shared.kv.blocks`) its
+  prefix cache holds; cost = ``kv_overlap_weight`` x (prompt blocks - overlap) + blocks queued
+  on it (its load). The cheapest worker wins (ties at random, so with no information load is
+  spread), and the record goes to one of the partitions it owns.
+- ``round_robin`` policy: the next live worker in turn (for comparison).
+- No table (Redis empty or unreachable, no live worker yet): ``None``, i.e. Kafka's own key
+  hashing. Routing never fails a request: after a rebalance the partition's new owner serves
+  the record; only the cache hit is lost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter
+
+from shared import protocol
+from shared.keys import TOPIC_PREFILL, RedisKeys
+from shared.kv.blocks import block_hashes
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ROUTING_DECISIONS = Counter("mmfleet_routing_decisions_total",
+                            "Partition choices for mm.prefill records, by policy and reason "
+                            "(kv_hit: a worker holding a prefix won; load: no worker held one; round_robin; "
+                            "no_table: no live prefill worker known; error: the table was unreadable)",
+                            ["policy", "reason"])
+POLICIES = ("kv", "round_robin")
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    partitions: tuple[int, ...]
+    inflight: int
+    queued_tokens: int
+    overlap: int = 0  # leading request blocks it holds
+
+
+@dataclass(frozen=True)
+class Decision:
+    partition: int | None
+    worker_id: str | None
+    reason: str
+    overlap: int = 0
+
+
+class Router:
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, settings: Settings, placeholder_id: int, *,
+                 topic: str = TOPIC_PREFILL, rng: random.Random | None = None) -> None:
+        if settings.routing_policy not in POLICIES:
+            raise ValueError(f"routing_policy {settings.routing_policy!r}: choose one of {', '.join(POLICIES)}")
+        self._redis = redis
+        self._keys = keys
+        self._topic = topic
+        self.policy = settings.routing_policy
+        self._block_size = settings.kv_block_size
+        self._weight = settings.kv_overlap_weight
+        self._placeholder = placeholder_id
+        self._rng = rng or random.Random()
+        self._turn = itertools.count()
+
+    async def partition_for(self, msg: protocol.PrefillRequest) -> int | None:
+        """The partition to produce ``msg`` to, or None for key hashing (never raises)."""
+        try:
+            decision = await self.decide(msg)
+        except (aioredis.RedisError, OSError, ValueError) as exc:
+            log.warning("routing table unreadable (%r); %s goes by key", exc, msg.meta.request_id)
+            decision = Decision(None, None, "error")
+        ROUTING_DECISIONS.labels(self.policy, decision.reason).inc()
+        return decision.partition
+
+    async def decide(self, msg: protocol.PrefillRequest) -> Decision:
+        hashes = block_hashes(msg.meta.prompt_token_ids, msg.items, placeholder_id=self._placeholder,
+                              block_size=self._block_size) if self.policy == "kv" else []
+        workers = await self.workers(hashes)
+        if not workers:
+            return Decision(None, None, "no_table")
+        if self.policy == "round_robin":
+            w = workers[next(self._turn) % len(workers)]
+            return Decision(self._rng.choice(w.partitions), w.worker_id, "round_robin")
+        costs = [(self._weight * (len(hashes) - w.overlap) + w.queued_tokens / self._block_size, w) for w in workers]
+        best = min(c for c, _ in costs)
+        w = self._rng.choice([w for c, w in costs if c == best])
+        return Decision(self._rng.choice(w.partitions), w.worker_id, "kv_hit" if w.overlap else "load", w.overlap)
+
+    async def workers(self, hashes: list[int]) -> list[WorkerView]:
+        """Live prefill workers that own partitions, sorted by id, with their overlap."""
+        owners = await self._redis.hgetall(self._keys.kv_owners(self._topic))
+        by_worker: dict[str, list[int]] = {}
+        for part, wid in owners.items():
+            by_worker.setdefault(wid.decode(), []).append(int(part))
+        ids = sorted(by_worker)
+        if not ids:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for wid in ids:
+            pipe.hgetall(self._keys.kv_load(wid))
+            if hashes:
+                pipe.smismember(self._keys.kv_blocks(wid), [str(h) for h in hashes])
+        replies = await pipe.execute()
+        step = 2 if hashes else 1
+        out = []
+        for i, wid in enumerate(ids):
+            load = replies[i * step]
+            if not load:
+                continue  # not heard from within kv_report_ttl_ms: gone
+            listed = {int(p) for p in load.get(b"partitions", b"").decode().split(",") if p}
+            parts = tuple(sorted(p for p in by_worker[wid] if p in listed))  # both must agree
+            if not parts:
+                continue
+            overlap = 0
+            if hashes:
+                for member in replies[i * step + 1]:
+                    if not member:
+                        break
+                    overlap += 1
+            out.append(WorkerView(wid, parts, int(load.get(b"inflight", 0)), int(load.get(b"queued_tokens", 0)),
+                                  overlap))
+        return out

@@ -1,0 +1,132 @@
+"""The routing table and the router against a real Redis (shared.kv.table, shared.kv.router)."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import TopicPartition
+
+from shared import protocol
+from shared.keys import TOPIC_PREFILL, RedisKeys
+from shared.kv.blocks import block_hashes
+from shared.kv.router import Router
+from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
+from shared.settings import Settings
+
+PH = 99
+BLOCK = 4
+
+
+def request(tokens: list[int]) -> protocol.PrefillRequest:
+    meta = protocol.RequestMeta(request_id=uuid.uuid4().hex, model="m", deadline_unix_ms=0, created_unix_ms=0,
+                                prompt_token_ids=tuple(tokens))
+    return protocol.PrefillRequest(meta=meta)
+
+
+@pytest.fixture
+async def table(redis_url):
+    settings = Settings(redis_url=redis_url, redis_prefix=f"kv{uuid.uuid4().hex[:8]}", kv_block_size=BLOCK,
+                        kv_report_ttl_ms=5_000)
+    redis = aioredis.from_url(redis_url)
+    keys = RedisKeys(settings.redis_prefix)
+    loads = {w: LoadTracker() for w in ("w1", "w2")}
+    reporters = {w: LoadReporter(redis, keys, w, loads[w], settings) for w in loads}
+    await reporters["w1"].on_partitions_assigned([TopicPartition(TOPIC_PREFILL, p) for p in (0, 1)])
+    await reporters["w2"].on_partitions_assigned([TopicPartition(TOPIC_PREFILL, p) for p in (2, 3)])
+    updater = KvTableUpdater(redis, keys, settings)  # only apply() is used: no broker needed
+    yield {"settings": settings, "redis": redis, "keys": keys, "loads": loads, "reporters": reporters,
+           "updater": updater}
+    await redis.aclose()
+
+
+def router(t, policy: str = "kv", **kw) -> Router:
+    s = t["settings"].with_overrides(routing_policy=policy, **kw)
+    return Router(t["redis"], t["keys"], s, PH)
+
+
+async def stored(t, worker: str, hashes: list[int], removed: list[int] = ()) -> None:
+    ev = protocol.KvEvent(worker_id=worker, stored=tuple(hashes), removed=tuple(removed))
+    await t["updater"].apply([protocol.encode(ev)])
+
+
+async def test_the_worker_holding_the_prefix_wins_on_one_of_its_partitions(table):
+    prompt = list(range(100, 120))  # 5 blocks
+    await stored(table, "w1", block_hashes(prompt, [], placeholder_id=PH, block_size=BLOCK)[:3])
+    d = await router(table).decide(request(prompt))
+    assert (d.worker_id, d.reason, d.overlap) == ("w1", "kv_hit", 3) and d.partition in (0, 1)
+    # overlap counts leading blocks only: a hole at block 0 is no hit
+    other = [1] + prompt[1:]
+    d = await router(table).decide(request(other))
+    assert d.overlap == 0 and d.reason == "load"
+
+
+async def test_removed_blocks_stop_attracting(table):
+    prompt = list(range(200, 216))
+    hashes = block_hashes(prompt, [], placeholder_id=PH, block_size=BLOCK)
+    await stored(table, "w2", hashes)
+    assert (await router(table).decide(request(prompt))).worker_id == "w2"
+    await stored(table, "w2", [], removed=hashes[:1])
+    assert (await router(table).decide(request(prompt))).overlap == 0
+
+
+async def test_with_no_information_load_is_spread_and_a_loaded_worker_avoided(table):
+    r = router(table)
+    picks = Counter([(await r.decide(request([5] * 9))).worker_id for _ in range(40)])
+    assert set(picks) == {"w1", "w2"}, picks
+    with table["loads"]["w1"].track(400):
+        await table["reporters"]["w1"].report()
+        picks = Counter([(await r.decide(request([5] * 9))).worker_id for _ in range(10)])
+    assert picks == {"w2": 10}
+    # a small overlap does not outweigh a long queue; a large weight does
+    prompt = list(range(300, 340))
+    await stored(table, "w1", block_hashes(prompt, [], placeholder_id=PH, block_size=BLOCK)[:2])
+    with table["loads"]["w1"].track(400):
+        await table["reporters"]["w1"].report()
+        assert (await r.decide(request(prompt))).worker_id == "w2"
+        assert (await router(table, kv_overlap_weight=100.0).decide(request(prompt))).worker_id == "w1"
+
+
+async def test_round_robin_takes_workers_in_turn(table):
+    r = router(table, "round_robin")
+    picks = [(await r.decide(request([1, 2, 3, 4]))).worker_id for _ in range(6)]
+    assert picks in (["w1", "w2"] * 3, ["w2", "w1"] * 3)
+
+
+async def test_a_rebalance_moves_partitions_and_stale_owners_are_ignored(table):
+    t = table
+    await t["reporters"]["w1"].on_partitions_revoked([TopicPartition(TOPIC_PREFILL, 1)])
+    await t["reporters"]["w2"].on_partitions_assigned([TopicPartition(TOPIC_PREFILL, p) for p in (1, 2, 3)])
+    views = {w.worker_id: w.partitions for w in await router(t).workers([])}
+    assert views == {"w1": (0,), "w2": (1, 2, 3)}
+    # a stale field naming w1 for partition 3 (w1 does not list it) is not trusted
+    await t["redis"].hset(t["keys"].kv_owners(TOPIC_PREFILL), "3", "w1")
+    views = {w.worker_id: w.partitions for w in await router(t).workers([])}
+    assert views == {"w1": (0,), "w2": (1, 2)}
+    # a worker no longer heard from (its load record expired) is not routed to
+    await t["redis"].delete(t["keys"].kv_load("w1"))
+    assert {w.worker_id for w in await router(t).workers([])} == {"w2"}
+
+
+async def test_no_table_or_no_redis_means_key_hashing(redis_url):
+    s = Settings(redis_url=redis_url, redis_prefix=f"kv{uuid.uuid4().hex[:8]}")
+    redis = aioredis.from_url(redis_url)
+    try:
+        r = Router(redis, RedisKeys(s.redis_prefix), s, PH)
+        assert await r.decide(request([1, 2])) == (await r.decide(request([1, 2])))
+        assert (await r.decide(request([1, 2]))).reason == "no_table"
+        assert await r.partition_for(request([1, 2])) is None
+    finally:
+        await redis.aclose()
+    gone = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+    try:
+        assert await Router(gone, RedisKeys("x"), s, PH).partition_for(request([1, 2])) is None
+    finally:
+        await gone.aclose()
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="routing_policy"):
+        Router(None, RedisKeys("x"), Settings(routing_policy="random"), PH)
