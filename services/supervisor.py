@@ -73,7 +73,12 @@ class Child:
         self.started_at = time.monotonic()
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+
     def stop(self, timeout_s: float) -> None:
+        """SIGTERM (if not sent yet), wait up to ``timeout_s``, then SIGKILL."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -301,8 +306,11 @@ class Fleet:
         self._stopping.set()
 
     def stop(self) -> None:
-        """Idempotent: services first (they drain), then Redis and the broker."""
+        """Idempotent: services first, all at once (each drains within its own bound, so the
+        fleet stops within one ``stop_timeout_s``, not one per service), then Redis and the broker."""
         self._stopping.set()
+        for child in self.services:
+            child.terminate()
         for child in reversed(self.services):
             child.stop(self.stop_timeout_s)
         for child in reversed(self.infra):

@@ -126,12 +126,16 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         beat = asyncio.create_task(heartbeat(redis, RedisKeys(settings.redis_prefix), info,
                                              lambda: all(r.assigned.is_set() for r in runners)))
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        stopping_at = time.monotonic()
         for r in [*runners, *([updater] if updater else [])]:  # one ending (stop or fatal) ends the process
             r.stop()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for t in [beat, *background]:
             t.cancel()
         await asyncio.gather(beat, *background, return_exceptions=True)
+        log.info("worker %s: consumers stopped in %.1f s; releasing resources", worker_id,
+                 time.monotonic() - stopping_at)
+    log.info("worker %s stopped in %.1f s", worker_id, time.monotonic() - stopping_at)
     failed = [r for r in results if isinstance(r, BaseException)]
     for exc in failed:
         log.error("runner failed: %r", exc)
