@@ -311,8 +311,9 @@ class Fleet:
         self._stopping.set()
         for child in self.services:
             child.terminate()
+        deadline = time.monotonic() + self.stop_timeout_s
         for child in reversed(self.services):
-            child.stop(self.stop_timeout_s)
+            child.stop(max(deadline - time.monotonic(), 0.1))
         for child in reversed(self.infra):
             child.stop(self.stop_timeout_s)
 
