@@ -4,65 +4,96 @@
   mmfleet worker    one worker process running the given stages
   mmfleet gateway   the OpenAI-compatible HTTP gateway
   mmfleet topics    create the topics (idempotent) and list them
-  mmfleet bench     benchmark the fleet against in-process and vllm serve (see loadtest/README.md)
   mmfleet model     build the tiny offline demo model (cached) and print its path
+  mmfleet settings  every setting: variable, default, description (--effective: the values in force)
+  mmfleet bench     benchmark the fleet against in-process and vllm serve (see loadtest/README.md)
 
-Settings come from ``MMFLEET_<NAME>`` environment variables (``mmfleet settings`` lists them
-with their defaults); the flags below override them.
+Settings, lowest precedence first: defaults < a TOML config file (--config FILE, or the
+MMFLEET_CONFIG variable; keys are setting names, e.g. `gateway_port = 8080`) < environment
+variables MMFLEET_<NAME> < the flags of a subcommand. Unknown keys and variables are errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from pathlib import Path
 
+from shared import logs
 from shared import settings as settings_mod
+
+_FLAGS = ("kafka_bootstrap", "redis_url", "model_path", "log_level", "log_format", "gateway_port", "engine")
+
+
+def _epilog() -> str:
+    return ("settings (environment variable, default, meaning; a config file uses the lower-case name "
+            "without MMFLEET_; KAFKA_BOOTSTRAP and REDIS_URL are honoured as aliases):\n"
+            + settings_mod.help_table())
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmfleet", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    head, _, rest = __doc__.partition("\n\n")
+    p = argparse.ArgumentParser(prog="mmfleet", description=head + "\n\n" + rest,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
     sub = p.add_subparsers(dest="command", required=True)
 
+    def add(name: str, help_: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_, epilog=_epilog(),
+                              formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+    def config(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--config", type=Path, metavar="FILE",
+                        help="TOML file of settings (keys are setting names); env MMFLEET_CONFIG")
+
     def common(sp: argparse.ArgumentParser) -> None:
+        config(sp)
         sp.add_argument("--kafka-bootstrap", help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP)")
         sp.add_argument("--redis-url", help="Redis URL (env REDIS_URL)")
         sp.add_argument("--model-path", help="local model directory; default: the tiny offline demo model")
-        sp.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+        sp.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (env MMFLEET_LOG_LEVEL)")
+        sp.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON "
+                        "(env MMFLEET_LOG_FORMAT)")
         sp.add_argument("--engine", choices=["transformers", "vllm"],
                         help="language-model runtime (env MMFLEET_ENGINE; default transformers)")
 
-    up = sub.add_parser("up", help="start the whole fleet and supervise it (Ctrl-C stops it)")
+    up = add("up", "start the whole fleet and supervise it (Ctrl-C stops it)")
     common(up)
     up.add_argument("--mode", default="e-p-d", choices=["epd", "e-pd", "e-p-d", "ep-d"],
                     help="which stages share a worker: epd (one worker), e-pd (encode apart), e-p-d (all "
                          "apart), ep-d (decode apart)")
-    up.add_argument("--port", type=int, dest="gateway_port", help="gateway port (default 8000)")
+    up.add_argument("--port", type=int, dest="gateway_port", help="gateway port (env MMFLEET_GATEWAY_PORT)")
     up.add_argument("--log-dir", type=Path, help="write each child's output to DIR/<name>.log")
     up.add_argument("--ready-file", type=Path, help="write the gateway URL to FILE once every stage serves")
 
-    worker = sub.add_parser("worker", help="run one worker process")
+    worker = add("worker", "run one worker process")
     common(worker)
     worker.add_argument("--stages", required=True,
                         help="comma-separated stages: media-fetch, encode, prefill, decode")
 
-    gw = sub.add_parser("gateway", help="run the HTTP gateway")
+    gw = add("gateway", "run the HTTP gateway")
     common(gw)
-    gw.add_argument("--port", type=int, dest="gateway_port")
+    gw.add_argument("--port", type=int, dest="gateway_port", help="gateway port (env MMFLEET_GATEWAY_PORT)")
 
-    topics = sub.add_parser("topics", help="create the fleet's topics if missing")
-    common(topics)
+    common(add("topics", "create the fleet's topics if missing"))
+    common(add("model", "build (once) the tiny demo model and print its path"))
 
-    model = sub.add_parser("model", help="build (once) the tiny demo model and print its path")
-    common(model)
-
-    sub.add_parser("settings", help="list every setting with its environment variable and default")
+    st = add("settings", "list every setting with its environment variable, default and meaning")
+    config(st)
+    shape = st.add_mutually_exclusive_group()
+    shape.add_argument("--effective", action="store_true",
+                       help="print MMFLEET_<NAME>=value as in force here (defaults < file < environment)")
+    shape.add_argument("--markdown", action="store_true", help="print the table as Markdown (the README's)")
     sub.add_parser("bench", add_help=False,
-                   help="benchmark the fleet against inproc and vllm serve (mmfleet bench --help)")
+                   help="benchmark the fleet against inproc and vllm serve (mmfleet bench --help; settings "
+                        "from MMFLEET_CONFIG and MMFLEET_* variables)")
     return p
+
+
+def load_settings(args: argparse.Namespace, env=None) -> settings_mod.Settings:
+    """The process's settings: defaults < ``--config`` (or MMFLEET_CONFIG) < environment < flags."""
+    overrides = {k: getattr(args, k, None) for k in _FLAGS}
+    return settings_mod.from_env(env, config_file=getattr(args, "config", None), **overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,17 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.cli import main as bench_main
 
         return bench_main(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(args)
+    except ValueError as exc:  # unknown key / variable, unreadable file, a value that does not convert
+        parser.exit(2, f"mmfleet {args.command}: {exc}\n")
     if args.command == "settings":
-        defaults = settings_mod.Settings()
-        for name in settings_mod.field_names():
-            print(f"{settings_mod.ENV_PREFIX}{name.upper():<28} {getattr(defaults, name)!r}")
+        if args.effective:
+            print("\n".join(f"{k}={v}" for k, v in settings_mod.to_env(settings).items()))
+        else:
+            print(settings_mod.markdown_table() if args.markdown else settings_mod.help_table())
         return 0
-    overrides = {k: getattr(args, k, None) for k in ("kafka_bootstrap", "redis_url", "model_path", "log_level",
-                                                      "gateway_port", "engine")}
-    settings = settings_mod.from_env(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+    logs.setup(settings, process=args.command)
     if args.command == "up":
         from services.supervisor import run_up
 

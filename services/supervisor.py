@@ -158,9 +158,12 @@ class Fleet:
         await ensure_topics(s)
         env = settings_mod.child_env(s)
         cli = [sys.executable, "-m", "services.cli"]
-        for stages in MODES[self.mode]:
+        for i, stages in enumerate(MODES[self.mode]):
             name = "+".join(stages)
-            self.services.append(self._child(name, cli + ["worker", "--stages", ",".join(stages)], env))
+            # A fixed metrics port would collide on one host: worker i gets metrics_port + i.
+            wenv = env if s.metrics_port == 0 else settings_mod.child_env(
+                s.with_overrides(metrics_port=s.metrics_port + i))
+            self.services.append(self._child(name, cli + ["worker", "--stages", ",".join(stages)], wenv))
         self.services.append(self._child("gateway", cli + ["gateway"], env))
         for child in self.services:
             child.start()
@@ -185,8 +188,12 @@ class Fleet:
                     if child.proc is not None and child.proc.poll() is not None:
                         where = f"; see {child.log_path}" if child.log_path else ""
                         raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during start{where}")
-                live = {w.stages for w in await live_workers(redis, RedisKeys(self.settings.redis_prefix))}
+                workers = await live_workers(redis, RedisKeys(self.settings.redis_prefix))
+                live = {w.stages for w in workers}
                 if wanted <= live:
+                    for w in workers:
+                        log.info("worker %s: metrics on http://%s:%d/metrics", w.worker_id,
+                                 self.settings.metrics_host, w.metrics_port)
                     return
                 if loop.time() > deadline:
                     raise RuntimeError(f"workers for {sorted(wanted - live)} not serving after {timeout_s} s")

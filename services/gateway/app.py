@@ -7,6 +7,11 @@ request's Redis token stream → SSE chunks or one JSON body.
 The response status is decided by the stream's first event: an ``ErrorEvent`` before any
 token becomes a proper HTTP error (so a bad image is a 400 even for ``stream=true``); after
 the first token, errors arrive as an SSE ``error`` object, which the openai client raises.
+
+Observability: every answer counts in ``mmfleet_requests_total{status}`` (499: the client went
+away first) and is logged with its request id (bound for every log record of the request);
+time to first token and inter-token gaps are measured as the gateway sees the token stream;
+``GET /metrics`` serves the process's Prometheus registry.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import msgspec
 import redis.asyncio as aioredis
@@ -22,7 +28,7 @@ import torch
 from aiohttp import web
 from aiokafka.errors import KafkaError
 
-from shared import protocol
+from shared import logs, metrics, protocol
 from shared.bus import make_producer
 from shared.keys import RedisKeys
 from shared.ledger import StageLedger
@@ -86,6 +92,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics.metrics_view)
     return app
 
 
@@ -129,6 +136,26 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 # ---------------------------------------------------------------------- one request
 async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    """One request, counted by its status and logged once with its request id."""
+    t0 = time.perf_counter()
+    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    status = 500
+    with logs.bind(request_id=request_id):
+        try:
+            resp = await _admit(request, request_id, t0, chat=chat)
+            status = resp.status
+            if status == 200:
+                metrics.E2E.observe(time.perf_counter() - t0)
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499  # the client went away before the answer was complete
+            raise
+        finally:
+            metrics.REQUESTS.labels(str(status)).inc()
+            log.info("%s %s %d %.1f ms", request.method, request.path, status, (time.perf_counter() - t0) * 1000)
+
+
+async def _admit(request: web.Request, request_id: str, t0: float, *, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     s = state.settings
     try:
@@ -144,19 +171,21 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
     except RequestFailed as failed:
         return event_error_response(failed.event)
     if state.inflight >= s.max_inflight_requests:
+        metrics.ADMISSION_REJECTIONS.labels("inflight_limit").inc()
         return error_response(429, f"server is at its limit of {s.max_inflight_requests} in-flight requests; "
                                    "retry shortly", code="overloaded", headers={"Retry-After": "1"})
     state.inflight += 1
+    metrics.INFLIGHT.inc()
     try:
-        return await _run(request, state, prepared, req.model, chat=chat)
+        return await _run(request, state, prepared, req.model, request_id, t0, chat=chat)
     finally:
         state.inflight -= 1
+        metrics.INFLIGHT.dec()
 
 
-async def _run(request: web.Request, state: GatewayState, prepared: Prepared, model: str, *,
-               chat: bool) -> web.StreamResponse:
+async def _run(request: web.Request, state: GatewayState, prepared: Prepared, model: str, request_id: str,
+               t0: float, *, chat: bool) -> web.StreamResponse:
     s = state.settings
-    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     now_ms = int(time.time() * 1000)
     meta = protocol.RequestMeta(request_id=request_id, model=model, created_unix_ms=now_ms,
                                 deadline_unix_ms=now_ms + s.request_timeout_ms,
@@ -164,6 +193,7 @@ async def _run(request: web.Request, state: GatewayState, prepared: Prepared, mo
     try:
         first = await _first_message(state, meta, prepared)
     except PoolFullError:
+        metrics.ADMISSION_REJECTIONS.labels("media_pool_full").inc()
         return error_response(429, "server media buffers are full; retry shortly", code="overloaded",
                               headers={"Retry-After": "1"})
     meta = first.value.meta
@@ -175,7 +205,7 @@ async def _run(request: web.Request, state: GatewayState, prepared: Prepared, mo
             log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)
             return error_response(503, f"the request queue is unavailable right now ({type(exc).__name__}); "
                                        "retry shortly", code="queue_unavailable", headers={"Retry-After": "1"})
-        return await _respond(request, state, meta, prepared, model, chat=chat)
+        return await _respond(request, state, meta, prepared, model, t0, chat=chat)
     except (asyncio.CancelledError, ConnectionResetError):
         # the client went away: tell the stages to stop working on it
         await asyncio.shield(state.ledger.abort(request_id, ttl_s=s.stream_ttl_s))
@@ -186,12 +216,13 @@ async def _run(request: web.Request, state: GatewayState, prepared: Prepared, mo
 
 
 async def _respond(request: web.Request, state: GatewayState, meta: protocol.RequestMeta, prepared: Prepared,
-                   model: str, *, chat: bool) -> web.StreamResponse:
+                   model: str, t0: float, *, chat: bool) -> web.StreamResponse:
     s = state.settings
     request_id = meta.request_id
 
     loop = asyncio.get_running_loop()
-    events = state.streams.follow(request_id, deadline_s=loop.time() + s.request_timeout_ms / 1000)
+    events = _token_timing(state.streams.follow(request_id, deadline_s=loop.time() + s.request_timeout_ms / 1000),
+                           t0)
     shaper = Shaper(request_id, model, chat=chat)
     try:
         first = await anext(events)
@@ -203,6 +234,27 @@ async def _respond(request: web.Request, state: GatewayState, meta: protocol.Req
     except TimeoutError:
         return error_response(504, f"request {request_id} did not finish within {s.request_timeout_ms} ms",
                               code="deadline_exceeded")
+    finally:
+        await events.aclose()
+
+
+async def _token_timing(events: AsyncIterator[protocol.StreamEvent], t0: float
+                        ) -> AsyncIterator[protocol.StreamEvent]:
+    """``events`` unchanged, observing time to first token (from ``t0``, the request's arrival)
+    and inter-token latency (a later delta of n tokens counts n gaps of 1/n of its wait)."""
+    last = None
+    try:
+        async for ev in events:
+            if isinstance(ev, protocol.TokenDelta) and ev.token_ids:
+                now = time.perf_counter()
+                if last is None:
+                    metrics.TTFT.observe(now - t0)
+                else:
+                    gap = (now - last) / len(ev.token_ids)
+                    for _ in ev.token_ids:
+                        metrics.ITL.observe(gap)
+                last = now
+            yield ev
     finally:
         await events.aclose()
 
