@@ -127,6 +127,14 @@ def redis_child(host: str, port: int) -> Child:
                  restart=False)
 
 
+def worker_settings(settings: Settings, index: int) -> Settings:
+    """Worker ``index``'s settings. A fixed metrics port would collide on one host, so worker i
+    gets ``metrics_port + i``; 0 (ephemeral) stays 0 and each worker binds a free port."""
+    if settings.metrics_port == 0:
+        return settings
+    return settings.with_overrides(metrics_port=settings.metrics_port + index)
+
+
 class Fleet:
     def __init__(self, settings: Settings, *, mode: str = "e-p-d", log_dir: Path | None = None,
                  stop_timeout_s: float = 15.0) -> None:
@@ -160,9 +168,7 @@ class Fleet:
         cli = [sys.executable, "-m", "services.cli"]
         for i, stages in enumerate(MODES[self.mode]):
             name = "+".join(stages)
-            # A fixed metrics port would collide on one host: worker i gets metrics_port + i.
-            wenv = env if s.metrics_port == 0 else settings_mod.child_env(
-                s.with_overrides(metrics_port=s.metrics_port + i))
+            wenv = settings_mod.child_env(worker_settings(s, i))
             self.services.append(self._child(name, cli + ["worker", "--stages", ",".join(stages)], wenv))
         self.services.append(self._child("gateway", cli + ["gateway"], env))
         for child in self.services:

@@ -27,7 +27,7 @@ from contextlib import AsyncExitStack
 import redis.asyncio as aioredis
 import torch
 
-from shared import logs, protocol
+from shared import logs, metrics, protocol
 from shared.bus import make_producer
 from shared.engines.base import Engine
 from shared.keys import STAGES, RedisKeys
@@ -88,6 +88,7 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         stack.push_async_callback(producer.stop)
         transfer = TransferAgent(worker_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms)
         await stack.enter_async_context(transfer)
+        metrics.watch_pool(transfer)
         streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
                                ttl_s=settings.stream_ttl_s)
         handlers = await _build_handlers(stages, settings, model_dir, stack)

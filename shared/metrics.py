@@ -63,6 +63,8 @@ CONSUMER_LAG = Gauge("mmfleet_consumer_lag_records",
 NIXL_BYTES = Counter("mmfleet_nixl_bytes_total",
                      "tensor bytes: in = READ from a peer's pool over NIXL, out = leased in this pool "
                      "for peers to read", ["direction"])
+NIXL_POOL_USED = Gauge("mmfleet_nixl_pool_used_bytes",
+                       "bytes of this process's NIXL pool in use (leased or staging); see pool_bytes")
 NIXL_TRANSFER = Histogram("mmfleet_nixl_transfer_seconds", "one NIXL READ of a peer's tensor, end to end",
                           buckets=LATENCY_BUCKETS_S)
 
@@ -72,6 +74,11 @@ MEDIA_FETCH_BYTES = Counter("mmfleet_media_fetch_bytes_total",
                             "fetch cache), inline (pulled from the gateway), file", ["source"])
 MEDIA_FETCH = Histogram("mmfleet_media_fetch_seconds", "loading one media item's bytes, by source",
                         ["source"], buckets=LATENCY_BUCKETS_S)
+
+
+def watch_pool(agent) -> None:
+    """Report ``agent``'s (the process's one TransferAgent) pool use at each scrape."""
+    NIXL_POOL_USED.set_function(lambda: agent.stats()["used_bytes"])
 
 
 def observe_span(stage: str, queue_ms: float, transfer_ms: float, total_ms: float) -> None:

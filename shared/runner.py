@@ -276,7 +276,8 @@ class StageRunner:
         local stages are handled here too (queue 0), and only the rest goes to Kafka."""
         with tracing.stage_span(ctx.stage, ctx.worker_id, queue_ms) as timer:
             try:
-                outcome = await handler.handle(msg, ctx)
+                with logs.bind(stage=ctx.stage):  # a locally routed stage logs under its own name
+                    outcome = await handler.handle(msg, ctx)
             finally:  # failed calls are observed too: their time was spent all the same
                 span = timer.span()
                 metrics.observe_span(span.stage, span.queue_ms, span.transfer_ms, span.total_ms)

@@ -72,6 +72,7 @@ async def _lifecycle(app: web.Application):
                              lease_ttl_ms=settings.lease_ttl_ms)
     await producer.start()
     await transfer.start()
+    metrics.watch_pool(transfer)
     streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
                            ttl_s=settings.stream_ttl_s)
     app[STATE] = GatewayState(settings, builder, producer, redis, streams, transfer)

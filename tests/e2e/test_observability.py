@@ -113,6 +113,7 @@ def test_every_process_exposes_its_metrics(fleet, traffic, redis_url):
         if stage != "media-fetch":  # every later stage pulls its input over NIXL
             assert value(m, "mmfleet_nixl_bytes_total", direction="in") > 0, stage
             assert value(m, "mmfleet_nixl_transfer_seconds_count") > 0, stage
+        assert value(m, "mmfleet_nixl_pool_used_bytes") >= 0, stage  # present; in use drops back as leases end
         if stage == "media-fetch":
             assert value(m, "mmfleet_media_fetch_bytes_total", source="inline") > 0
             assert value(m, "mmfleet_media_fetch_seconds_count", source="inline") >= 3

@@ -78,3 +78,14 @@ def test_children_get_the_effective_settings_not_the_file(tmp_path, monkeypatch)
     env = settings_mod.child_env(s)
     assert "MMFLEET_CONFIG" not in env  # the child must not re-read a file that may have changed
     assert from_env(env) == s
+
+
+def test_up_gives_each_worker_its_own_metrics_port():
+    from services.supervisor import worker_settings
+    from shared.modes import MODES
+
+    fixed = Settings(metrics_port=9100)
+    ports = [worker_settings(fixed, i).metrics_port for i in range(len(MODES["e-p-d"]))]
+    assert ports == [9100, 9101, 9102, 9103]
+    assert {worker_settings(Settings(), i).metrics_port for i in range(4)} == {0}  # each binds a free port
+    assert worker_settings(fixed, 2).gateway_port == fixed.gateway_port  # nothing else changes
