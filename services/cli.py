@@ -4,67 +4,87 @@
   mmfleet worker    one worker process running the given stages
   mmfleet gateway   the OpenAI-compatible HTTP gateway
   mmfleet topics    create the topics (idempotent) and list them
-  mmfleet bench     benchmark the fleet against in-process and vllm serve (see loadtest/README.md)
   mmfleet model     build the tiny offline demo model (cached) and print its path
   mmfleet submit    run a JSONL file of requests through Kafka (mm.requests), replies to JSONL
   mmfleet keys hash print the sha256 of an API key read from stdin (for MMFLEET_API_KEY_HASHES)
+  mmfleet settings  every setting: variable, default, description (--effective: the values in force)
+  mmfleet bench     benchmark the fleet against in-process and vllm serve (see loadtest/README.md)
 
-Settings come from ``MMFLEET_<NAME>`` environment variables (``mmfleet settings`` lists them
-with their defaults); the flags below override them.
+Settings, lowest precedence first: defaults < a TOML config file (--config FILE, or the
+MMFLEET_CONFIG variable; keys are setting names, e.g. `gateway_port = 8080`) < environment
+variables MMFLEET_<NAME> < the flags of a subcommand. Unknown keys and variables are errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from pathlib import Path
 
+from shared import logs
 from shared import settings as settings_mod
+
+_FLAGS = ("kafka_bootstrap", "redis_url", "model_path", "log_level", "log_format", "gateway_port", "engine",
+          "stage_replicas")
+
+
+def _epilog() -> str:
+    return ("settings (environment variable, default, meaning; a config file uses the lower-case name "
+            "without MMFLEET_; KAFKA_BOOTSTRAP and REDIS_URL are honoured as aliases):\n"
+            + settings_mod.help_table())
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmfleet", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    head, _, rest = __doc__.partition("\n\n")
+    p = argparse.ArgumentParser(prog="mmfleet", description=head + "\n\n" + rest,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
     sub = p.add_subparsers(dest="command", required=True)
 
+    def add(name: str, help_: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_, epilog=_epilog(),
+                              formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+    def config(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--config", type=Path, metavar="FILE",
+                        help="TOML file of settings (keys are setting names); env MMFLEET_CONFIG")
+
     def common(sp: argparse.ArgumentParser) -> None:
+        config(sp)
         sp.add_argument("--kafka-bootstrap", help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP)")
         sp.add_argument("--redis-url", help="Redis URL (env REDIS_URL)")
         sp.add_argument("--model-path", help="local model directory; default: the tiny offline demo model")
-        sp.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+        sp.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (env MMFLEET_LOG_LEVEL)")
+        sp.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON "
+                        "(env MMFLEET_LOG_FORMAT)")
         sp.add_argument("--engine", choices=["transformers", "vllm"],
                         help="language-model runtime (env MMFLEET_ENGINE; default transformers)")
 
-    up = sub.add_parser("up", help="start the whole fleet and supervise it (Ctrl-C stops it)")
+    up = add("up", "start the whole fleet and supervise it (Ctrl-C stops it)")
     common(up)
     up.add_argument("--mode", default="e-p-d", choices=["epd", "e-pd", "e-p-d", "ep-d"],
                     help="which stages share a worker: epd (one worker), e-pd (encode apart), e-p-d (all "
                          "apart), ep-d (decode apart)")
-    up.add_argument("--port", type=int, dest="gateway_port", help="gateway port (default 8000)")
+    up.add_argument("--port", type=int, dest="gateway_port", help="gateway port (env MMFLEET_GATEWAY_PORT)")
     up.add_argument("--log-dir", type=Path, help="write each child's output to DIR/<name>.log")
     up.add_argument("--ready-file", type=Path, help="write the gateway URL to FILE once every stage serves")
     up.add_argument("--replicas", dest="stage_replicas",
                     help="worker processes per stage, e.g. prefill=3,encode=2 (env MMFLEET_STAGE_REPLICAS)")
 
-    worker = sub.add_parser("worker", help="run one worker process")
+    worker = add("worker", "run one worker process")
     common(worker)
     worker.add_argument("--stages", required=True,
                         help="comma-separated stages: media-fetch, encode, prefill, decode")
 
-    gw = sub.add_parser("gateway", help="run the HTTP gateway")
+    gw = add("gateway", "run the HTTP gateway")
     common(gw)
-    gw.add_argument("--port", type=int, dest="gateway_port")
+    gw.add_argument("--port", type=int, dest="gateway_port", help="gateway port (env MMFLEET_GATEWAY_PORT)")
 
-    topics = sub.add_parser("topics", help="create the fleet's topics if missing")
-    common(topics)
+    common(add("topics", "create the fleet's topics if missing"))
+    common(add("model", "build (once) the tiny demo model and print its path"))
 
-    model = sub.add_parser("model", help="build (once) the tiny demo model and print its path")
-    common(model)
-
-    submit = sub.add_parser("submit", help="run a JSONL file of requests through the Kafka ingress; replies "
-                                           "to a JSONL file (resumable: ids already answered are skipped)")
+    submit = add("submit", "run a JSONL file of requests through the Kafka ingress; replies to a JSONL file "
+                           "(resumable: ids already answered are skipped)")
     common(submit)
     submit.add_argument("input", type=Path, help="requests, one per line: {custom_id, url?, body}")
     submit.add_argument("output", type=Path, help="replies are appended here, one per line")
@@ -74,15 +94,27 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--max-outstanding", type=int, default=1000, help="unanswered requests at most")
     submit.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    keys = sub.add_parser("keys", help="API key helpers")
+    keys = add("keys", "API key helpers")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     keys_sub.add_parser("hash", help="read one API key from stdin, print its sha256 (what settings hold)")
 
-    sub.add_parser("settings", help="list every setting with its environment variable and value "
-                                    "(defaults, or from the environment; secrets redacted)")
+    st = add("settings", "list every setting with its environment variable, default and meaning")
+    config(st)
+    shape = st.add_mutually_exclusive_group()
+    shape.add_argument("--effective", action="store_true",
+                       help="print MMFLEET_<NAME>=value as in force here (defaults < file < environment; "
+                            "secrets redacted)")
+    shape.add_argument("--markdown", action="store_true", help="print the table as Markdown (the README's)")
     sub.add_parser("bench", add_help=False,
-                   help="benchmark the fleet against inproc and vllm serve (mmfleet bench --help)")
+                   help="benchmark the fleet against inproc and vllm serve (mmfleet bench --help; settings "
+                        "from MMFLEET_CONFIG and MMFLEET_* variables)")
     return p
+
+
+def load_settings(args: argparse.Namespace, env=None) -> settings_mod.Settings:
+    """The process's settings: defaults < ``--config`` (or MMFLEET_CONFIG) < environment < flags."""
+    overrides = {k: getattr(args, k, None) for k in _FLAGS}
+    return settings_mod.from_env(env, config_file=getattr(args, "config", None), **overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,12 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.cli import main as bench_main
 
         return bench_main(argv[1:])
-    args = _parser().parse_args(argv)
-    if args.command == "settings":
-        for name, value in settings_mod.redacted(settings_mod.from_env()).items():
-            print(f"{settings_mod.ENV_PREFIX}{name.upper():<36} {value!r}")
-        return 0
-    if args.command == "keys":
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "keys":  # needs no settings
         from services.gateway.auth import hash_key
 
         key = sys.stdin.readline().strip()
@@ -105,11 +134,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(hash_key(key))
         return 0
-    overrides = {k: getattr(args, k, None) for k in ("kafka_bootstrap", "redis_url", "model_path", "log_level",
-                                                      "gateway_port", "engine", "stage_replicas")}
-    settings = settings_mod.from_env(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+    try:
+        settings = load_settings(args)
+    except ValueError as exc:  # unknown key / variable, unreadable file, a value that does not convert
+        parser.exit(2, f"mmfleet {args.command}: {exc}\n")
+    if args.command == "settings":
+        if args.effective:
+            print("\n".join(f"{settings_mod.env_name(k)}={settings_mod._as_env(v)}"
+                            for k, v in settings_mod.redacted(settings).items()))
+        else:
+            print(settings_mod.markdown_table() if args.markdown else settings_mod.help_table())
+        return 0
+    logs.setup(settings, process=args.command)
     if args.command == "up":
         from services.supervisor import run_up
 
@@ -123,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return asyncio.run(run_gateway(settings))
     if args.command == "topics":
-        from shared.bus import ensure_topics
-
-        from shared.bus import fleet_topics
+        from shared.bus import ensure_topics, fleet_topics
 
         asyncio.run(ensure_topics(settings, fleet_topics(settings)))
         print("\n".join(fleet_topics(settings)))

@@ -134,6 +134,14 @@ def redis_child(host: str, port: int) -> Child:
                  restart=False)
 
 
+def worker_settings(settings: Settings, index: int) -> Settings:
+    """Worker ``index``'s settings. A fixed metrics port would collide on one host, so worker i
+    gets ``metrics_port + i``; 0 (ephemeral) stays 0 and each worker binds a free port."""
+    if settings.metrics_port == 0:
+        return settings
+    return settings.with_overrides(metrics_port=settings.metrics_port + index)
+
+
 class Fleet:
     def __init__(self, settings: Settings, *, mode: str = "e-p-d", log_dir: Path | None = None,
                  stop_timeout_s: float = 15.0) -> None:
@@ -170,9 +178,10 @@ class Fleet:
         cli = [sys.executable, "-m", "services.cli"]
         for stages in MODES[self.mode]:
             name = "+".join(stages)
-            for i in range(group_replicas(stages, self.replicas)):  # replica 1 keeps the plain name
-                self.services.append(self._child(name if i == 0 else f"{name}-{i + 1}",
-                                                 cli + ["worker", "--stages", ",".join(stages)], env))
+            for r in range(group_replicas(stages, self.replicas)):  # replica 1 keeps the plain name
+                wenv = settings_mod.child_env(worker_settings(s, len(self.services)))
+                self.services.append(self._child(name if r == 0 else f"{name}-{r + 1}",
+                                                 cli + ["worker", "--stages", ",".join(stages)], wenv))
         self.services.append(self._child("gateway", cli + ["gateway"], env))
         for child in self.services:
             child.start()
@@ -199,9 +208,13 @@ class Fleet:
                     if child.proc is not None and child.proc.poll() is not None:
                         where = f"; see {child.log_path}" if child.log_path else ""
                         raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during start{where}")
-                live = Counter(w.stages for w in await live_workers(redis, RedisKeys(self.settings.redis_prefix)))
+                workers = await live_workers(redis, RedisKeys(self.settings.redis_prefix))
+                live = Counter(w.stages for w in workers)
                 missing = wanted - live
                 if not missing:
+                    for w in workers:
+                        log.info("worker %s: metrics on http://%s:%d/metrics", w.worker_id,
+                                 self.settings.metrics_host, w.metrics_port)
                     return
                 if loop.time() > deadline:
                     raise RuntimeError(f"workers for {sorted(missing.elements())} not serving after {timeout_s} s")

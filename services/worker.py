@@ -8,6 +8,9 @@ the encode stage, the same instance when the engine is transformers). The engine
 against the layout before anything is consumed. SIGTERM/SIGINT stop every runner, which
 drain within ``drain_timeout_ms``; a runner that dies of a fatal error stops the process
 (non-zero exit) so its supervisor restarts it.
+
+Every worker serves ``/metrics`` on ``metrics_host:metrics_port`` (0: an ephemeral port) from
+start-up on; the bound port is in its liveness record (``WorkerInfo.metrics_port``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from contextlib import AsyncExitStack
 from shared.redis_conn import make_redis
 import torch
 
-from shared import protocol
+from shared import logs, metrics, protocol
 from shared.bus import make_producer
 from shared.engines.base import Engine
 from shared.keys import STAGES, TOPIC_PREFILL, RedisKeys
@@ -33,6 +36,7 @@ from shared.kv.reuse import PrefixReuse
 from shared.kv.router import Router
 from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
 from shared.ledger import StageLedger
+from shared.metrics import MetricsServer
 from shared.liveness import heartbeat
 from shared.modes import check_engine, entry_stages, normalise
 from shared.models.registry import placeholder_token_id, resolve_model_path
@@ -76,8 +80,11 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         check_engine(stages, settings.engine, engine_capabilities(settings.engine))
     torch.set_num_threads(settings.torch_threads)
     worker_id = f"{'+'.join(stages)}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    logs.set_process(worker_id)
     model_dir = resolve_model_path(settings)
     async with AsyncExitStack() as stack:
+        metrics_server = await stack.enter_async_context(MetricsServer(settings.metrics_host, settings.metrics_port))
+        log.info("metrics on http://%s:%d/metrics", settings.metrics_host, metrics_server.port)
         redis = make_redis(settings)
         stack.push_async_callback(redis.aclose)
         producer = make_producer(settings)
@@ -85,6 +92,7 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         stack.push_async_callback(producer.stop)
         transfer = TransferAgent(worker_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms)
         await stack.enter_async_context(transfer)
+        metrics.watch_pool(transfer)
         streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
                                ttl_s=settings.stream_ttl_s)
         keys = RedisKeys(settings.redis_prefix)
@@ -122,7 +130,8 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
             tasks.append(asyncio.create_task(updater.run(), name="kv-table"))
         background = [asyncio.create_task(reporter.run(), name="kv-report")] if reporter else []
         info = protocol.WorkerInfo(worker_id=worker_id, stages=stages, pid=os.getpid(),
-                                   host=socket.gethostname(), started_unix_ms=int(time.time() * 1000))
+                                   host=socket.gethostname(), started_unix_ms=int(time.time() * 1000),
+                                   metrics_port=metrics_server.port)
         beat = asyncio.create_task(heartbeat(redis, RedisKeys(settings.redis_prefix), info,
                                              lambda: all(r.assigned.is_set() for r in runners)))
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

@@ -97,3 +97,11 @@ class RedisKeys:
     def workers_pattern(self) -> str:
         """``SCAN MATCH`` pattern over every worker's liveness record."""
         return f"{self.prefix}:worker:*"
+
+    def gateway(self, gateway_id: str) -> str:
+        """A gateway's liveness record (its URL), refreshed with a TTL."""
+        return f"{self.prefix}:gateway:{gateway_id}"
+
+    def gateways_pattern(self) -> str:
+        """``SCAN MATCH`` pattern over every gateway's liveness record."""
+        return f"{self.prefix}:gateway:*"

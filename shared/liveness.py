@@ -1,43 +1,69 @@
-"""Worker liveness records in Redis: who serves which stages right now.
+"""Liveness records in Redis: who serves what right now, and where to scrape it.
 
 A worker writes its ``WorkerInfo`` under ``keys.worker(id)`` with a TTL while every runner of
-it holds partitions, refreshing it every ``interval_s``; it deletes the record on a clean
-stop, and a crashed worker's record expires after ``ttl_s``. Readers (the supervisor's
-readiness check, operators) list live workers with :func:`live_workers`.
+it holds partitions, refreshing it every ``interval_s``; a gateway writes its ``GatewayInfo``
+(its URL) under ``keys.gateway(id)`` while it listens. A record is deleted on a clean stop,
+and a crashed process's record expires after ``ttl_s``. Readers (the supervisor's readiness
+check, operators, tests finding every ``/metrics``) list them with :func:`live_workers` and
+:func:`live_gateways`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
+import msgspec
 import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import RedisKeys
 
+log = logging.getLogger(__name__)
+
+
+async def keep_record(redis: aioredis.Redis, key: str, value: bytes, serving: Callable[[], bool], *,
+                      interval_s: float = 2.0, ttl_s: float = 6.0) -> None:
+    """Hold ``key`` = ``value`` (TTL ``ttl_s``) while ``serving()``; run until cancelled; always
+    removes the record on the way out."""
+    try:
+        while True:
+            try:
+                if serving():
+                    await redis.set(key, value, px=int(ttl_s * 1000))
+                else:
+                    await redis.delete(key)
+            except (aioredis.RedisError, OSError) as exc:  # Redis restarting: keep trying
+                log.warning("could not refresh liveness record %s: %r", key, exc)
+            await asyncio.sleep(interval_s)
+    finally:
+        try:
+            await asyncio.shield(redis.delete(key))
+        except (aioredis.RedisError, OSError):
+            pass  # it expires within ttl_s
+
 
 async def heartbeat(redis: aioredis.Redis, keys: RedisKeys, info: protocol.WorkerInfo,
                     serving: Callable[[], bool], *, interval_s: float = 2.0, ttl_s: float = 6.0) -> None:
-    """Run until cancelled; always removes the record on the way out."""
-    key = keys.worker(info.worker_id)
-    value = protocol.encode(info)
-    try:
-        while True:
-            if serving():
-                await redis.set(key, value, px=int(ttl_s * 1000))
-            else:
-                await redis.delete(key)
-            await asyncio.sleep(interval_s)
-    finally:
-        await asyncio.shield(redis.delete(key))
+    """A worker's record (see :func:`keep_record`)."""
+    await keep_record(redis, keys.worker(info.worker_id), protocol.encode(info), serving,
+                      interval_s=interval_s, ttl_s=ttl_s)
 
 
-async def live_workers(redis: aioredis.Redis, keys: RedisKeys) -> list[protocol.WorkerInfo]:
-    dec = protocol.decoder_for(protocol.WorkerInfo)
+async def _records(redis: aioredis.Redis, pattern: str, type_: type[msgspec.Struct]) -> list:
+    dec = protocol.decoder_for(type_)
     out = []
-    async for key in redis.scan_iter(match=keys.workers_pattern(), count=100):
+    async for key in redis.scan_iter(match=pattern, count=100):
         raw = await redis.get(key)
         if raw is not None:  # expired between SCAN and GET
             out.append(dec.decode(raw))
     return out
+
+
+async def live_workers(redis: aioredis.Redis, keys: RedisKeys) -> list[protocol.WorkerInfo]:
+    return await _records(redis, keys.workers_pattern(), protocol.WorkerInfo)
+
+
+async def live_gateways(redis: aioredis.Redis, keys: RedisKeys) -> list[protocol.GatewayInfo]:
+    return await _records(redis, keys.gateways_pattern(), protocol.GatewayInfo)

@@ -209,6 +209,17 @@ class WorkerInfo(Struct, frozen=True):
     pid: int
     host: str
     started_unix_ms: int
+    metrics_port: int = 0  # where its /metrics server listens on ``host`` (0: none / not known)
+
+
+class GatewayInfo(Struct, frozen=True):
+    """A gateway's liveness record in Redis: ``url`` serves the OpenAI API and ``/metrics``."""
+
+    gateway_id: str
+    url: str
+    pid: int
+    host: str
+    started_unix_ms: int
 
 
 # ---------------------------------------------------------------- token stream events

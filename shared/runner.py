@@ -27,6 +27,10 @@ Contract (every stage gets the same semantics):
   a fault anywhere in the chain retries the chain.
 - Shutdown. ``stop()`` (SIGTERM) stops fetching, waits up to ``drain_timeout_ms`` for in-flight
   work, commits what finished and cancels the rest, which is therefore redelivered.
+- Observability. While a record is handled, log records carry its request id and stage
+  (``shared.logs.bind``). Each handler call's span feeds the stage histograms, each record's end
+  counts one outcome (``metrics.OUTCOMES``), and the consumer lag per assigned partition is
+  refreshed at most once per ``_LAG_INTERVAL_S`` (``shared.metrics``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import msgspec
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
-from shared import protocol, tracing
+from shared import logs, metrics, protocol, tracing
 from shared.bus import OffsetTracker, make_consumer, send_retrying
 from shared.keys import TOPIC_DEAD_LETTER, TOPIC_PREFILL, consumer_group
 from shared.settings import Settings
@@ -47,6 +51,8 @@ from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entr
 from shared.transfer import OwnerGoneError
 
 log = logging.getLogger(__name__)
+
+_LAG_INTERVAL_S = 1.0  # consumer-lag gauge refresh; position() is local once fetching
 
 
 def now_ms() -> int:
@@ -80,6 +86,8 @@ class StageRunner:
         self._epoch: bytes | None = None  # broker-epoch token last seen (see _broker_restarted)
         self.processed = 0  # records finished (any outcome), for stats and tests
         self.assigned = asyncio.Event()  # set once the group gave this runner partitions
+        self._lag_next = 0.0
+        self._lag_partitions: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
@@ -97,6 +105,7 @@ class StageRunner:
                     self.assigned.set()
                 else:
                     self.assigned.clear()
+                await self._update_lag()
                 for tp, records in batch.items():
                     tracker = self._trackers.setdefault(tp, OffsetTracker())
                     for rec in records:
@@ -110,9 +119,34 @@ class StageRunner:
             await asyncio.gather(committer, return_exceptions=True)
             await self._commit()
             await self._consumer.stop()
+            for partition in self._lag_partitions:
+                metrics.CONSUMER_LAG.remove(self.stage, str(partition))
+            self._lag_partitions.clear()
 
     def stop(self) -> None:
         self._stopping.set()
+
+    async def _update_lag(self) -> None:
+        """``mmfleet_consumer_lag_records`` for each assigned partition (highwater - position);
+        partitions no longer assigned lose their series."""
+        now = time.monotonic()
+        if now < self._lag_next:
+            return
+        self._lag_next = now + _LAG_INTERVAL_S
+        seen = set()
+        for tp in self._consumer.assignment():
+            high = self._consumer.highwater(tp)
+            if high is None:  # no fetch answered for it yet
+                continue
+            try:
+                position = await asyncio.wait_for(self._consumer.position(tp), 0.5)
+            except (TimeoutError, KafkaError, AssertionError, ValueError):
+                continue  # rebalancing: the next refresh has it
+            metrics.CONSUMER_LAG.labels(self.stage, str(tp.partition)).set(max(high - position, 0))
+            seen.add(tp.partition)
+        for partition in self._lag_partitions - seen:
+            metrics.CONSUMER_LAG.remove(self.stage, str(partition))
+        self._lag_partitions = seen
 
     async def _drain(self) -> None:
         if not self._tasks:
@@ -153,8 +187,18 @@ class StageRunner:
             msg = self._decoder.decode(rec.value)
         except msgspec.DecodeError as exc:
             # Undecodable: no request id to answer to; keep it for an operator.
+            with logs.bind(stage=self.stage):
+                log.warning("undecodable record at %s:%d: %s", tp.partition, rec.offset, exc)
             await self._dead_letter(tp, rec, f"undecodable record: {exc}", attempts=1)
+            self._count("dead_letter")
             return
+        with logs.bind(request_id=msg.meta.request_id, stage=self.stage):
+            await self._handle_decoded(tp, rec, msg)
+
+    def _count(self, outcome: str) -> None:
+        metrics.STAGE_RECORDS.labels(self.stage, outcome).inc()
+
+    async def _handle_decoded(self, tp: TopicPartition, rec, msg) -> None:
         meta: protocol.RequestMeta = msg.meta
         queue_ms = now_ms() - rec.timestamp  # producer CreateTime → picked up here
         ledger = self._ctx.ledger
@@ -163,9 +207,11 @@ class StageRunner:
             return
         if await ledger.is_aborted(meta.request_id):
             await self._fail(meta, RequestFailed(499, "the client closed the request", type_="invalid_request_error",
-                                                 code="client_closed_request"))
+                                                 code="client_closed_request"), outcome="aborted")
             return
         if not await self._claim(meta):
+            log.debug("%s: %s is done already; skipping the redelivery", self.stage, meta.request_id)
+            self._count("duplicate")
             return  # done already (or by the live worker that holds the claim)
         keeper = asyncio.create_task(self._keep_claim(meta))
         try:
@@ -226,7 +272,8 @@ class StageRunner:
                     await self._dead_letter(tp, rec, f"{type(exc).__name__}: {exc}", attempts)
                     await self._fail(meta, RequestFailed(
                         500, f"stage {self.stage} failed {attempts} times on this request; it was "
-                             f"moved to {TOPIC_DEAD_LETTER}", type_="server_error", code="stage_failed"))
+                             f"moved to {TOPIC_DEAD_LETTER}", type_="server_error", code="stage_failed"),
+                        outcome="dead_letter")
                     return
                 await asyncio.sleep(min(0.05 * 2 ** attempts, 2.0))
                 continue
@@ -236,14 +283,21 @@ class StageRunner:
                 await self._fail(meta, RequestFailed(503, f"stage {self.stage} could not queue its output before "
                                                           f"the deadline ({type(exc).__name__})",
                                                      type_="server_error", code="queue_unavailable"))
+                return
+            self._count("ok")
+            log.debug("%s: handled %s (%d outputs)", self.stage, meta.request_id, len(outcome.produce))
             return
 
     async def _run_stage(self, handler: Handler, msg, ctx: Context, queue_ms: float) -> Outcome:
         """One handler call under its stage span; its outputs carry the span; outputs for
         local stages are handled here too (queue 0), and only the rest goes to Kafka."""
         with tracing.stage_span(ctx.stage, ctx.worker_id, queue_ms) as timer:
-            outcome = await handler.handle(msg, ctx)
-            span = timer.span()
+            try:
+                with logs.bind(stage=ctx.stage):  # a locally routed stage logs under its own name
+                    outcome = await handler.handle(msg, ctx)
+            finally:  # failed calls are observed too: their time was spent all the same
+                span = timer.span()
+                metrics.observe_span(span.stage, span.queue_ms, span.transfer_ms, span.total_ms)
         produce, releases = [], list(outcome.releases)
         for p in outcome.produce:
             value = tracing.stamp(p.value, span) if hasattr(p.value, "meta") else p.value  # KV events: no meta
@@ -281,9 +335,12 @@ class StageRunner:
             return await self._router.partition_for(p.value)
         return p.partition
 
-    async def _fail(self, meta: protocol.RequestMeta, failed: RequestFailed) -> None:
+    async def _fail(self, meta: protocol.RequestMeta, failed: RequestFailed, outcome: str | None = None) -> None:
+        """Write the request's terminal error; count ``outcome`` (default: deadline for a 504,
+        else failed)."""
         log.info("%s: request %s failed: %s", self.stage, meta.request_id, failed.event.message)
         await self._ctx.events.append(meta.request_id, failed.event)
+        self._count(outcome or ("deadline" if failed.event.status == 504 else "failed"))
 
     async def _dead_letter(self, tp: TopicPartition, rec, error: str, attempts: int) -> None:
         letter = protocol.DeadLetter(topic=tp.topic, partition=tp.partition, offset=rec.offset,

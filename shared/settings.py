@@ -1,20 +1,30 @@
-"""Settings: read once in ``main`` (environment ``MMFLEET_<NAME>``, then CLI overrides), then
-passed down. Nothing else in the code base reads the environment.
+"""Settings: read once in ``main``, then passed down. Nothing else in the code base reads the
+environment or the config file.
 
-Units are in the names (``_ms``, ``_bytes``, ``_s``). ``KAFKA_BOOTSTRAP`` and ``REDIS_URL``
-are honoured as well-known aliases of ``MMFLEET_KAFKA_BOOTSTRAP`` / ``MMFLEET_REDIS_URL``.
+Precedence, lowest first: the defaults below < a TOML config file (``--config FILE`` or
+``MMFLEET_CONFIG``; keys are setting names) < environment ``MMFLEET_<NAME>`` < command-line
+flags. Unknown keys in the file and unknown ``MMFLEET_*`` variables are errors that name the key,
+so a typo never silently falls back to a default. ``KAFKA_BOOTSTRAP`` and ``REDIS_URL`` are
+honoured as well-known aliases of ``MMFLEET_KAFKA_BOOTSTRAP`` / ``MMFLEET_REDIS_URL``.
+
+Units are in the names (``_ms``, ``_bytes``, ``_s``). Every setting carries a one-line
+description (``msgspec.Meta``): the single source of ``mmfleet --help``, ``mmfleet settings``
+and the README's configuration table (see :func:`describe` and :func:`markdown_table`).
 """
 
 from __future__ import annotations
 
 import os
+import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_type_hints
 
 import msgspec
 
 ENV_PREFIX = "MMFLEET_"
+CONFIG_ENV = "MMFLEET_CONFIG"  # path of a TOML config file; not a setting itself
 _ALIASES = {"KAFKA_BOOTSTRAP": "kafka_bootstrap", "REDIS_URL": "redis_url"}
 _MiB = 1024 * 1024
 
@@ -24,125 +34,145 @@ def _default_cache_dir() -> str:
     return str(Path(base) / "mmfleet")
 
 
+def _d(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
 class Settings(msgspec.Struct, kw_only=True, frozen=True):
     """Every knob of a process. Defaults fit the local demo on a 2-core machine."""
 
     # --- where things are
-    kafka_bootstrap: str = "127.0.0.1:9092"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = "mm"
-    model_path: str = ""  # empty: the tiny offline demo model, built once under cache_dir
-    served_model_name: str = "mmfleet-demo"
-    cache_dir: str = msgspec.field(default_factory=_default_cache_dir)
-    gateway_host: str = "127.0.0.1"
-    gateway_port: int = 8000
+    kafka_bootstrap: Annotated[str, _d("Kafka bootstrap servers, host:port[,host:port...]")] = "127.0.0.1:9092"
+    redis_url: Annotated[str, _d("Redis for token streams, claims, indexes and liveness")] = \
+        "redis://127.0.0.1:6379/0"
+    redis_prefix: Annotated[str, _d("prefix of every Redis key (several fleets can share one Redis)")] = "mm"
+    model_path: Annotated[str, _d("local model directory; empty: the tiny offline demo model, built once "
+                                  "under cache_dir")] = ""
+    served_model_name: Annotated[str, _d("the model name clients must ask for")] = "mmfleet-demo"
+    cache_dir: Annotated[str, _d("where the demo model is built and cached (default "
+                                 "$XDG_CACHE_HOME/mmfleet or ~/.cache/mmfleet)")] = \
+        msgspec.field(default_factory=_default_cache_dir)
+    gateway_host: Annotated[str, _d("address the gateway binds")] = "127.0.0.1"
+    gateway_port: Annotated[int, _d("gateway HTTP port (also serves its /metrics)")] = 8000
 
     # --- Kafka
-    topic_partitions: int = 4
+    topic_partitions: Annotated[int, _d("partitions per topic when `mmfleet topics` creates them; the most "
+                                        "workers one stage can use")] = 4
     # How long the broker may hold a fetch when no data is waiting. The embedded tansu broker
     # does not answer a waiting fetch when data arrives, so this is the per-hop latency floor
     # there (p50 ~ half of it): 500 ms (aiokafka's default) adds ~250 ms per hop; 10 ms costs
     # ~5 ms per hop and roughly 10-20 % of a core across four idle consumers plus the broker.
     # Apache Kafka answers as soon as data arrives: raise this to 500 there.
-    fetch_max_wait_ms: int = 10
-    max_poll_records: int = 16
-    stage_concurrency: int = 8  # in-flight messages per worker; beyond it partitions pause
-    max_attempts: int = 3  # failures of one record before it goes to mm.dead-letter
-    drain_timeout_ms: int = 10_000  # SIGTERM: wait this long for in-flight work, then cancel
-    # claim on (request, stage) while working; a crashed holder's claim lapses after this
-    stage_lease_ms: int = 15_000
-    done_ttl_s: int = 3_600  # how long "this stage finished this request" is remembered
-    max_restarts: int = 3  # restarts from the source after lost tensor owners, then a 503
+    fetch_max_wait_ms: Annotated[int, _d("longest a broker may hold a fetch with no data; the per-hop latency "
+                                         "floor with the embedded broker, use 500 with Apache Kafka")] = 10
+    max_poll_records: Annotated[int, _d("records fetched per poll at most")] = 16
+    stage_concurrency: Annotated[int, _d("records in flight per stage runner; beyond it partitions pause")] = 8
+    max_attempts: Annotated[int, _d("failures of one record before it goes to mm.dead-letter")] = 3
+    drain_timeout_ms: Annotated[int, _d("on SIGTERM, how long in-flight work may finish before it is "
+                                        "cancelled (and redelivered)")] = 10_000
+    stage_lease_ms: Annotated[int, _d("claim on (request, stage) while working; a crashed holder's claim "
+                                      "lapses after this")] = 15_000
+    done_ttl_s: Annotated[int, _d("how long 'this stage finished this request' is remembered")] = 3_600
+    max_restarts: Annotated[int, _d("restarts of a request from its source after lost tensor owners, then "
+                                    "a 503")] = 3
 
     # --- tensors (NIXL)
-    pool_bytes: int = 256 * _MiB
-    lease_ttl_ms: int = 120_000
+    pool_bytes: Annotated[int, _d("each process's NIXL-registered tensor pool, bytes")] = 256 * _MiB
+    lease_ttl_ms: Annotated[int, _d("how long a tensor slot named in a message is kept unacknowledged")] = \
+        120_000
 
     # --- compute
-    engine: str = "transformers"  # language-model runtime: transformers | vllm
-    torch_threads: int = 1
-    encode_max_batch_items: int = 16
-    encode_batch_wait_ms: int = 2
-    decode_concurrency: int = 16
+    engine: Annotated[str, _d("language-model runtime: transformers | vllm")] = "transformers"
+    torch_threads: Annotated[int, _d("torch intra-op threads per worker")] = 1
+    encode_max_batch_items: Annotated[int, _d("media items per vision-encoder batch at most")] = 16
+    encode_batch_wait_ms: Annotated[int, _d("how long encode waits to fill a batch")] = 2
+    decode_concurrency: Annotated[int, _d("sequences a prefill+decode or decode worker generates at "
+                                          "once")] = 16
 
     # --- requests
-    request_timeout_ms: int = 120_000
-    default_max_tokens: int = 64
-    max_tokens_limit: int = 4096
-    max_request_bytes: int = 32 * _MiB
-    max_media_items: int = 8
-    max_inflight_requests: int = 256
-    # how long the gateway keeps trying to queue a request while the broker is unreachable (a
-    # restart takes a few seconds) before it answers 503 with Retry-After
-    queue_retry_ms: int = 15_000
-    stream_maxlen: int = 100_000
-    stream_ttl_s: int = 600
+    request_timeout_ms: Annotated[int, _d("a request's deadline, carried by every message (504 past it)")] = \
+        120_000
+    default_max_tokens: Annotated[int, _d("max_tokens when a request names none")] = 64
+    max_tokens_limit: Annotated[int, _d("largest max_tokens a request may ask for")] = 4096
+    max_request_bytes: Annotated[int, _d("largest HTTP request body, bytes (413 beyond)")] = 32 * _MiB
+    max_media_items: Annotated[int, _d("media items per request at most")] = 8
+    max_inflight_requests: Annotated[int, _d("gateway admission bound: requests in flight (429 beyond)")] = 256
+    queue_retry_ms: Annotated[int, _d("how long the gateway keeps trying to queue a request while the broker is unreachable (a "
+                                      "restart takes a few seconds) before it answers 503 with Retry-After")] = 15_000
+    stream_maxlen: Annotated[int, _d("entries kept per request token stream in Redis")] = 100_000
+    stream_ttl_s: Annotated[int, _d("how long a request's token stream lives in Redis")] = 600
 
     # --- media
-    max_image_bytes: int = 16 * _MiB
-    max_image_pixels: int = 40_000_000
-    media_fetch_timeout_ms: int = 10_000  # a whole media fetch, redirects included
-    # Hosts whose URLs may be fetched even though they resolve to loopback / private addresses:
-    # "host" (any port) or "host:port" (that port only; IPv6 as "[::1]:8080"). Matched on the
-    # name as written in the URL, never on what it resolves to. Empty: only public addresses.
-    media_allow_hosts: tuple[str, ...] = ()
-    media_connect_timeout_ms: int = 3_000  # one TCP (+TLS) connect to a media host
-    media_read_timeout_ms: int = 5_000  # longest wait for the next bytes of a media response
-    media_max_redirects: int = 3  # redirects followed per media URL; each hop is re-checked
-    # Directory that file:// media URLs may name (symlinks resolved, escapes refused). Empty: refused.
-    media_file_root: str = ""
-    media_cache_bytes: int = 64 * _MiB  # media-fetch LRU of fetched bytes (http(s)), in bytes; 0: off
-    media_cache_ttl_s: int = 300  # how long fetched bytes of a URL may be served from that cache
+    max_image_bytes: Annotated[int, _d("largest image, bytes (413 beyond)")] = 16 * _MiB
+    max_image_pixels: Annotated[int, _d("largest image, pixels (decompression-bomb guard)")] = 40_000_000
+    media_fetch_timeout_ms: Annotated[int, _d("a whole media fetch, redirects included")] = 10_000
+    # Matched on the name as written in the URL, never on what it resolves to.
+    media_allow_hosts: Annotated[tuple[str, ...], _d(
+        "comma-separated hosts ('host' or 'host:port') that may be fetched although they resolve to "
+        "loopback/private addresses; empty: public addresses only")] = ()
+    media_connect_timeout_ms: Annotated[int, _d("one TCP (+TLS) connect to a media host")] = 3_000
+    media_read_timeout_ms: Annotated[int, _d("longest wait for the next bytes of a media response")] = 5_000
+    media_max_redirects: Annotated[int, _d("redirects followed per media URL; each hop is re-checked")] = 3
+    media_file_root: Annotated[str, _d("directory file:// media URLs may name (symlinks resolved); empty: "
+                                       "file:// refused")] = ""
+    media_cache_bytes: Annotated[int, _d("media-fetch LRU of fetched http(s) bytes, bytes; 0: off")] = 64 * _MiB
+    media_cache_ttl_s: Annotated[int, _d("how long fetched bytes of a URL may be served from that cache")] = 300
 
     # --- who may send (HTTP and the Kafka ingress alike)
-    # API keys as lowercase hex sha256 of the key (``mmfleet keys hash`` prints one), each
-    # optionally ``<hash>:<requests per minute>``. Empty: no key needed (the local demo); set:
-    # every request must carry ``Authorization: Bearer <key>`` (HTTP header or Kafka header).
-    api_key_hashes: tuple[str, ...] = ()
-    # requests per minute per key for keys without their own ``:<n>``; 0: unlimited
-    api_key_rate_per_min: int = 0
+    api_key_hashes: Annotated[tuple[str, ...], _d("API keys as lowercase hex sha256 (`mmfleet keys hash` prints one), each optionally "
+                                                  "<hash>:<requests per minute>; empty: no key needed (the local demo), set: every request "
+                                                  "must carry Authorization: Bearer <key> (HTTP or Kafka header)")] = ()
+    api_key_rate_per_min: Annotated[int, _d("requests per minute per key for keys without their own :<n>; 0: unlimited")] = 0
 
-    # --- Kafka ingress (``mm.requests``), run inside the gateway process
-    ingress_enabled: bool = True  # consume mm.requests in the gateway
-    ingress_concurrency: int = 64  # requests in flight from Kafka per gateway; beyond it fetching waits
-    # where error replies go when a request names no ``reply_to`` (there is nowhere else to
-    # answer); empty: mm.replies.errors (created with the fleet's topics)
-    ingress_fallback_reply_topic: str = ""
-    ingress_dedupe_ttl_s: int = 86_400  # how long a request_id is remembered as answered
+    # --- Kafka ingress (mm.requests), run inside the gateway process
+    ingress_enabled: Annotated[bool, _d("consume mm.requests in the gateway")] = True
+    ingress_concurrency: Annotated[int, _d("requests in flight from Kafka per gateway; beyond it fetching waits")] = 64
+    ingress_fallback_reply_topic: Annotated[str, _d("where error replies go when a Kafka request names no reply_to; empty: mm.replies.errors")] = ""
+    ingress_dedupe_ttl_s: Annotated[int, _d("how long a request_id is remembered as answered")] = 86_400
 
     # --- transport security (every aiokafka client and every Redis client)
-    kafka_security_protocol: str = "PLAINTEXT"  # PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL
-    kafka_sasl_mechanism: str = ""  # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512 (SASL_* protocols)
-    kafka_sasl_username: str = ""
-    kafka_sasl_password: str = ""  # secret: redacted wherever settings are shown
-    kafka_ssl_cafile: str = ""  # CA bundle to verify the brokers; empty: the system's
-    kafka_ssl_certfile: str = ""  # client certificate (mutual TLS)
-    kafka_ssl_keyfile: str = ""  # its private key
-    kafka_ssl_check_hostname: bool = True  # verify the broker's name against its certificate
-    redis_username: str = ""  # Redis ACL user; empty: the default user
-    redis_password: str = ""  # secret: redacted wherever settings are shown
-    redis_ssl_cafile: str = ""  # with a rediss:// URL: CA bundle to verify Redis
-    redis_ssl_certfile: str = ""  # with a rediss:// URL: client certificate
-    redis_ssl_keyfile: str = ""  # with a rediss:// URL: its private key
+    kafka_security_protocol: Annotated[str, _d("Kafka security protocol: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL")] = "PLAINTEXT"
+    kafka_sasl_mechanism: Annotated[str, _d("SASL mechanism: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_* protocols)")] = ""
+    kafka_sasl_username: Annotated[str, _d("SASL user name (SASL_* protocols)")] = ""
+    kafka_sasl_password: Annotated[str, _d("SASL password (a secret: redacted wherever settings are shown)")] = ""
+    kafka_ssl_cafile: Annotated[str, _d("CA bundle to verify the brokers; empty: the system's")] = ""
+    kafka_ssl_certfile: Annotated[str, _d("client certificate (mutual TLS)")] = ""
+    kafka_ssl_keyfile: Annotated[str, _d("private key of kafka_ssl_certfile")] = ""
+    kafka_ssl_check_hostname: Annotated[bool, _d("verify the broker's name against its certificate")] = True
+    redis_username: Annotated[str, _d("Redis ACL user; empty: the default user")] = ""
+    redis_password: Annotated[str, _d("Redis password (a secret: redacted wherever settings are shown)")] = ""
+    redis_ssl_cafile: Annotated[str, _d("with a rediss:// URL: CA bundle to verify Redis")] = ""
+    redis_ssl_certfile: Annotated[str, _d("with a rediss:// URL: client certificate")] = ""
+    redis_ssl_keyfile: Annotated[str, _d("with a rediss:// URL: its private key")] = ""
 
     # --- KV-aware routing (shared.kv)
-    # how producers of mm.prefill pick its partition: "kv" (prefix overlap vs load, over the
-    # routing table in Redis) or "round_robin" (next live prefill worker in turn, for comparison)
-    routing_policy: str = "kv"
-    kv_block_size: int = 16  # prompt positions per KV block (hashing, prefix cache, routing)
-    # kv routing cost of a worker = weight * prompt blocks it would compute + blocks queued on it;
-    # higher weights favour cache hits over spreading load
-    kv_overlap_weight: float = 1.0
-    prefix_cache_bytes: int = 64 * _MiB  # prefill worker's prefix KV cache (LRU by block), in bytes; 0: off
-    kv_report_interval_ms: int = 500  # how often a prefill worker refreshes its load + partitions in Redis
-    kv_report_ttl_ms: int = 5_000  # a prefill worker not heard from for this long is not routed to
+    routing_policy: Annotated[str, _d("how producers of mm.prefill pick its partition: 'kv' (prefix overlap vs load, over the "
+                                      "routing table in Redis) or 'round_robin' (next live prefill worker in turn, for "
+                                      "comparison)")] = "kv"
+    kv_block_size: Annotated[int, _d("prompt positions per KV block (hashing, prefix cache, routing)")] = 16
+    kv_overlap_weight: Annotated[float, _d("kv routing cost of a worker = weight * prompt blocks it would compute + blocks queued on "
+                                           "it; higher weights favour cache hits over spreading load")] = 1.0
+    prefix_cache_bytes: Annotated[int, _d("prefill worker's prefix KV cache (LRU by block), in bytes; 0: off")] = 64 * _MiB
+    kv_report_interval_ms: Annotated[int, _d("how often a prefill worker refreshes its load + partitions in Redis")] = 500
+    kv_report_ttl_ms: Annotated[int, _d("a prefill worker not heard from for this long is not routed to")] = 5_000
 
     # --- fleet layout (mmfleet up)
-    # worker processes per stage group, "stage=N,..." (e.g. "prefill=3,encode=2"); a group of
-    # several stages (mode e-pd, epd, ep-d) gets the largest count among its stages; default 1
-    stage_replicas: str = ""
+    stage_replicas: Annotated[str, _d("worker processes per stage group, 'stage=N,...' (e.g. 'prefill=3,encode=2'); a group of "
+                                      "several stages (mode e-pd, epd, ep-d) gets the largest count among its stages; default 1")] = ""
 
-    log_level: str = "INFO"
+    # --- operations
+    log_level: Annotated[str, _d("DEBUG, INFO, WARNING or ERROR")] = "INFO"
+    log_format: Annotated[str, _d("text (human) or json (one object per line: ts, level, logger, pid, "
+                                  "worker, stage, request_id, msg)")] = "text"
+    metrics_host: Annotated[str, _d("address each worker's /metrics server binds (0.0.0.0 in "
+                                    "containers)")] = "127.0.0.1"
+    # 0 lets every worker on a host bind its own port; the bound port is in its liveness record.
+    metrics_port: Annotated[int, _d("each worker's /metrics port; 0: an ephemeral port (published in its "
+                                    "Redis liveness record); `mmfleet up` gives worker i port+i")] = 0
+
+    def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, not {self.log_format!r}")
 
     def with_overrides(self, **changes: Any) -> Settings:
         return msgspec.structs.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -194,23 +224,90 @@ def field_names() -> tuple[str, ...]:
     return Settings.__struct_fields__
 
 
-def from_env(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-    """Build settings from ``env`` (default: ``os.environ``) plus explicit overrides.
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
 
-    Unknown ``MMFLEET_*`` variables are an error, so a typo never silently falls back to a
-    default. Tuple settings take comma-separated values.
+
+@dataclass(frozen=True)
+class SettingDoc:
+    name: str
+    env: str  # the MMFLEET_ variable
+    default: str  # as it would be written in the environment
+    description: str
+
+
+def describe() -> list[SettingDoc]:
+    """Every setting with its variable, default and description, in declaration order."""
+    hints = get_type_hints(Settings, include_extras=True)
+    defaults = Settings()
+    out = []
+    for name in field_names():
+        metas = [m for m in getattr(hints[name], "__metadata__", ()) if isinstance(m, msgspec.Meta)]
+        text = next((m.description for m in metas if m.description), "")
+        default = _as_env(getattr(defaults, name))
+        if name == "cache_dir":
+            default = "~/.cache/mmfleet"  # machine-dependent; the description says how it is found
+        out.append(SettingDoc(name, env_name(name), default, text))
+    return out
+
+
+def help_table() -> str:
+    """Plain-text table of every setting, for ``--help`` and ``mmfleet settings``."""
+    lines = []
+    for doc in describe():
+        default = doc.default if doc.default != "" else '""'
+        lines.append(f"  {doc.env}  (default {default})")
+        lines.append(f"      {doc.description}")
+    return "\n".join(lines)
+
+
+def markdown_table() -> str:
+    """The README's configuration table (a test keeps the README equal to it)."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for doc in describe():
+        default = f"`{doc.default}`" if doc.default != "" else "(empty)"
+        rows.append(f"| `{doc.env}` | {default} | {doc.description.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A TOML config file's settings. Keys are setting names; an unknown key is an error."""
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {p} is not valid TOML: {exc}") from None
+    names = set(field_names())
+    for key in raw:
+        if key not in names:
+            raise ValueError(f"config file {p}: unknown setting {key!r}; known: {', '.join(sorted(names))}")
+    return raw
+
+
+def from_env(env: Mapping[str, str] | None = None, *, config_file: str | os.PathLike | None = None,
+             **overrides: Any) -> Settings:
+    """Build settings: defaults < config file < ``env`` (default: ``os.environ``) < ``overrides``.
+
+    The config file is ``config_file`` or, when that is None, ``env[MMFLEET_CONFIG]`` if set.
+    Unknown ``MMFLEET_*`` variables and unknown file keys are errors. Tuple settings take
+    comma-separated values from the environment, and a list or a string from the file.
     """
     env = os.environ if env is None else env
     names = set(field_names())
-    raw: dict[str, Any] = {}
+    config_file = config_file if config_file is not None else (env.get(CONFIG_ENV) or None)
+    raw: dict[str, Any] = dict(read_config(config_file)) if config_file else {}
+    from_vars: dict[str, Any] = {}
     for key, value in env.items():
         if key in _ALIASES:
-            raw.setdefault(_ALIASES[key], value)
-        elif key.startswith(ENV_PREFIX):
+            from_vars.setdefault(_ALIASES[key], value)
+        elif key.startswith(ENV_PREFIX) and key != CONFIG_ENV:
             name = key[len(ENV_PREFIX) :].lower()
             if name not in names:
                 raise ValueError(f"unknown setting {key}; known: {', '.join(sorted(names))}")
-            raw[name] = value  # explicit MMFLEET_ wins over the alias
+            from_vars[name] = value  # explicit MMFLEET_ wins over the alias
+    raw.update(from_vars)
     for name, value in list(raw.items()):
         if name in ("media_allow_hosts", "api_key_hashes") and isinstance(value, str):
             raw[name] = tuple(h.strip() for h in value.split(",") if h.strip())
@@ -218,22 +315,23 @@ def from_env(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings
     return msgspec.convert(raw, Settings, strict=False)
 
 
+def _as_env(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def to_env(settings: Settings) -> dict[str, str]:
     """The environment that reproduces ``settings`` in a child process."""
-    out: dict[str, str] = {}
-    for name in field_names():
-        value = getattr(settings, name)
-        if isinstance(value, tuple):
-            value = ",".join(value)
-        elif isinstance(value, bool):
-            value = "true" if value else "false"
-        out[ENV_PREFIX + name.upper()] = str(value)
-    return out
+    return {env_name(name): _as_env(getattr(settings, name)) for name in field_names()}
 
 
 def child_env(settings: Settings) -> dict[str, str]:
     """Environment for a child process of the fleet: this process's environment without any
-    ``MMFLEET_*`` / alias variables, plus exactly ``settings``."""
+    ``MMFLEET_*`` / alias variables (``MMFLEET_CONFIG`` included: the child gets the effective
+    settings, not the file), plus exactly ``settings``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k not in _ALIASES}
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores are shared by the whole fleet
     env.setdefault("HF_HUB_OFFLINE", "1")  # models are local paths; never reach for a hub

@@ -15,16 +15,23 @@ holding inline media until the request ends, the producer, the token-stream read
 in-flight bound — so sharing them costs nothing, while a separate process would load the
 tokenizer and register a pool a second time on a 2-core machine. Every gateway joins the
 ingress consumer group, so scaling gateways scales both ways in.
+
+Observability: every answer counts in ``mmfleet_requests_total{status}`` (499: the client went
+away first) and is logged with its request id (bound for every log record of the request);
+time to first token and inter-token gaps are measured as the gateway sees the token stream;
+``GET /metrics`` serves the process's Prometheus registry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 from aiohttp import web
 
+from shared import logs, metrics
 from shared.bus import make_producer
 from shared.keys import INGRESS_STAGE, RedisKeys
 from shared.kv.router import Router
@@ -35,7 +42,7 @@ from shared.settings import Settings
 from shared.streams import TokenStreams
 from shared.transfer import TransferAgent
 from services.gateway.auth import Authenticator
-from services.gateway.frontend import Frontend
+from services.gateway.frontend import Frontend, new_request_id
 from services.gateway.prompt import PromptBuilder
 from services.gateway.responses import Rejected, error_response, http_reply
 
@@ -66,6 +73,7 @@ async def _lifecycle(app: web.Application):
     transfer = TransferAgent(gateway_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms)
     await producer.start()
     await transfer.start()
+    metrics.watch_pool(transfer)
     streams = TokenStreams(redis, keys, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s)
     ledger = StageLedger(redis, keys, lease_ms=settings.stage_lease_ms, done_ttl_s=settings.done_ttl_s)
     # text-only requests enter at mm.prefill: KV-aware routing picks the partition
@@ -102,6 +110,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics.metrics_view)
     return app
 
 
@@ -145,6 +154,26 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 # ---------------------------------------------------------------------- one request
 async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    """One request, counted by its status and logged once with its request id."""
+    t0 = time.perf_counter()
+    request_id = new_request_id(chat)
+    status = 500
+    with logs.bind(request_id=request_id):
+        try:
+            resp = await _admit(request, request_id, t0, chat=chat)
+            status = resp.status
+            if status == 200:
+                metrics.E2E.observe(time.perf_counter() - t0)
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499  # the client went away before the answer was complete
+            raise
+        finally:
+            metrics.REQUESTS.labels(str(status)).inc()
+            log.info("%s %s %d %.1f ms", request.method, request.path, status, (time.perf_counter() - t0) * 1000)
+
+
+async def _admit(request: web.Request, request_id: str, t0: float, *, chat: bool) -> web.StreamResponse:
     front = request.app[STATE].front
     try:
         body = await request.read()
@@ -153,7 +182,7 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
                               code="request_too_large")
     try:
         async with front.admit(body, chat=chat, authorization=request.headers.get("Authorization"),
-                               via="http") as adm:
+                               via="http", request_id=request_id, t0=t0) as adm:
             replies = front.replies(adm)
             try:
                 return await http_reply(request, replies, stream=adm.prepared.stream)

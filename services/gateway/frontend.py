@@ -30,7 +30,7 @@ import msgspec
 import torch
 from aiokafka.errors import KafkaError
 
-from shared import protocol
+from shared import metrics, protocol
 from shared.bus import send_retrying
 from shared.keys import TOPIC_PREFILL
 from shared.ledger import StageLedger
@@ -56,6 +56,7 @@ class Admitted:
     chat: bool
     prepared: Prepared
     key_id: str | None
+    t0: float = 0.0  # perf_counter() when the request arrived (time to first token counts from it)
 
 
 class Frontend:
@@ -87,21 +88,24 @@ class Frontend:
 
     @asynccontextmanager
     async def admit(self, body: bytes, *, chat: bool, authorization: str | None,
-                    via: str) -> AsyncIterator[Admitted]:
+                    via: str, request_id: str | None = None, t0: float | None = None) -> AsyncIterator[Admitted]:
         """Steps 1-4 (see the module docstring); raises ``Rejected``. Inside the block the
         request runs; leaving it frees the request's inline media and its in-flight slot. A
         cancelled block (the client went away) tells the stages to abort the request."""
         s = self.settings
         key_id = self.auth.identify(authorization, via=via)
         prepared, model = self.prepare(body, chat=chat)
+        t0 = time.perf_counter() if t0 is None else t0
         if self.inflight >= s.max_inflight_requests:
+            metrics.ADMISSION_REJECTIONS.labels("inflight_limit").inc()
             raise Rejected.of(429, f"server is at its limit of {s.max_inflight_requests} in-flight requests; "
                                    "retry shortly", code="overloaded", retry_after_s=1)
         await self.auth.charge(key_id, via=via)
         self.inflight += 1
+        metrics.INFLIGHT.inc()
         leases: list[int] = []
+        request_id = request_id or new_request_id(chat)
         try:
-            request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             first = await self._entry(request_id, model, prepared, leases)
             self.redriver.track(first.value.meta)
             try:
@@ -117,7 +121,7 @@ class Frontend:
                 raise Rejected.of(503, f"the request queue is unavailable right now ({type(exc).__name__}); "
                                        "retry shortly", code="queue_unavailable", retry_after_s=1) from None
             try:
-                yield Admitted(request_id, model, chat, prepared, key_id)
+                yield Admitted(request_id, model, chat, prepared, key_id, t0)
             except (asyncio.CancelledError, ConnectionResetError):
                 await asyncio.shield(self.ledger.abort(request_id, ttl_s=s.stream_ttl_s))
                 raise
@@ -126,13 +130,14 @@ class Frontend:
             for lease in leases:  # held until the end: a restart from the source re-reads them
                 self.transfer.free_local(lease)
             self.inflight -= 1
+            metrics.INFLIGHT.dec()
 
     async def replies(self, adm: Admitted) -> AsyncIterator[Reply]:
         """Step 5: the request's replies, the last one with ``last`` set (a 504 error reply when
         the request's deadline passes first)."""
         s = self.settings
         deadline_s = asyncio.get_running_loop().time() + s.request_timeout_ms / 1000
-        events = self.streams.follow(adm.request_id, deadline_s=deadline_s)
+        events = _token_timing(self.streams.follow(adm.request_id, deadline_s=deadline_s), adm.t0)
         shaper = Shaper(adm.request_id, adm.model, chat=adm.chat)
         try:
             first = await anext(events)
@@ -160,6 +165,7 @@ class Frontend:
                 ref = await self.transfer.put_wait(torch.frombuffer(bytearray(m.data), dtype=torch.uint8),
                                                    timeout_ms=2_000)
             except PoolFullError:
+                metrics.ADMISSION_REJECTIONS.labels("media_pool_full").inc()
                 raise Rejected.of(429, "server media buffers are full; retry shortly", code="overloaded",
                                   retry_after_s=1) from None
             leases.append(ref.lease)
@@ -170,3 +176,28 @@ class Frontend:
                                     prompt_token_ids=tuple(prepared.prompt_token_ids), sampling=prepared.sampling,
                                     sources=tuple(items), source_owner=owner)
         return entry_message(meta)
+
+
+def new_request_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+async def _token_timing(events: AsyncIterator[protocol.StreamEvent], t0: float
+                        ) -> AsyncIterator[protocol.StreamEvent]:
+    """``events`` unchanged, observing time to first token (from ``t0``, the request's arrival)
+    and inter-token latency (a later delta of n tokens counts n gaps of 1/n of its wait)."""
+    last = None
+    try:
+        async for ev in events:
+            if isinstance(ev, protocol.TokenDelta) and ev.token_ids:
+                now = time.perf_counter()
+                if last is None:
+                    metrics.TTFT.observe(now - t0)
+                else:
+                    gap = (now - last) / len(ev.token_ids)
+                    for _ in ev.token_ids:
+                        metrics.ITL.observe(gap)
+                last = now
+            yield ev
+    finally:
+        await events.aclose()

@@ -1,31 +1,63 @@
-"""Run the gateway as a process: serve until SIGTERM/SIGINT, then stop accepting and close."""
+"""Run the gateway as a process: serve until SIGTERM/SIGINT, then stop accepting and close.
+
+While it listens, the gateway keeps a liveness record (``GatewayInfo``: its URL, which also
+serves ``/metrics``) in Redis, so operators and tests find every process of the fleet there.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
+import time
+import uuid
+
 
 from aiohttp import web
 
+from shared import logs, protocol
+from shared.keys import RedisKeys
+from shared.redis_conn import make_redis
+from shared.liveness import keep_record
 from shared.settings import Settings
 from services.gateway.app import create_app
 
 log = logging.getLogger(__name__)
 
 
+def advertised_url(host: str, port: int) -> str:
+    """The URL others reach this gateway at (a wildcard bind is advertised by host name)."""
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 async def run_gateway(settings: Settings) -> int:
+    gateway_id = f"gateway-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    logs.set_process(gateway_id)
     runner = web.AppRunner(create_app(settings), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.gateway_host, settings.gateway_port)
     await site.start()
-    log.info("gateway listening on http://%s:%d", settings.gateway_host, settings.gateway_port)
+    port = runner.addresses[0][1]  # the bound one, when gateway_port is 0
+    url = advertised_url(settings.gateway_host, port)
+    log.info("gateway listening on %s (metrics on %s/metrics)", url, url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    redis = make_redis(settings)
+    info = protocol.GatewayInfo(gateway_id=gateway_id, url=url, pid=os.getpid(), host=socket.gethostname(),
+                                started_unix_ms=int(time.time() * 1000))
+    record = asyncio.create_task(keep_record(redis, RedisKeys(settings.redis_prefix).gateway(gateway_id),
+                                             protocol.encode(info), lambda: True))
     try:
         await stop.wait()
     finally:
+        record.cancel()
+        await asyncio.gather(record, return_exceptions=True)
+        await redis.aclose()
         await runner.cleanup()
     return 0

@@ -17,11 +17,12 @@ bounded in bytes (``media_cache_bytes``, ``media_cache_ttl_s``); ``file://`` onl
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import blake3
 
-from shared import protocol
+from shared import metrics, protocol
 from shared.tracing import timed_transfer
 from shared.compute import ComputeLane
 from shared.keys import TOPIC_ENCODE
@@ -81,6 +82,15 @@ class MediaFetchHandler:
 
     async def _load(self, src: protocol.MediaSource, max_bytes: int, owner: protocol.AgentRef | None,
                     ctx: Context) -> bytes:
+        source = "inline" if src.inline is not None else ("file" if scheme_of(src.url) == "file" else "http")
+        t0 = time.perf_counter()
+        raw = await self._load_bytes(src, max_bytes, owner, ctx)
+        metrics.MEDIA_FETCH.labels(source).observe(time.perf_counter() - t0)
+        metrics.MEDIA_FETCH_BYTES.labels(source).inc(len(raw))
+        return raw
+
+    async def _load_bytes(self, src: protocol.MediaSource, max_bytes: int, owner: protocol.AgentRef | None,
+                          ctx: Context) -> bytes:
         if src.inline is not None:
             if owner is None:
                 raise MediaError(f"{src.param}: inline media without an owning agent")

@@ -36,6 +36,7 @@ try:  # the meta package's import path, else the variant wheel the project pins
 except ImportError:
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 
+from shared import metrics
 from shared.protocol import AgentRef, TensorRef
 from shared.transfer.pool import SlotAllocator
 
@@ -210,7 +211,9 @@ class TransferAgent:
         try:
             off = await self._alloc_wait(ref.nbytes, deadline)
             try:
+                t0 = time.perf_counter()
                 await self._read_into(owner, ref, off, deadline)
+                metrics.NIXL_TRANSFER.observe(time.perf_counter() - t0)
                 out = self._tbuf[off : off + ref.nbytes].clone()
             finally:
                 if off not in self._quarantine:
@@ -228,6 +231,7 @@ class TransferAgent:
                     self._forget_peer(peer)
         self._c["transfers"] += 1
         self._c["bytes_pulled"] += ref.nbytes
+        metrics.NIXL_BYTES.labels("in").inc(ref.nbytes)
         return out.view(dtype).reshape(ref.shape)
 
     async def get_many(
@@ -300,6 +304,7 @@ class TransferAgent:
         self._last_put = time.monotonic()
         self._leases[lease] = (off, self._last_put + self._ttl_s)
         self._c["puts"] += 1
+        metrics.NIXL_BYTES.labels("out").inc(n)
         self._kick()  # a fresh lease switches progress to fast polling
         return TensorRef(self.name, self._base + off, n, 0, lease, dtype, shape)
 

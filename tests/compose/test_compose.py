@@ -330,6 +330,28 @@ def check_gateway(compose: dict, dockerfile: str) -> list[str]:
     return problems
 
 
+def check_metrics(compose: dict, dockerfile: str) -> list[str]:
+    """Every worker serves /metrics on a fixed port, bound to all interfaces and exposed on the
+    compose network (not published, which would prevent --scale); the gateway serves it on its
+    own published port."""
+    problems = []
+    mine = ours(compose)
+    for name in worker_stages(compose):
+        svc = mine[name]
+        s = _settings_or_none(svc, dockerfile)
+        if s is None:
+            continue
+        if s.metrics_port == 0:
+            problems.append(f"{name}: metrics_port 0 (ephemeral) cannot be scraped by a fixed target")
+            continue
+        if s.metrics_host != "0.0.0.0":
+            problems.append(f"{name}: metrics bind {s.metrics_host}, unreachable from outside its container")
+        exposed = {int(str(p).split("/")[0]) for p in svc.get("expose") or []}
+        if s.metrics_port not in exposed:
+            problems.append(f"{name}: metrics port {s.metrics_port} is not exposed ({sorted(exposed)})")
+    return problems
+
+
 def check_scaling(compose: dict, dockerfile: str) -> list[str]:
     """Workers scale with --scale: no fixed name, no host port, partitions >= replicas, and a
     grace period that lets in-flight work drain."""
@@ -391,7 +413,7 @@ def check_model_cache(compose: dict, dockerfile: str) -> list[str]:
 
 
 CHECKS = [check_services, check_commands, check_settings, check_kafka, check_redis, check_gateway,
-          check_scaling, check_layouts, check_model_cache]
+          check_scaling, check_layouts, check_model_cache, check_metrics]
 
 
 def all_problems(compose: dict, dockerfile: str | None = None) -> list[str]:
@@ -518,6 +540,9 @@ MUTATIONS = [
     ("container_name on a worker", _set("encode.container_name", "encode"), "container_name"),
     ("host port on a worker", _set("prefill.ports", ["9000:9000"]), "host port"),
     ("grace shorter than drain", _set("decode.stop_grace_period", "5s"), "drain"),
+    ("metrics port not exposed", _set("encode.expose", DELETE), "metrics port 9100 is not exposed"),
+    ("metrics on loopback", _set("decode.environment.MMFLEET_METRICS_HOST", "127.0.0.1"), "metrics bind"),
+    ("ephemeral metrics port", _set("prefill.environment.MMFLEET_METRICS_PORT", "0"), "ephemeral"),
     ("stage missing", _set("decode", DELETE), "stages not served: decode"),
     ("profile not a mode", _set("epd.command", ["worker", "--stages", "media-fetch,encode,prefill"]), "profile epd"),
     ("model cache not mounted", _set("prefill.volumes", DELETE), "cache_dir"),

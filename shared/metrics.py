@@ -1,0 +1,128 @@
+"""Prometheus metrics of every process, on the default registry, and their ``/metrics`` endpoint.
+
+Every series the fleet defines is declared here, so one file lists what an operator can scrape
+(other modules add their own series to the same default registry). Names carry their unit.
+
+- gateway: requests by HTTP status, time to first token, inter-token latency, end to end,
+  requests in flight, admission rejections by reason.
+- every worker, per stage: queue wait / transfer / compute histograms (observed by the runner
+  from each record's ``tracing`` span), records by outcome, consumer lag per partition.
+- NIXL (``shared.transfer``): bytes moved and pull duration.
+- media-fetch: bytes and seconds of loading each media item, by source.
+
+Exposition: the gateway adds :func:`metrics_view` to its own aiohttp app; a worker runs
+:class:`MetricsServer`, a small aiohttp server of its own (``metrics_host``/``metrics_port``,
+0 = ephemeral), whose bound port goes into the worker's liveness record.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+
+# 1 ms .. 2 min: one set of buckets spans a tiny model's milliseconds and a real one's seconds.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                     60.0, 120.0)
+# inter-token gaps are short: 0.5 ms .. 5 s
+ITL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+# Outcomes of one record in a stage runner (the label values of STAGE_RECORDS).
+OUTCOMES = ("ok", "failed", "deadline", "dead_letter", "duplicate", "aborted")
+
+# ------------------------------------------------------------------------------- gateway
+REQUESTS = Counter("mmfleet_requests_total", "HTTP requests answered by the gateway, by status code",
+                   ["status"])
+TTFT = Histogram("mmfleet_ttft_seconds", "gateway: request received to first token available",
+                 buckets=LATENCY_BUCKETS_S)
+ITL = Histogram("mmfleet_itl_seconds", "gateway: gap between consecutive token deltas of a request",
+                buckets=ITL_BUCKETS_S)
+E2E = Histogram("mmfleet_e2e_seconds", "gateway: request received to response complete",
+                buckets=LATENCY_BUCKETS_S)
+INFLIGHT = Gauge("mmfleet_inflight_requests", "gateway: requests admitted and not yet answered")
+ADMISSION_REJECTIONS = Counter("mmfleet_admission_rejections_total",
+                               "gateway: requests refused with 429, by reason", ["reason"])
+
+# ------------------------------------------------------------------------------- stages
+STAGE_QUEUE_WAIT = Histogram("mmfleet_stage_queue_wait_seconds",
+                             "record produced to picked up by the stage (0 for in-process hand-over)",
+                             ["stage"], buckets=LATENCY_BUCKETS_S)
+STAGE_TRANSFER = Histogram("mmfleet_stage_transfer_seconds",
+                           "time a stage's handler spent moving data (NIXL pulls/puts, media loads)",
+                           ["stage"], buckets=LATENCY_BUCKETS_S)
+STAGE_COMPUTE = Histogram("mmfleet_stage_compute_seconds",
+                          "time a stage's handler spent on one record apart from transfers",
+                          ["stage"], buckets=LATENCY_BUCKETS_S)
+STAGE_RECORDS = Counter("mmfleet_stage_records_total",
+                        "records a stage runner finished, by outcome (" + " / ".join(OUTCOMES) + ")",
+                        ["stage", "outcome"])
+CONSUMER_LAG = Gauge("mmfleet_consumer_lag_records",
+                     "records behind the partition's high watermark (highwater - position)",
+                     ["stage", "partition"])
+
+# ------------------------------------------------------------------------------- NIXL
+NIXL_BYTES = Counter("mmfleet_nixl_bytes_total",
+                     "tensor bytes: in = READ from a peer's pool over NIXL, out = leased in this pool "
+                     "for peers to read", ["direction"])
+NIXL_POOL_USED = Gauge("mmfleet_nixl_pool_used_bytes",
+                       "bytes of this process's NIXL pool in use (leased or staging); see pool_bytes")
+NIXL_TRANSFER = Histogram("mmfleet_nixl_transfer_seconds", "one NIXL READ of a peer's tensor, end to end",
+                          buckets=LATENCY_BUCKETS_S)
+
+# ------------------------------------------------------------------------------- media
+MEDIA_FETCH_BYTES = Counter("mmfleet_media_fetch_bytes_total",
+                            "media bytes media-fetch loaded, by source: http (downloaded, or served by the "
+                            "fetch cache), inline (pulled from the gateway), file", ["source"])
+MEDIA_FETCH = Histogram("mmfleet_media_fetch_seconds", "loading one media item's bytes, by source",
+                        ["source"], buckets=LATENCY_BUCKETS_S)
+
+
+def watch_pool(agent) -> None:
+    """Report ``agent``'s (the process's one TransferAgent) pool use at each scrape."""
+    NIXL_POOL_USED.set_function(lambda: agent.stats()["used_bytes"])
+
+
+def observe_span(stage: str, queue_ms: float, transfer_ms: float, total_ms: float) -> None:
+    """One handler call's span (see ``shared.tracing``): compute = total - transfer."""
+    STAGE_QUEUE_WAIT.labels(stage).observe(max(queue_ms, 0.0) / 1000)
+    STAGE_TRANSFER.labels(stage).observe(max(transfer_ms, 0.0) / 1000)
+    STAGE_COMPUTE.labels(stage).observe(max(total_ms - transfer_ms, 0.0) / 1000)
+
+
+def exposition() -> bytes:
+    return generate_latest(REGISTRY)
+
+
+async def metrics_view(_request: web.Request) -> web.Response:
+    """``GET /metrics``: the default registry in Prometheus text format."""
+    resp = web.Response(body=exposition())
+    resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return resp
+
+
+class MetricsServer:
+    """A process's own ``/metrics`` server. ``port`` is the one actually bound once started."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics_view)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.port = self._runner.addresses[0][1]  # the ephemeral port, when 0 was asked
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> MetricsServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

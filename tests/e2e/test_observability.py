@@ -1,0 +1,140 @@
+"""Operator readiness, end to end: one ``mmfleet up`` fleet (e-p-d, JSON logs) serves a few
+requests (text and image, streamed and whole, one bad image); then every process is found the
+way an operator would find it (the gateway and each worker through their liveness records in
+Redis), its ``/metrics`` is scraped, and the series the traffic must have moved are checked.
+The logs are checked too: one request id is found in the gateway's and a stage's JSON lines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.keys import RedisKeys
+from shared.liveness import live_gateways, live_workers
+from tests import procs
+from tests.e2e.test_skeleton import image_parts, noise_image, png_data_url
+
+PREFIX = "obs"
+STAGES = ("media-fetch", "encode", "prefill", "decode")
+
+
+@pytest.fixture(scope="module")
+def obs_logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("obs-logs")
+
+
+@pytest.fixture(scope="module")
+def fleet(kafka_bootstrap, redis_url, model_dir, obs_logs):
+    env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
+           "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024), "MMFLEET_REDIS_PREFIX": PREFIX,
+           "MMFLEET_LOG_FORMAT": "json"}
+    with procs.fleet(env, obs_logs) as (base, _proc):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def traffic(fleet):
+    """Text and one image, whole and streamed, plus one bad image (a 400 from media-fetch)."""
+    client = openai.OpenAI(base_url=fleet + "/v1", api_key="unused", max_retries=0, timeout=120)
+    ids = []
+
+    def chat(content, **kw):
+        return client.chat.completions.create(model="mmfleet-demo", temperature=0, max_tokens=8,
+                                              messages=[{"role": "user", "content": content}], **kw)
+
+    image = image_parts([png_data_url(noise_image(5))], "What is this?")
+    for content in ("Tell me about the sea.", image):
+        ids.append(chat(content).id)
+        chunks = list(chat(content, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        ids.append(chunks[0].id)
+    not_an_image = "data:image/png;base64,aGVsbG8sIEkgYW0gcGxhaW4gdGV4dA=="
+    with pytest.raises(openai.BadRequestError):
+        chat(image_parts([not_an_image], "What is this?"))
+    return ids
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` as {(sample name, sorted labels): value}; also checks the content type."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    """Sum of ``name`` over the samples whose labels include ``labels``; KeyError if none."""
+    hits = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
+    if not hits:
+        raise KeyError(f"no sample {name}{labels}")
+    return sum(hits)
+
+
+async def _endpoints(redis_url: str):
+    redis = aioredis.from_url(redis_url)
+    try:
+        keys = RedisKeys(PREFIX)
+        return await live_gateways(redis, keys), await live_workers(redis, keys)
+    finally:
+        await redis.aclose()
+
+
+def test_every_process_exposes_its_metrics(fleet, traffic, redis_url):
+    gateways, workers = asyncio.run(_endpoints(redis_url))
+    assert [g.url.rsplit(":", 1)[1] for g in gateways] == [fleet.rsplit(":", 1)[1]]
+    assert sorted(s for w in workers for s in w.stages) == sorted(STAGES)
+    assert len({w.metrics_port for w in workers}) == len(workers) and all(w.metrics_port for w in workers)
+
+    gw = scrape(fleet + "/metrics")
+    assert value(gw, "mmfleet_requests_total", status="200") >= 4
+    assert value(gw, "mmfleet_requests_total", status="400") >= 1
+    assert value(gw, "mmfleet_ttft_seconds_count") >= 4
+    assert value(gw, "mmfleet_ttft_seconds_sum") > 0
+    assert value(gw, "mmfleet_itl_seconds_count") > 0
+    assert value(gw, "mmfleet_e2e_seconds_count") >= 4
+    assert value(gw, "mmfleet_inflight_requests") == 0
+    assert value(gw, "mmfleet_nixl_bytes_total", direction="out") > 0  # the inline image, held for media-fetch
+
+    for w in workers:
+        (stage,) = w.stages
+        m = scrape(f"http://127.0.0.1:{w.metrics_port}/metrics")
+        for hist in ("queue_wait", "transfer", "compute"):
+            assert value(m, f"mmfleet_stage_{hist}_seconds_count", stage=stage) >= 2, (stage, hist)
+        assert value(m, "mmfleet_stage_compute_seconds_sum", stage=stage) > 0, stage
+        assert value(m, "mmfleet_stage_records_total", stage=stage, outcome="ok") >= 2, stage
+        assert value(m, "mmfleet_consumer_lag_records", stage=stage) >= 0, stage  # present, per partition
+        if stage != "media-fetch":  # every later stage pulls its input over NIXL
+            assert value(m, "mmfleet_nixl_bytes_total", direction="in") > 0, stage
+            assert value(m, "mmfleet_nixl_transfer_seconds_count") > 0, stage
+        assert value(m, "mmfleet_nixl_pool_used_bytes") >= 0, stage  # present; in use drops back as leases end
+        if stage == "media-fetch":
+            assert value(m, "mmfleet_media_fetch_bytes_total", source="inline") > 0
+            assert value(m, "mmfleet_media_fetch_seconds_count", source="inline") >= 3
+            assert value(m, "mmfleet_stage_records_total", stage=stage, outcome="failed") >= 1
+
+
+def _json_lines(path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):  # our records; native libraries may print plain lines too
+            out.append(json.loads(line))
+    return out
+
+
+def test_json_logs_carry_the_request_id_through_the_stages(fleet, traffic, obs_logs):
+    gateway = _json_lines(obs_logs / "gateway.log")
+    assert gateway and all({"ts", "level", "logger", "pid", "process", "msg"} <= set(r) for r in gateway)
+    access = {r["request_id"]: r["msg"] for r in gateway if r.get("request_id")}
+    assert set(traffic) <= set(access), "every request's access line carries its id"
+    bad = [rid for rid, msg in access.items() if msg.endswith(" 400") or " 400 " in msg]
+    assert bad, access
+    media = _json_lines(obs_logs / "media-fetch.log")
+    failed = [r for r in media if r.get("request_id") == bad[-1]]
+    assert failed and failed[0]["stage"] == "media-fetch" and failed[0]["process"].startswith("media-fetch")
