@@ -18,12 +18,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import openai
 import pytest
 
 from tests import procs
-from tests.chaos.test_kill_workers import MAX_TOKENS, PROMPTS, TIMEOUT_MS, _one
-from tests.e2e.test_skeleton import ref_parts, reference_text
+from tests.chaos.load import PROMPTS, TIMEOUT_MS, load_with_fault, reference_texts
 
 REQUESTS = int(os.environ.get("CHAOS_REQUESTS", "48"))
 CONCURRENCY = 6
@@ -40,29 +38,17 @@ def _broker_pid(supervisor_pid: int) -> int | None:
     return None
 
 
-async def _load_with_broker_kill(base: str, supervisor_pid: int) -> tuple[list, int | None, int | None]:
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
-                                timeout=TIMEOUT_MS / 1000 + 30)
-    sem = asyncio.Semaphore(CONCURRENCY)
-
-    async def guarded(i: int):
-        async with sem:
-            return await _one(client, i)
-
-    tasks = [asyncio.create_task(guarded(i)) for i in range(REQUESTS)]
+async def _kill_broker(supervisor_pid: int) -> int | None:
     await asyncio.sleep(4)  # work streams through every stage
     killed = _broker_pid(supervisor_pid)
     if killed is not None:
         os.kill(killed, signal.SIGKILL)
-    done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=TIMEOUT_MS / 1000 * 3)
-    await client.close()
-    return done, killed, _broker_pid(supervisor_pid)
+    return killed
 
 
 @pytest.fixture(scope="module")
 def references(model_dir):
-    return [reference_text(model_dir, ref_parts(len(imgs), text) if imgs else text, imgs, max_tokens=MAX_TOKENS)
-            for imgs, text in PROMPTS]
+    return reference_texts(model_dir)
 
 
 def test_broker_killed_and_restarted_under_load(redis_url, model_dir, logs_dir, references):
@@ -75,8 +61,10 @@ def test_broker_killed_and_restarted_under_load(redis_url, model_dir, logs_dir, 
     log_dir.mkdir()
     with procs.fleet(env, log_dir, mode="e-p-d") as (base, supervisor):
         t0 = time.monotonic()
-        results, killed, restarted = asyncio.run(_load_with_broker_kill(base, supervisor.pid))
+        results, killed, after = asyncio.run(load_with_fault(
+            base, REQUESTS, CONCURRENCY, lambda _tasks: _kill_broker(supervisor.pid)))
         elapsed = time.monotonic() - t0
+        restarted = _broker_pid(supervisor.pid)
     outcomes = Counter(kind for _, kind, _ in results)
     wrong = [(i, text) for i, kind, text in results if kind == "completed" and text != references[i % len(PROMPTS)]]
     redriven = sum(p.read_text().count("re-driving") for p in log_dir.glob("gateway*.log"))
@@ -90,3 +78,4 @@ def test_broker_killed_and_restarted_under_load(redis_url, model_dir, logs_dir, 
     assert not wrong, f"{len(wrong)} completed streams differ from the reference: {wrong[:3]}"
     assert redriven >= 1, "the gateway noticed the restart and re-drove its unfinished requests"
     assert outcomes["completed"] >= REQUESTS * 0.9, outcomes
+    assert [t for _, _, t in after] == references  # and the service goes on

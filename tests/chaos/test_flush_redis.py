@@ -8,37 +8,30 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-import openai
+import pytest
 import redis
 
 from tests import procs
-from tests.chaos.test_kill_workers import MAX_TOKENS, PROMPTS, TIMEOUT_MS, _one, references  # noqa: F401
+from tests.chaos.load import PROMPTS, TIMEOUT_MS, load_with_fault, reference_texts
 
 REQUESTS = 24
 
 
-async def _load_with_flush(base: str, redis_url: str) -> list:
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
-                                timeout=TIMEOUT_MS / 1000 + 30)
-    sem = asyncio.Semaphore(4)
-
-    async def guarded(i: int):
-        async with sem:
-            return await _one(client, i)
-
-    tasks = [asyncio.create_task(guarded(i)) for i in range(REQUESTS)]
-    while sum(t.done() for t in tasks) < REQUESTS // 3:  # flush with the load in full swing
+async def _flush_mid_load(redis_url: str, tasks: list[asyncio.Task]) -> int:
+    """FLUSHALL with the load in full swing; returns how many requests were unfinished then."""
+    while sum(t.done() for t in tasks) < REQUESTS // 3:
         await asyncio.sleep(0.02)
     r = redis.Redis.from_url(redis_url)
     try:
         r.flushall()
     finally:
         r.close()
-    in_flight_at_flush = REQUESTS - sum(t.done() for t in tasks)
-    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=TIMEOUT_MS / 1000 * 2)
-    after = [await _one(client, i) for i in range(len(PROMPTS))]  # service after the flush
-    await client.close()
-    return results, after, in_flight_at_flush
+    return REQUESTS - sum(t.done() for t in tasks)
+
+
+@pytest.fixture(scope="module")
+def references(model_dir):
+    return reference_texts(model_dir)
 
 
 def test_redis_flush_mid_load(kafka_bootstrap, logs_dir, model_dir, references):
@@ -48,7 +41,8 @@ def test_redis_flush_mid_load(kafka_bootstrap, logs_dir, model_dir, references):
         log_dir = logs_dir / "flush"
         log_dir.mkdir()
         with procs.fleet(env, log_dir, mode="e-p-d") as (base, _supervisor):
-            results, after, in_flight = asyncio.run(_load_with_flush(base, own_redis))
+            results, in_flight, after = asyncio.run(load_with_fault(
+                base, REQUESTS, 4, lambda tasks: _flush_mid_load(own_redis, tasks)))
     outcomes = Counter(kind for _, kind, _ in results)
     print(f"\nredis flush: {REQUESTS} requests, {in_flight} not finished at the flush, outcomes {dict(outcomes)}")
     assert in_flight > 0

@@ -12,22 +12,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import openai
 import pytest
 
 from tests import procs
-from tests.e2e.test_skeleton import gradient_image, noise_image, png_data_url, ref_parts, reference_text
+from tests.chaos.load import PROMPTS, TIMEOUT_MS, load_with_fault, reference_texts
 
 REQUESTS = int(os.environ.get("CHAOS_REQUESTS", "48"))
 CONCURRENCY = 6
-MAX_TOKENS = 24
-TIMEOUT_MS = 90_000
-PROMPTS = [
-    ([], "Tell me a story about the sea."),
-    ([noise_image(21)], "Describe what you see."),
-    ([], "List three colours."),
-    ([gradient_image()], "What is in the picture?"),
-]
 
 
 def _stage_pids(supervisor_pid: int) -> dict[str, int]:
@@ -42,35 +33,7 @@ def _stage_pids(supervisor_pid: int) -> dict[str, int]:
     return out
 
 
-async def _one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, str]:
-    imgs, text = PROMPTS[i % len(PROMPTS)]
-    content = text if not imgs else [*({"type": "image_url", "image_url": {"url": png_data_url(im)}} for im in imgs),
-                                     {"type": "text", "text": text}]
-    pieces = []
-    try:
-        stream = await client.chat.completions.create(
-            model="mmfleet-demo", stream=True, temperature=0, max_tokens=MAX_TOKENS,
-            messages=[{"role": "user", "content": content}])
-        async for chunk in stream:
-            if chunk.choices:
-                pieces.append(chunk.choices[0].delta.content or "")
-        return i, "completed", "".join(pieces)
-    except openai.APIStatusError as exc:
-        return i, f"error {exc.status_code}", str(exc)
-    except openai.APIError as exc:  # an SSE error event after the first token
-        return i, "error event", str(exc)
-
-
-async def _load_with_kills(base: str, supervisor_pid: int) -> tuple[list, list[str]]:
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
-                                timeout=TIMEOUT_MS / 1000 + 30)
-    sem = asyncio.Semaphore(CONCURRENCY)
-
-    async def guarded(i: int):
-        async with sem:
-            return await _one(client, i)
-
-    tasks = [asyncio.create_task(guarded(i)) for i in range(REQUESTS)]
+async def _kill_each_stage(supervisor_pid: int) -> list[str]:
     killed = []
     # downstream first: a stage is killed while work streams through it (killing media-fetch
     # first would stall everything behind it, and the later kills would find idle workers)
@@ -80,15 +43,12 @@ async def _load_with_kills(base: str, supervisor_pid: int) -> tuple[list, list[s
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
             killed.append(stage)
-    done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=TIMEOUT_MS / 1000 * 3)
-    await client.close()
-    return done, killed
+    return killed
 
 
 @pytest.fixture(scope="module")
 def references(model_dir):
-    return [reference_text(model_dir, ref_parts(len(imgs), text) if imgs else text, imgs, max_tokens=MAX_TOKENS)
-            for imgs, text in PROMPTS]
+    return reference_texts(model_dir)
 
 
 def test_kill_each_stage_worker_under_load(kafka_bootstrap, redis_url, model_dir, logs_dir, references):
@@ -100,9 +60,10 @@ def test_kill_each_stage_worker_under_load(kafka_bootstrap, redis_url, model_dir
     with procs.fleet(env, log_dir, mode="e-p-d") as (base, supervisor):
         before = _stage_pids(supervisor.pid)
         t0 = time.monotonic()
-        results, killed = asyncio.run(_load_with_kills(base, supervisor.pid))
+        results, killed, after = asyncio.run(load_with_fault(
+            base, REQUESTS, CONCURRENCY, lambda _tasks: _kill_each_stage(supervisor.pid)))
         elapsed = time.monotonic() - t0
-        after = _stage_pids(supervisor.pid)
+        pids_after = _stage_pids(supervisor.pid)
     outcomes = Counter(kind for _, kind, _ in results)
     wrong = [(i, text) for i, kind, text in results if kind == "completed" and text != references[i % len(PROMPTS)]]
     resumed = sum(p.read_text().count("resuming after them") for p in log_dir.glob("*.log"))
@@ -110,7 +71,8 @@ def test_kill_each_stage_worker_under_load(kafka_bootstrap, redis_url, model_dir
     print(f"\nchaos: {REQUESTS} requests in {elapsed:.1f} s, killed {killed}, outcomes {dict(outcomes)}, "
           f"decodes resumed from the token log {resumed}, restarts from the source {restarted}")
     assert killed == ["decode", "prefill", "encode", "media-fetch"]
-    assert all(after[s] != before[s] for s in killed), "every killed worker was restarted"
+    assert all(pids_after[s] != before[s] for s in killed), "every killed worker was restarted"
     assert len(results) == REQUESTS  # none hung past its deadline
     assert not wrong, f"{len(wrong)} completed streams differ from the reference: {wrong[:3]}"
     assert outcomes["completed"] >= REQUESTS * 0.9, outcomes
+    assert [t for _, _, t in after] == references  # and the service goes on

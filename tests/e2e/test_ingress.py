@@ -23,6 +23,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from services.gateway.auth import hash_key
+from shared import settings as settings_mod
+from shared.keys import RedisKeys
+from shared.liveness import live_gateways, live_workers
+from shared.redis_conn import make_redis
 from tests import procs
 from tests.e2e.test_skeleton import noise_image, png_data_url
 
@@ -299,6 +303,26 @@ def test_no_secret_in_logs_cli_output_or_error_bodies(fleet, fleet_logs):
     assert any(p.name == "gateway.log" for p in logs) and any("log" in p.name for p in logs)
     texts.update({str(p): p.read_text(errors="replace") for p in logs})
     assert len(SEEN_TEXT) >= 5  # the tests above did produce error bodies and CLI output
+    pages = asyncio.run(_metrics_pages(fleet))
+    assert len(pages) >= 2  # the gateway and the (epd) worker
+    texts.update(pages)
     for name, text in texts.items():
         for secret in SECRETS:
             assert secret not in text, f"a secret appears in {name}"
+
+
+async def _metrics_pages(fleet) -> dict[str, str]:
+    """``/metrics`` of every process of the fleet (found through the liveness records)."""
+    settings = settings_mod.from_env(fleet["env"])
+    redis = make_redis(settings)
+    try:
+        keys = RedisKeys(settings.redis_prefix)
+        urls = [g.url + "/metrics" for g in await live_gateways(redis, keys)]
+        urls += [f"http://127.0.0.1:{w.metrics_port}/metrics" for w in await live_workers(redis, keys)]
+    finally:
+        await redis.aclose()
+    pages = {}
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            pages[url] = resp.read().decode()
+    return pages
