@@ -20,6 +20,7 @@ import socket
 import time
 import uuid
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import torch
@@ -83,7 +84,8 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         await stack.enter_async_context(transfer)
         streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
                                ttl_s=settings.stream_ttl_s)
-        handlers = await _build_handlers(stages, settings, model_dir, stack)
+        handlers = await _build_handlers(stages, settings, model_dir, stack,
+                                         _CacheParts(redis, transfer, worker_id))
         ledger = StageLedger(redis, RedisKeys(settings.redis_prefix), lease_ms=settings.stage_lease_ms,
                              done_ttl_s=settings.done_ttl_s)
         contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer, ledger=ledger)
@@ -118,8 +120,24 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     return 1 if failed else 0
 
 
-async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir, stack: AsyncExitStack) -> dict:
+@dataclass
+class _CacheParts:
+    """What the embedding cache needs from the process (used only when it is on)."""
+
+    redis: aioredis.Redis
+    transfer: TransferAgent
+    worker_id: str
+
+
+async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir, stack: AsyncExitStack,
+                          parts: _CacheParts) -> dict:
     engines: dict[str, Engine] = {}
+    index = None
+    if settings.embedding_cache_bytes > 0:
+        from shared.embcache.index import EmbeddingIndex
+
+        index = EmbeddingIndex(parts.redis, RedisKeys(settings.redis_prefix), ttl_s=settings.embedding_index_ttl_s,
+                               lease_ms=settings.embedding_coalesce_lease_ms)
 
     async def engine(name: str) -> Engine:
         if name not in engines:
@@ -139,21 +157,43 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
         fetcher = await stack.enter_async_context(MediaFetcher.from_settings(settings))
         lane = ComputeLane("media")
         stack.callback(lane.close)
-        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane)
+        fingerprint = ""
+        if index is not None:
+            from shared.embcache.identity import model_fingerprint
+
+            fingerprint = await asyncio.to_thread(model_fingerprint, model_dir)
+        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane,
+                                                    index=index, fingerprint=fingerprint)
     if "encode" in stages:
         from services.encode.handler import EncodeHandler
 
-        handlers["encode"] = EncodeHandler(await engine("transformers"))  # the vision encoder
+        cache = None
+        if index is not None:
+            from shared.embcache.coalesce import EncodeCache
+            from shared.embcache.store import EmbeddingStore
+
+            store = EmbeddingStore(parts.transfer, index, capacity_bytes=settings.embedding_cache_bytes,
+                                   max_item_fraction=settings.embedding_cache_max_item_fraction)
+            stack.push_async_callback(store.close)  # runs before the agent stops: entries go first
+            cache = EncodeCache(store, index, parts.transfer, parts.worker_id,
+                                wait_ms=settings.embedding_coalesce_wait_ms)
+        handlers["encode"] = EncodeHandler(await engine("transformers"), cache)  # the vision encoder
     if "prefill" in stages:
+        from shared.embcache.pull import EmbeddingPuller
+        from shared.embcache.recent import RecentEmbeddings
+
+        recent = RecentEmbeddings(settings.prefill_embedding_cache_bytes) \
+            if index is not None and settings.prefill_embedding_cache_bytes > 0 else None
+        puller = EmbeddingPuller(index, recent)
         lm = await engine(settings.engine)
         if "decode" in stages:
             from services.decode.handler import GenerateHandler
 
-            handlers["prefill"] = GenerateHandler(lm)
+            handlers["prefill"] = GenerateHandler(lm, puller)
         else:
             from services.prefill.handler import PrefillHandler
 
-            handlers["prefill"] = PrefillHandler(lm)
+            handlers["prefill"] = PrefillHandler(lm, puller)
     if "decode" in stages and "prefill" not in stages:
         from services.decode.handler import DecodeHandler
 

@@ -58,6 +58,27 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     pool_bytes: int = 256 * _MiB
     lease_ttl_ms: int = 120_000
 
+    # --- embedding cache (issue #6). Each encode worker keeps embeddings it computed in its
+    # NIXL pool (pinned, LRU, bounded here; must fit in pool_bytes with room for in-flight
+    # tensors) and publishes them in a Redis index so any worker can reuse them. 0: no cache,
+    # no index, no coalescing (the uncached path, for comparisons).
+    embedding_cache_bytes: int = 64 * _MiB
+    # a single embedding larger than this share of embedding_cache_bytes is not cached (one
+    # huge video must not flush everything else)
+    embedding_cache_max_item_fraction: float = 0.25
+    # TTL of an index entry: an owner that dies without deleting its entries leaves them for at
+    # most this long (readers check the owner's liveness and fall back on a failed read anyway)
+    embedding_index_ttl_s: int = 600
+    # SET NX PX lease while one worker encodes an item others are waiting for; a holder that
+    # dies releases it by expiry after this long
+    embedding_coalesce_lease_ms: int = 10_000
+    # longest a request waits for another worker's encode of the same item before encoding
+    # it itself (never an error)
+    embedding_coalesce_wait_ms: int = 15_000
+    # prefill keeps recently pulled embeddings (plain memory, LRU) so a multi-turn conversation
+    # does not pull them again; 0: off
+    prefill_embedding_cache_bytes: int = 32 * _MiB
+
     # --- compute
     engine: str = "transformers"  # language-model runtime: transformers | vllm
     torch_threads: int = 1
@@ -91,6 +112,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     media_cache_bytes: int = 64 * _MiB  # media-fetch LRU of fetched bytes (http(s)), in bytes; 0: off
     media_cache_ttl_s: int = 300  # how long fetched bytes of a URL may be served from that cache
 
+    # workers per stage group for `mmfleet up`, "stage=N" entries (e.g. "encode=2,prefill=3");
+    # a group of merged stages gets the largest N named for any of its stages; default 1
+    stage_replicas: tuple[str, ...] = ()
+
     log_level: str = "INFO"
 
     def with_overrides(self, **changes: Any) -> Settings:
@@ -119,7 +144,7 @@ def from_env(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings
                 raise ValueError(f"unknown setting {key}; known: {', '.join(sorted(names))}")
             raw[name] = value  # explicit MMFLEET_ wins over the alias
     for name, value in list(raw.items()):
-        if name == "media_allow_hosts" and isinstance(value, str):
+        if name in ("media_allow_hosts", "stage_replicas") and isinstance(value, str):
             raw[name] = tuple(h.strip() for h in value.split(",") if h.strip())
     raw.update({k: v for k, v in overrides.items() if v is not None})
     return msgspec.convert(raw, Settings, strict=False)
