@@ -67,17 +67,19 @@ class EncodeCache:
                 return self._remote(item, res)
             if res is None:
                 return await self._encode(item, encode, None)
-        if fleet_ok:
-            entry = await self._index.lookup_live(key)
-            if entry is not None:
-                HITS.labels(stage="encode", source="index").inc()
-                return self._remote(item, entry)
+        # this request produces the key for the worker: registered before any await, so every
+        # later local request for the key waits on it
         fut = asyncio.get_running_loop().create_future()
         self._inflight[key] = fut
         result: _Result = None
         try:
             holder = None
             if fleet_ok:
+                entry = await self._index.lookup_live(key)
+                if entry is not None:
+                    HITS.labels(stage="encode", source="index").inc()
+                    result = entry
+                    return self._remote(item, entry)
                 holder = f"{self._worker}#{next(self._ids)}"
                 entry, holder = await self._await_fleet(key, holder, deadline_unix_ms)
                 if entry is not None:
