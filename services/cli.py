@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, dest="gateway_port", help="gateway port (default 8000)")
     up.add_argument("--log-dir", type=Path, help="write each child's output to DIR/<name>.log")
     up.add_argument("--ready-file", type=Path, help="write the gateway URL to FILE once every stage serves")
+    up.add_argument("--replicas", help="workers per stage, e.g. encode=2,prefill=3 (env MMFLEET_STAGE_REPLICAS; "
+                                       "default 1 each)")
 
     worker = sub.add_parser("worker", help="run one worker process")
     common(worker)
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     overrides = {k: getattr(args, k, None) for k in ("kafka_bootstrap", "redis_url", "model_path", "log_level",
                                                       "gateway_port", "engine")}
+    if getattr(args, "replicas", None):
+        overrides["stage_replicas"] = tuple(e.strip() for e in args.replicas.split(",") if e.strip())
     settings = settings_mod.from_env(**overrides)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")

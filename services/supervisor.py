@@ -32,7 +32,7 @@ import aiohttp
 from shared import settings as settings_mod
 from shared.bus import ensure_topics
 from shared.models.registry import resolve_model_path
-from shared.modes import MODES, check_engine
+from shared.modes import MODES, check_engine, parse_replicas, replicas_for
 from shared.settings import Settings
 
 log = logging.getLogger("mmfleet.up")
@@ -139,6 +139,7 @@ class Fleet:
             check_engine(stages, settings.engine, caps)
         self.settings = settings
         self.mode = mode
+        self.replicas = parse_replicas(settings.stage_replicas)
         self.log_dir = log_dir
         self.stop_timeout_s = stop_timeout_s
         self.infra: list[Child] = []
@@ -159,8 +160,10 @@ class Fleet:
         env = settings_mod.child_env(s)
         cli = [sys.executable, "-m", "services.cli"]
         for stages in MODES[self.mode]:
-            name = "+".join(stages)
-            self.services.append(self._child(name, cli + ["worker", "--stages", ",".join(stages)], env))
+            n = replicas_for(stages, self.replicas)
+            for i in range(n):
+                name = "+".join(stages) + (f"#{i}" if n > 1 else "")
+                self.services.append(self._child(name, cli + ["worker", "--stages", ",".join(stages)], env))
         self.services.append(self._child("gateway", cli + ["gateway"], env))
         for child in self.services:
             child.start()
@@ -168,13 +171,13 @@ class Fleet:
         await self._wait_ready()
 
     async def _wait_workers(self, timeout_s: float = 180) -> None:
-        """Until every stage group has a live worker holding partitions (its liveness record)."""
+        """Until every stage group has its replicas live and holding partitions (liveness records)."""
         import redis.asyncio as aioredis
 
         from shared.keys import RedisKeys
         from shared.liveness import live_workers
 
-        wanted = {tuple(stages) for stages in MODES[self.mode]}
+        wanted = {tuple(stages): replicas_for(tuple(stages), self.replicas) for stages in MODES[self.mode]}
         redis = aioredis.from_url(self.settings.redis_url)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -185,11 +188,12 @@ class Fleet:
                     if child.proc is not None and child.proc.poll() is not None:
                         where = f"; see {child.log_path}" if child.log_path else ""
                         raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during start{where}")
-                live = {w.stages for w in await live_workers(redis, RedisKeys(self.settings.redis_prefix))}
-                if wanted <= live:
+                live = [w.stages for w in await live_workers(redis, RedisKeys(self.settings.redis_prefix))]
+                short = sorted(s for s, n in wanted.items() if live.count(s) < n)
+                if not short:
                     return
                 if loop.time() > deadline:
-                    raise RuntimeError(f"workers for {sorted(wanted - live)} not serving after {timeout_s} s")
+                    raise RuntimeError(f"workers for {short} not serving after {timeout_s} s")
                 await asyncio.sleep(0.3)
         finally:
             await redis.aclose()

@@ -53,6 +53,24 @@ def entry_stages(stages: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(s for s in stages if _ONLY_UPSTREAM.get(s) not in stages)
 
 
+def parse_replicas(entries: tuple[str, ...] | list[str]) -> dict[str, int]:
+    """``("encode=2", "prefill=3")`` → ``{"encode": 2, "prefill": 3}``; SystemExit on a bad entry."""
+    out: dict[str, int] = {}
+    for entry in entries:
+        stage, sep, n = entry.partition("=")
+        stage = stage.strip()
+        if not sep or stage not in STAGE_ORDER or not n.strip().isdigit() or int(n) < 1:
+            raise UnsupportedLayout(f"bad replicas entry {entry!r}: want stage=N with N >= 1 and a stage among "
+                                    f"{', '.join(STAGE_ORDER)}")
+        out[stage] = int(n)
+    return out
+
+
+def replicas_for(stages: tuple[str, ...], replicas: dict[str, int]) -> int:
+    """Workers to run for one group of merged stages: the largest count named for any of them."""
+    return max((replicas.get(s, 1) for s in stages), default=1)
+
+
 def _missing(stages: tuple[str, ...], caps: Capabilities) -> tuple[str, str] | None:
     """(capability, what it is for) the layout needs and the engine lacks, or None."""
     if "prefill" in stages and "decode" in stages:
