@@ -5,7 +5,8 @@ Workload ``reuse``: each request carries one image; with probability ``reuse_rat
 of a pool of ``pool_size`` images, else an image seen nowhere else. Each ratio (default 0, 50,
 80, 90 %) uses its own seed, so its pool starts cold in every fleet. Targets (default):
 ``fleet:e-p-d`` (cache on, the default settings) and ``fleet:e-p-d,embedding_cache_bytes=0``
-(off); both are started together and run every ratio at one concurrency, taking turns. Written like every
+(off); both are started together (a broker and Redis each) and run every ratio at one
+concurrency, taking turns. Written like every
 benchmark (runs/*.json, index.json, CDF plots, summary.md) plus ``reuse_vs_ratio.png`` (TTFT
 p50 / p99 and throughput against the reuse ratio) and, per fleet run, the encoder items it
 cost (the fleet-wide counter ``RedisKeys.encoder_items``; the cache-off path does not count
@@ -46,10 +47,14 @@ def run_reuse(cfg: BenchConfig, opts: TargetOptions, ratios=RATIOS) -> dict:
     warm = workloads.build(replace(cfg.workload, seed=cfg.workload.seed + 10_007,
                                    num_requests=max(1, cfg.warmup)))[:cfg.warmup]
     with ExitStack() as stack:
-        targets = stack.enter_context(Targets(opts))
         eps = {}
-        for spec in cfg.targets:
+        for i, spec in enumerate(cfg.targets):
             try:
+                # fleets up at once need a broker each: stage topics and consumer groups are
+                # fleet-wide names (only Redis keys carry a prefix)
+                log_dir = opts.log_dir / f"target{i}"
+                log_dir.mkdir(parents=True, exist_ok=True)
+                targets = stack.enter_context(Targets(replace(opts, log_dir=log_dir)))
                 eps[spec] = stack.enter_context(targets.open(spec))
                 result["targets"][spec] = {"base_url": eps[spec].base_url, **eps[spec].info}
                 asyncio.run(_run_target(eps[spec], replace(cfg, shapes=[]), [], warm, None))  # warm-up only

@@ -172,7 +172,12 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
             from shared.embcache.coalesce import EncodeCache
             from shared.embcache.store import EmbeddingStore
 
-            store = EmbeddingStore(parts.transfer, index, capacity_bytes=settings.embedding_cache_bytes,
+            # the pool also holds every in-flight tensor: the cache may pin at most half of it
+            capacity = min(settings.embedding_cache_bytes, settings.pool_bytes // 2)
+            if capacity < settings.embedding_cache_bytes:
+                log.warning("embedding_cache_bytes %d exceeds half of pool_bytes %d: caching %d bytes",
+                            settings.embedding_cache_bytes, settings.pool_bytes, capacity)
+            store = EmbeddingStore(parts.transfer, index, capacity_bytes=capacity,
                                    max_item_fraction=settings.embedding_cache_max_item_fraction)
             stack.push_async_callback(store.close)  # runs before the agent stops: entries go first
             cache = EncodeCache(store, index, parts.transfer, parts.worker_id,

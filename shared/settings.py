@@ -61,7 +61,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # --- embedding cache (issue #6). Each encode worker keeps embeddings it computed in its
     # NIXL pool (pinned, LRU, bounded here; must fit in pool_bytes with room for in-flight
     # tensors) and publishes them in a Redis index so any worker can reuse them. 0: no cache,
-    # no index, no coalescing (the uncached path, for comparisons).
+    # no index, no coalescing (the uncached path, for comparisons). Capped at pool_bytes / 2.
     embedding_cache_bytes: int = 64 * _MiB
     # a single embedding larger than this share of embedding_cache_bytes is not cached (one
     # huge video must not flush everything else)

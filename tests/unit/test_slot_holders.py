@@ -58,3 +58,34 @@ def test_pin_needs_a_held_slot() -> None:
     h = SlotHolders(ttl_s=1)
     with pytest.raises(KeyError):
         h.pin(0)
+
+
+def test_stage_replicas_parse_and_apply() -> None:
+    from shared.modes import UnsupportedLayout, parse_replicas, replicas_for
+    from shared.settings import from_env
+
+    s = from_env({"MMFLEET_STAGE_REPLICAS": "encode=2, prefill=3"})
+    reps = parse_replicas(s.stage_replicas)
+    assert reps == {"encode": 2, "prefill": 3}
+    assert replicas_for(("encode",), reps) == 2
+    assert replicas_for(("media-fetch", "encode"), reps) == 2  # merged stages: the largest count
+    assert replicas_for(("decode",), reps) == 1
+    for bad in (["encode"], ["encode=0"], ["nope=2"], ["encode=x"]):
+        with pytest.raises(UnsupportedLayout):
+            parse_replicas(bad)
+
+
+def test_recent_embeddings_are_bounded_in_bytes() -> None:
+    import torch
+
+    from shared.embcache.recent import RecentEmbeddings
+
+    r = RecentEmbeddings(capacity_bytes=3 * 400)
+    for i in range(4):
+        r.put(f"k{i}", torch.zeros(100, dtype=torch.float32) + i)  # 400 B each
+    assert r.get("k0") is None and r.bytes == 1200
+    assert r.get("k1") is not None  # now most recent
+    r.put("k4", torch.zeros(100))
+    assert r.get("k2") is None and r.get("k1") is not None
+    r.put("huge", torch.zeros(1000))  # above the capacity: not kept, nothing evicted
+    assert r.get("huge") is None and r.bytes == 1200
