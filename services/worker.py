@@ -182,6 +182,7 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
             stack.push_async_callback(store.close)  # runs before the agent stops: entries go first
             cache = EncodeCache(store, index, parts.transfer, parts.worker_id,
                                 wait_ms=settings.embedding_coalesce_wait_ms)
+            stack.push_async_callback(cache.drain)  # runs before store.close
         handlers["encode"] = EncodeHandler(await engine("transformers"), cache)  # the vision encoder
     if "prefill" in stages:
         from shared.embcache.pull import EmbeddingPuller

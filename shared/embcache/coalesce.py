@@ -47,6 +47,7 @@ class EncodeCache:
         self._poll_s = poll_ms / 1000
         self._inflight: dict[str, asyncio.Future[_Result]] = {}
         self._ids = itertools.count(1)
+        self._background: set[asyncio.Task] = set()  # post-encode index writes (few, short)
 
     async def embed(self, item: protocol.PixelItem, encode: Callable[[], Awaitable[protocol.TensorRef]], *,
                     fleet_ok: bool, deadline_unix_ms: int) -> Owned:
@@ -75,34 +76,34 @@ class EncodeCache:
         try:
             holder = None
             if fleet_ok:
-                entry = await self._index.lookup_live(key)
+                holder = f"{self._worker}#{next(self._ids)}"
+                entry, leased = await self._index.lookup_or_lease(key, holder)  # one round trip
                 if entry is not None:
                     HITS.labels(stage="encode", source="index").inc()
                     result = entry
                     return self._remote(item, entry)
-                holder = f"{self._worker}#{next(self._ids)}"
-                entry, holder = await self._await_fleet(key, holder, deadline_unix_ms)
-                if entry is not None:
-                    result = entry
-                    return self._remote(item, entry)
+                if not leased:  # another worker is encoding it: wait for its entry
+                    entry, holder = await self._await_fleet(key, holder, deadline_unix_ms)
+                    if entry is not None:
+                        result = entry
+                        return self._remote(item, entry)
             owned, result = await self._encode_and_cache(item, encode, holder)
             return owned
         finally:
             del self._inflight[key]
             fut.set_result(result)
 
+    async def drain(self) -> None:
+        """Wait for the post-encode index writes in flight (tests; shutdown before the store closes)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
     async def _await_fleet(self, key: str, holder: str, deadline_unix_ms: int
                            ) -> tuple[protocol.EmbeddingIndexEntry | None, str | None]:
         """(a peer's entry, None) or (None, our lease holder id or None when we gave up waiting)."""
         give_up = min(time.monotonic() + self._wait_s,
                       time.monotonic() + max(0.0, deadline_unix_ms / 1000 - time.time()))
-        waited = False
         while True:
-            if await self._index.try_lease(key, holder):
-                if waited:
-                    COALESCED.labels(scope="fleet", result="took_over").inc()
-                return None, holder
-            waited = True
             while True:
                 await asyncio.sleep(self._poll_s)
                 entry = await self._index.lookup(key)
@@ -114,27 +115,38 @@ class EncodeCache:
                     return None, None
                 if not await self._index.lease_held(key):
                     break  # the holder failed or died (lease expired): try to take over
+            if await self._index.try_lease(key, holder):
+                COALESCED.labels(scope="fleet", result="took_over").inc()
+                return None, holder
 
     async def _encode_and_cache(self, item: protocol.PixelItem, encode, holder: str | None
                                 ) -> tuple[Owned, Cached | None]:
+        c, ref = None, None
         try:
-            ref = await self._count_encode(encode)
-            c = await self._store.insert(item.cache_key, ref, item.grid_thw, item.n_tokens)
+            MISSES.labels(stage="encode").inc()
+            ref = await encode()
+            ENCODER_ITEMS.inc()
+            c = await self._store.insert(item.cache_key, ref, item.grid_thw, item.n_tokens, publish=False)
         finally:
-            if holder is not None:
-                await self._index.release_lease(item.cache_key, holder)
+            # index entry, then lease release (waiters poll for the entry until the lease goes),
+            # then the fleet counter: none of it is needed for this request's output, so it runs
+            # beside the produce instead of before it
+            task = asyncio.create_task(self._after_encode(item.cache_key, c, holder, ref is not None))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         return (self._agent.ref(), self._item(item, ref)), c
+
+    async def _after_encode(self, key: str, c: Cached | None, holder: str | None, encoded: bool) -> None:
+        if c is not None:
+            await self._store.publish(c)
+        if holder is not None:
+            await self._index.release_lease(key, holder)
+        if encoded:
+            await self._index.count_encoded(1)
 
     async def _encode(self, item: protocol.PixelItem, encode, holder: str | None) -> Owned:
         owned, _ = await self._encode_and_cache(item, encode, holder)
         return owned
-
-    async def _count_encode(self, encode) -> protocol.TensorRef:
-        MISSES.labels(stage="encode").inc()
-        ref = await encode()
-        ENCODER_ITEMS.inc()
-        await self._index.count_encoded(1)
-        return ref
 
     def _remote(self, item: protocol.PixelItem, entry: protocol.EmbeddingIndexEntry) -> Owned:
         return entry.owner, self._item(item, entry.embeds, entry.gen)

@@ -93,6 +93,32 @@ class EmbeddingIndex:
             return False
         return raw is not None and int(raw) == gen
 
+    async def lookup_or_lease(self, key: str, holder: str) -> tuple[protocol.EmbeddingIndexEntry | None, bool]:
+        """One round trip for the miss path: (the entry if one is there, whether ``holder``
+        now holds the lease). A found entry's owner is checked for liveness as in
+        ``lookup_live`` (an entry of a dead owner is dropped and reported as none)."""
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hget(self._keys.embedding_index(key), "v")
+                pipe.set(self._keys.embedding_lease(key), holder, nx=True, px=self.lease_ms)
+                raw, leased = await pipe.execute()
+        except _ERRORS as exc:
+            log.warning("embedding index: lookup/lease of %s failed (%s); encoding uncoordinated", key, exc)
+            return None, False
+        if raw is None:
+            return None, bool(leased)
+        entry = self._dec.decode(raw)
+        try:
+            alive = await self._redis.exists(self._keys.worker(entry.owner.name))
+        except _ERRORS:
+            alive = False
+        if not alive:
+            await self.delete(key, entry.gen)
+            return None, bool(leased)
+        if leased:
+            await self.release_lease(key, holder)
+        return entry, False
+
     # ---------------------------------------------------------------- coalescing lease
     async def try_lease(self, key: str, holder: str) -> bool:
         try:

@@ -80,8 +80,9 @@ class EmbeddingStore:
             c.published_at = time.monotonic()
 
     async def insert(self, key: str, ref: protocol.TensorRef, grid_thw: tuple[int, int, int],
-                     n_tokens: int) -> Cached | None:
-        """Cache the embedding in ``ref`` (this agent's slot, its put lease still live)."""
+                     n_tokens: int, *, publish: bool = True) -> Cached | None:
+        """Cache the embedding in ``ref`` (this agent's slot, its put lease still live);
+        ``publish=False`` leaves the index entry to a later ``publish`` (off the hot path)."""
         if key in self._lru:
             return self.get(key)
         n = ref.nbytes
@@ -102,9 +103,14 @@ class EmbeddingStore:
         for v in victims:
             await self._retire(v)
         self._gauge()
-        if self._index is not None and await self._index.publish(key, self.entry(c)):
-            c.published_at = time.monotonic()
+        if publish:
+            await self.publish(c)
         return c
+
+    async def publish(self, c: Cached) -> None:
+        """Write ``c``'s index entry (unless it was evicted meanwhile)."""
+        if self._index is not None and self._lru.get(c.key) is c and await self._index.publish(c.key, self.entry(c)):
+            c.published_at = time.monotonic()
 
     async def close(self) -> None:
         """Delete every index entry of this cache and unpin everything."""

@@ -117,6 +117,7 @@ async def test_a_dead_lease_holder_is_taken_over_after_expiry(env) -> None:
     enc = CountingEncoder(a, delay_s=0)
     owner, item = await cache.embed(pixel_item(key), enc(3), fleet_ok=True, deadline_unix_ms=2**62)
     assert enc.calls == 1 and owner.name == a.name and item.embeds.lease != 0
+    await cache.drain()
     assert (await index.lookup(key)) is not None
 
 
@@ -128,6 +129,7 @@ async def test_prefill_validates_lease_less_refs_and_falls_back(env) -> None:
     enc = CountingEncoder(a, delay_s=0)
     k1, k2 = cache_key("fp", "one"), cache_key("fp", "two")
     await cache.embed(pixel_item(k1), enc(1), fleet_ok=True, deadline_unix_ms=2**62)
+    await cache.drain()
     entry = await index.lookup_live(k1)
     hit = protocol.EmbeddingItem(index=0, mm_hash="one", grid_thw=(1, 4, 4), n_tokens=4, embeds=entry.embeds,
                                  cache_key=k1, cache_gen=entry.gen)
@@ -136,6 +138,7 @@ async def test_prefill_validates_lease_less_refs_and_falls_back(env) -> None:
     assert torch.equal(got, emb(1))
     # k2 evicts k1 (capacity one item): the same ref no longer validates -> restart, not garbage
     await cache.embed(pixel_item(k2), enc(2), fleet_ok=True, deadline_unix_ms=2**62)
+    await cache.drain()
     with pytest.raises(OwnerGoneError):
         await puller.pull(msg, ctx)
     # a copy prefill already holds needs no pull and no owner
@@ -154,6 +157,7 @@ async def test_dead_owner_entries_are_not_used_and_are_dropped(env) -> None:
     cache, _ = make_cache(index, a)
     key = cache_key("fp", "dead-owner")
     await cache.embed(pixel_item(key), CountingEncoder(a, 0)(5), fleet_ok=True, deadline_unix_ms=2**62)
+    await cache.drain()
     await redis.delete(keys.worker(a.name))  # the owner stopped serving
     assert await index.lookup_live(key) is None
     assert await index.lookup(key) is None  # dropped for everyone
@@ -165,6 +169,7 @@ async def test_redis_flushed_only_costs_misses(env) -> None:
     key = cache_key("fp", "flush")
     enc = CountingEncoder(a, 0)
     await ca.embed(pixel_item(key), enc(9), fleet_ok=True, deadline_unix_ms=2**62)
+    await ca.drain()
     await redis.flushall()
     assert await index.lookup_live(key) is None
     enc_b = CountingEncoder(b, 0)
