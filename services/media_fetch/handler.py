@@ -99,7 +99,8 @@ class MediaFetchHandler:
         route = (keys[0] or hashes[0]) if items else msg.meta.request_id
         return Outcome([Produce(TOPIC_ENCODE, route, out)])
 
-    async def _all_cached(self, msg: protocol.MediaFetchRequest, hashes: list[str], keys: list[str]) -> protocol.PrefillRequest | None:
+    async def _all_cached(self, msg: protocol.MediaFetchRequest, hashes: list[str],
+                          keys: list[str]) -> protocol.PrefillRequest | None:
         """The request for prefill when every item has a live index entry, else None."""
         if self._index is None or not keys or not all(keys) or msg.meta.attempt > 0:
             return None
