@@ -36,6 +36,7 @@ bench: install
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest suite $(BENCH_ARGS)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest kv $(KV_BENCH_ARGS)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest reuse $(BENCH_ARGS)
 
 # the long chaos run: 200 requests while each stage's worker is killed in turn
 chaos: install

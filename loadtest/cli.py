@@ -3,6 +3,8 @@
   run           a workload under load shapes against targets; writes JSON, plots, summary.md
   suite         the short standard suite (one-image requests at concurrency 1 and 8 against
                 fleet:e-p-d, fleet:epd, inproc, vllm-serve) with the goals as met / not met
+  reuse         the embedding cache on vs off over image reuse ratios 0/50/80/90 %
+                (fleet:e-p-d vs fleet:e-p-d,embedding_cache_bytes=0), with its goal
   media-server  serve deterministic images at /img/<seed>-<w>x<h>.png (latency injection)
   inproc        the in-process OpenAI server (the same engine without the fleet)
 
@@ -114,6 +116,16 @@ def _parser() -> argparse.ArgumentParser:
     kv.add_argument("--concurrency", type=int, default=4)
     kv.add_argument("--prefill-replicas", type=int, default=3)
     _common(kv)
+    reuse = sub.add_parser("reuse", help="embedding cache on vs off over image reuse ratios")
+    reuse.add_argument("--target", action="append", default=[],
+                       help="exactly two: cache on, then cache off (default fleet:e-p-d and "
+                            "fleet:e-p-d,embedding_cache_bytes=0)")
+    reuse.add_argument("--ratios", type=_values, default=[0.0, 0.5, 0.8, 0.9], help="reuse ratios, e.g. 0,0.5,0.8,0.9")
+    reuse.add_argument("--num-requests", type=int, default=40, help="requests per ratio")
+    reuse.add_argument("--concurrency", type=int, default=4)
+    reuse.add_argument("--pool-size", type=int, default=4, help="images in the reused pool (each first use is a miss)")
+    reuse.add_argument("--duration-s", type=float, default=120)
+    _common(reuse)
 
     media_server.add_arguments(sub.add_parser("media-server", help="serve deterministic test images"))
     inproc_server.add_arguments(sub.add_parser("inproc", help="run the in-process OpenAI server"))
@@ -162,6 +174,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(kvbench.write(result, out, plots=not args.no_plots).read_text())
         print(f"results in {out}", file=sys.stderr)
         return 1 if result.get("failed") or not result["runs"] else 0
+    if args.command == "reuse":
+        return _reuse(args, out, logs, slos, extra_env)
     if args.command == "suite":
         targets = args.target or suite.TARGETS
         workload = suite.suite_workload(max(args.low_requests, args.sat_requests))
@@ -200,6 +214,34 @@ def _bench(args: argparse.Namespace) -> int:
     goals = suite.evaluate_goals(result) if args.command == "suite" else None
     summary = report.write_all(result, out, goals=goals, plots=not args.no_plots)
     print(summary.read_text())
+    print(f"results in {out}", file=sys.stderr)
+    return 1 if result["failed"] or not result["runs"] else 0
+
+
+def _reuse(args: argparse.Namespace, out: Path, logs: Path, slos: dict, extra_env: dict) -> int:
+    from loadtest import report, reuse
+    from loadtest.bench import BenchConfig
+    from loadtest.targets import TargetOptions, parse_spec
+
+    targets = args.target or [reuse.ON, reuse.OFF]
+    if len(targets) != 2:
+        print("loadtest reuse: give two --target (cache on, then off) or none", file=sys.stderr)
+        return 2
+    for t in targets:
+        parse_spec(t)
+    cfg = BenchConfig(targets=targets, workload=reuse.default_workload(args.num_requests, args.pool_size),
+                      shapes=[reuse.default_shape(args.concurrency, args.num_requests, args.duration_s)],
+                      out_dir=out, model=args.model, slos=slos, warmup=args.warmup, timeout_s=args.timeout_s,
+                      progress=not args.no_progress)
+    opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
+                         extra_env=extra_env, vllm_python=args.vllm_python, ready_timeout_s=args.ready_timeout_s)
+    result = reuse.run_reuse(cfg, opts, ratios=args.ratios)
+    goals, lines = reuse.table(result, *targets)
+    summary = report.write_all(result, out, goals=goals, plots=not args.no_plots)
+    extra = reuse.plot(result, out, *targets) if not args.no_plots else None
+    text = summary.read_text() + "\n" + "\n".join(lines) + "\n" + (f"\nPlot: `{extra}`\n" if extra else "")
+    summary.write_text(text)
+    print(text)
     print(f"results in {out}", file=sys.stderr)
     return 1 if result["failed"] or not result["runs"] else 0
 

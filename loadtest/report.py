@@ -222,7 +222,8 @@ def write_plots(runs: list[dict], out_dir: Path) -> str:
     sweeps = {}
     for r in runs:
         sweeps.setdefault((r["target"], r["shape"]["kind"]), []).append(r)
-    sweeps = {k: v for k, v in sweeps.items() if len(v) >= 2}
+    # a sweep is two or more load levels (runs at one level, e.g. the reuse suite's, are not)
+    sweeps = {k: v for k, v in sweeps.items() if len({r["shape"]["value"] for r in v}) >= 2}
     if sweeps:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for (target, kind), rs in sweeps.items():

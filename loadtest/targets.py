@@ -5,6 +5,8 @@ Spec strings (``--target``):
   starts on free ports (shared by every fleet of one invocation; each fleet gets its own
   ``redis_prefix``); ready when ``mmfleet up`` writes its ready file. Its Redis stays readable
   until the fleet stops, for the per-stage spans.
+  ``fleet:<mode>,name=value,...`` adds settings for that fleet only (names as in
+  ``shared/settings.py``), e.g. ``fleet:e-p-d,embedding_cache_bytes=0`` for the cache off.
 - ``inproc`` — :mod:`loadtest.inproc_server` as a subprocess: the same engine, no fleet.
 - ``vllm-serve`` — ``python -m vllm.entrypoints.openai.api_server`` with the same model, from
   the first interpreter that has vllm (``--vllm-python``, this one, ``.venv-vllm``); raises
@@ -63,13 +65,28 @@ class TargetOptions:
 def parse_spec(spec: str) -> tuple[str, str]:
     """``fleet:e-p-d`` → ("fleet", "e-p-d"); ``inproc`` → ("inproc", ""); validates."""
     kind, _, arg = spec.partition(":")
-    if kind == "fleet" and arg in FLEET_MODES:
+    if kind == "fleet" and arg.split(",")[0] in FLEET_MODES:
+        fleet_settings(spec)  # validates
         return kind, arg
     if kind in ("inproc", "vllm-serve") and not arg:
         return kind, ""
     if kind == "url" and arg.startswith("http"):
         return kind, arg.rstrip("/")
     raise ValueError(f"bad target {spec!r}; use fleet:<{'|'.join(FLEET_MODES)}>, inproc, vllm-serve or url:<http://...>")
+
+
+def fleet_settings(spec: str) -> dict[str, str]:
+    """The ``MMFLEET_*`` environment a ``fleet:<mode>,name=value,...`` spec adds."""
+    from shared.settings import ENV_PREFIX, field_names
+
+    out = {}
+    for item in spec.partition(":")[2].split(",")[1:]:
+        name, eq, value = item.partition("=")
+        if not eq or name not in field_names():
+            raise ValueError(f"bad fleet setting {item!r} in {spec!r}; want name=value with a name from "
+                             f"shared/settings.py")
+        out[ENV_PREFIX + name.upper()] = value
+    return out
 
 
 class Targets:
@@ -103,7 +120,7 @@ class Targets:
         if kind == "url":
             yield Endpoint(spec, arg, self.opts.redis_url, self.opts.redis_prefix if self.opts.redis_url else None)
         elif kind == "fleet":
-            with self._fleet(spec, arg) as ep:
+            with self._fleet(spec, arg.split(",")[0]) as ep:
                 yield ep
         elif kind == "inproc":
             with self._inproc(spec) as ep:
@@ -139,8 +156,8 @@ class Targets:
         port = procs.free_port()
         prefix = f"bench-{mode}-{uuid.uuid4().hex[:6]}"
         env = self._env(KAFKA_BOOTSTRAP=bootstrap, REDIS_URL=redis_url, MMFLEET_GATEWAY_PORT=str(port),
-                        MMFLEET_REDIS_PREFIX=prefix)
-        log_dir = self.opts.log_dir / spec.replace(":", "-")
+                        MMFLEET_REDIS_PREFIX=prefix, **fleet_settings(spec))
+        log_dir = self.opts.log_dir / spec.replace(":", "-").replace(",", "_").replace("=", "-")
         log_dir.mkdir(parents=True, exist_ok=True)
         ready = log_dir / f"ready-{port}"
         t0 = time.monotonic()

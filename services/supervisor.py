@@ -153,8 +153,8 @@ class Fleet:
         for stages in MODES[mode]:  # refuse an unsupported (mode, engine) before starting anything
             check_engine(stages, settings.engine, caps)
         self.settings = settings
-        self.replicas = parse_replicas(settings.stage_replicas)
         self.mode = mode
+        self.replicas = parse_replicas(settings.stage_replicas)
         self.log_dir = log_dir
         self.stop_timeout_s = stop_timeout_s
         self.infra: list[Child] = []

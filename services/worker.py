@@ -23,6 +23,7 @@ import socket
 import time
 import uuid
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 from shared.redis_conn import make_redis
 import torch
@@ -105,7 +106,8 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         reuse = PrefixReuse(PrefixCache(settings.prefix_cache_bytes, settings.kv_block_size), placeholder) \
             if kv_worker and settings.prefix_cache_bytes > 0 else None
         reporter = LoadReporter(redis, keys, worker_id, load, settings) if kv_worker else None
-        handlers = await _build_handlers(stages, settings, model_dir, stack, reuse, load)
+        handlers = await _build_handlers(stages, settings, model_dir, stack,
+                                         _CacheParts(redis, transfer, worker_id), reuse, load)
         ledger = StageLedger(redis, RedisKeys(settings.redis_prefix), lease_ms=settings.stage_lease_ms,
                              done_ttl_s=settings.done_ttl_s)
         contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer, ledger=ledger)
@@ -151,9 +153,25 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     return 1 if failed else 0
 
 
+@dataclass
+class _CacheParts:
+    """What the embedding cache needs from the process (used only when it is on)."""
+
+    redis: aioredis.Redis
+    transfer: TransferAgent
+    worker_id: str
+
+
 async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir, stack: AsyncExitStack,
-                          reuse: PrefixReuse | None = None, load: LoadTracker | None = None) -> dict:
+                          parts: _CacheParts, reuse: PrefixReuse | None = None,
+                          load: LoadTracker | None = None) -> dict:
     engines: dict[str, Engine] = {}
+    index = None
+    if settings.embedding_cache_bytes > 0:
+        from shared.embcache.index import EmbeddingIndex
+
+        index = EmbeddingIndex(parts.redis, RedisKeys(settings.redis_prefix), ttl_s=settings.embedding_index_ttl_s,
+                               lease_ms=settings.embedding_coalesce_lease_ms)
 
     async def engine(name: str) -> Engine:
         if name not in engines:
@@ -173,21 +191,49 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
         fetcher = await stack.enter_async_context(MediaFetcher.from_settings(settings))
         lane = ComputeLane("media")
         stack.callback(lane.close)
-        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane)
+        fingerprint = ""
+        if index is not None:
+            from shared.embcache.identity import model_fingerprint
+
+            fingerprint = await asyncio.to_thread(model_fingerprint, model_dir)
+        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane,
+                                                    index=index, fingerprint=fingerprint)
     if "encode" in stages:
         from services.encode.handler import EncodeHandler
 
-        handlers["encode"] = EncodeHandler(await engine("transformers"))  # the vision encoder
+        cache = None
+        if index is not None:
+            from shared.embcache.coalesce import EncodeCache
+            from shared.embcache.store import EmbeddingStore
+
+            # the pool also holds every in-flight tensor: the cache may pin at most half of it
+            capacity = min(settings.embedding_cache_bytes, settings.pool_bytes // 2)
+            if capacity < settings.embedding_cache_bytes:
+                log.warning("embedding_cache_bytes %d exceeds half of pool_bytes %d: caching %d bytes",
+                            settings.embedding_cache_bytes, settings.pool_bytes, capacity)
+            store = EmbeddingStore(parts.transfer, index, capacity_bytes=capacity,
+                                   max_item_fraction=settings.embedding_cache_max_item_fraction)
+            stack.push_async_callback(store.close)  # runs before the agent stops: entries go first
+            cache = EncodeCache(store, index, parts.transfer, parts.worker_id,
+                                wait_ms=settings.embedding_coalesce_wait_ms)
+            stack.push_async_callback(cache.drain)  # runs before store.close
+        handlers["encode"] = EncodeHandler(await engine("transformers"), cache)  # the vision encoder
     if "prefill" in stages:
+        from shared.embcache.pull import EmbeddingPuller
+        from shared.embcache.recent import RecentEmbeddings
+
+        recent = RecentEmbeddings(settings.prefill_embedding_cache_bytes) \
+            if index is not None and settings.prefill_embedding_cache_bytes > 0 else None
+        puller = EmbeddingPuller(index, recent)
         lm = await engine(settings.engine)
         if "decode" in stages:
             from services.decode.handler import GenerateHandler
 
-            handlers["prefill"] = GenerateHandler(lm)
+            handlers["prefill"] = GenerateHandler(lm, puller)
         else:
             from services.prefill.handler import PrefillHandler
 
-            handlers["prefill"] = PrefillHandler(lm, reuse, load)
+            handlers["prefill"] = PrefillHandler(lm, reuse, load, puller)
     if "decode" in stages and "prefill" not in stages:
         from services.decode.handler import DecodeHandler
 

@@ -73,6 +73,18 @@ class RedisKeys:
         """Set by the gateway when the client went away: stages stop working on the request."""
         return f"{self.prefix}:abort:{request_id}"
 
+    def embedding_index(self, cache_key: str) -> str:
+        """Where the embedding of ``cache_key`` is held (an ``EmbeddingIndexEntry``, with a TTL)."""
+        return f"{self.prefix}:emb:{cache_key}"
+
+    def embedding_lease(self, cache_key: str) -> str:
+        """``SET NX PX`` claim of the worker encoding ``cache_key`` now (others wait for it)."""
+        return f"{self.prefix}:emb-lease:{cache_key}"
+
+    def encoder_items(self) -> str:
+        """Fleet-wide count of items through an encoder forward (INCRBY; an operator stat)."""
+        return f"{self.prefix}:stats:encoder-items"
+
     def worker(self, worker_id: str) -> str:
         """A worker's liveness record (stage, pid, started), refreshed with a TTL."""
         return f"{self.prefix}:worker:{worker_id}"

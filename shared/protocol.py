@@ -106,23 +106,45 @@ class RequestMeta(Struct, frozen=True, kw_only=True):
 
 
 class PixelItem(Struct, frozen=True):
-    """Preprocessed pixels of one item, ready for the encoder."""
+    """Preprocessed pixels of one item, ready for the encoder. ``cache_key``: the item's key
+    in the embedding cache (mm_hash + model + processor identity); empty: do not cache."""
 
     index: int
     mm_hash: str
     grid_thw: tuple[int, int, int]
     n_tokens: int
     pixels: TensorRef
+    cache_key: str = ""
 
 
 class EmbeddingItem(Struct, frozen=True):
-    """Encoder output of one item: ``n_tokens`` rows of the LM's hidden size."""
+    """Encoder output of one item: ``n_tokens`` rows of the LM's hidden size.
+
+    ``cache_key``: the item's embedding-cache key (empty when not cached). ``cache_gen``
+    non-zero: ``embeds`` names a slot pinned by the owner's cache WITHOUT a lease (``lease ==
+    0``, found through the index); the reader must check after its pull that the index entry
+    for ``cache_key`` still carries this generation (else the slot may have been reused)."""
 
     index: int
     mm_hash: str
     grid_thw: tuple[int, int, int]
     n_tokens: int
     embeds: TensorRef
+    cache_key: str = ""
+    cache_gen: int = 0
+
+
+class EmbeddingIndexEntry(Struct, frozen=True):
+    """The embedding index's value (Redis, ``RedisKeys.embedding_index``): who holds the
+    embedding of a cache key, where (``embeds``, ``lease == 0``), and the entry's generation
+    (unique per insert; readers validate their pull against it)."""
+
+    owner: AgentRef
+    embeds: TensorRef
+    grid_thw: tuple[int, int, int]
+    n_tokens: int
+    gen: int
+    created_unix_ms: int = 0
 
 
 # ---------------------------------------------------------------- stage messages

@@ -81,6 +81,25 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     lease_ttl_ms: Annotated[int, _d("how long a tensor slot named in a message is kept unacknowledged")] = \
         120_000
 
+    # --- embedding cache (issue #6). Each encode worker keeps embeddings it computed in its
+    # NIXL pool (pinned, LRU) and publishes them in a Redis index so any worker can reuse them.
+    embedding_cache_bytes: Annotated[int, _d(
+        "each encode worker's embedding cache in its NIXL pool, bytes (capped at pool_bytes/2); 0: no cache, "
+        "no index, no coalescing (the uncached path)")] = 64 * _MiB
+    embedding_cache_max_item_fraction: Annotated[float, _d(
+        "an embedding larger than this share of embedding_cache_bytes is not cached")] = 0.25
+    embedding_index_ttl_s: Annotated[int, _d(
+        "TTL of a Redis index entry (a dead owner's entries last at most this long; readers fall back "
+        "on a failed read anyway)")] = 600
+    embedding_coalesce_lease_ms: Annotated[int, _d(
+        "SET NX PX lease while one worker encodes an item others wait for; a dead holder's lapses")] = 10_000
+    embedding_coalesce_wait_ms: Annotated[int, _d(
+        "longest a request waits for another worker's encode of the same item before encoding it "
+        "itself")] = 15_000
+    prefill_embedding_cache_bytes: Annotated[int, _d(
+        "prefill's LRU of recently pulled embeddings (multi-turn chats pull nothing again), bytes; "
+        "0: off")] = 32 * _MiB
+
     # --- compute
     engine: Annotated[str, _d("language-model runtime: transformers | vllm")] = "transformers"
     torch_threads: Annotated[int, _d("torch intra-op threads per worker")] = 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 from services.decode.stream import read_log, stream_completion
 from services.prefill.handler import check_context, embedding_releases, pull_images
 from shared import protocol
+from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine
 from shared.stage import Context, Outcome
 from shared.tracing import timed_transfer
@@ -45,8 +46,9 @@ class DecodeHandler:
 
 
 class GenerateHandler:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, puller: EmbeddingPuller | None = None) -> None:
         self._engine = engine
+        self._puller = puller
 
     async def handle(self, msg: protocol.PrefillRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
@@ -55,7 +57,7 @@ class GenerateHandler:
         log = await read_log(ctx.events, meta.request_id)
         if log.done:
             return Outcome(releases=embedding_releases(msg))
-        images = await pull_images(msg, ctx)
+        images = await pull_images(msg, ctx, self._puller)
         tokens = self._engine.generate(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling,
                                        resume=log.tokens)
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,

@@ -4,6 +4,12 @@ embeddings in this worker's pool and send their descriptors on to prefill.
 In: ``EncodeRequest``. Out: ``PrefillRequest`` on ``mm.prefill``; releases media-fetch's pixel
 slots once produced. Items of concurrent messages meet in the engine and go through
 ONE encoder forward (the engine's micro-batcher).
+
+With the embedding cache (``cache`` given, items with a ``cache_key``), each item goes through
+:class:`~shared.embcache.coalesce.EncodeCache`: a repeated item is served from this worker's
+pinned pool or another worker's (through the index), concurrent requests for one item wait
+for one encode, and pixels are pulled only for items that are actually encoded. An item's
+embedding may then be owned by another encode worker: ``owners`` names every agent.
 """
 
 from __future__ import annotations
@@ -11,35 +17,49 @@ from __future__ import annotations
 import asyncio
 
 from shared import protocol
+from shared.embcache.coalesce import EncodeCache, count_uncached_encode
 from shared.engines.base import Engine
 from shared.keys import TOPIC_PREFILL
-from shared.tracing import timed_transfer
 from shared.stage import Context, Outcome, Produce
+from shared.tracing import timed_transfer
+
+Owned = tuple[protocol.AgentRef, protocol.EmbeddingItem]
 
 
 class EncodeHandler:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, cache: EncodeCache | None = None) -> None:
         self._engine = engine  # concurrent encode() calls are batched by the engine
+        self._cache = cache
 
     async def handle(self, msg: protocol.EncodeRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
-        with timed_transfer():
-            pixels = await asyncio.gather(*(ctx.transfer.get(msg.owner, it.pixels) for it in msg.items))
-        embeds = await asyncio.gather(*(self._engine.encode(px, it.grid_thw, it.n_tokens)
-                                        for px, it in zip(pixels, msg.items, strict=True)))
-        out_items = []
-        try:
-            for it, emb in zip(msg.items, embeds, strict=True):
-                if emb.shape[0] != it.n_tokens:
-                    raise RuntimeError(f"encoder gave {emb.shape[0]} rows for {it.n_tokens} tokens")
-                with timed_transfer():
-                    ref = await ctx.transfer.put_wait(emb, timeout_ms=5_000)
-                out_items.append(protocol.EmbeddingItem(index=it.index, mm_hash=it.mm_hash, grid_thw=it.grid_thw,
-                                                        n_tokens=it.n_tokens, embeds=ref))
-        except BaseException:
-            for item in out_items:
-                ctx.transfer.free_local(item.embeds.lease)
-            raise
-        out = protocol.PrefillRequest(meta=msg.meta, owners=(ctx.transfer.ref(),), items=tuple(out_items))
+        results = await asyncio.gather(*(self._item(msg, it, ctx) for it in msg.items), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            for r in results:  # nobody will read these: end their leases now, not at TTL
+                if not isinstance(r, BaseException) and r[1].embeds.agent == ctx.transfer.name and r[1].embeds.lease:
+                    ctx.transfer.free_local(r[1].embeds.lease)
+            raise failed
+        owners = {owner.name: owner for owner, _ in results}
+        out = protocol.PrefillRequest(meta=msg.meta, owners=tuple(owners.values()),
+                                      items=tuple(item for _, item in results))
         return Outcome([Produce(TOPIC_PREFILL, msg.meta.request_id, out)],
                        [(msg.owner, [it.pixels.lease for it in msg.items])])
+
+    async def _item(self, msg: protocol.EncodeRequest, it: protocol.PixelItem, ctx: Context) -> Owned:
+        async def encode() -> protocol.TensorRef:
+            with timed_transfer():
+                pixels = await ctx.transfer.get(msg.owner, it.pixels)
+            emb = await self._engine.encode(pixels, it.grid_thw, it.n_tokens)
+            if emb.shape[0] != it.n_tokens:
+                raise RuntimeError(f"encoder gave {emb.shape[0]} rows for {it.n_tokens} tokens")
+            with timed_transfer():
+                return await ctx.transfer.put_wait(emb, timeout_ms=5_000)
+
+        if self._cache is not None and it.cache_key:
+            return await self._cache.embed(it, encode, fleet_ok=msg.meta.attempt == 0,
+                                           deadline_unix_ms=msg.meta.deadline_unix_ms)
+        ref = await encode()
+        count_uncached_encode()
+        return ctx.transfer.ref(), protocol.EmbeddingItem(index=it.index, mm_hash=it.mm_hash, grid_thw=it.grid_thw,
+                                                          n_tokens=it.n_tokens, embeds=ref)

@@ -8,6 +8,15 @@ released here: the gateway holds them until the request ends, so a restart from 
 goes on. mm_hash = BLAKE3 of the raw fetched bytes, so identical content hashes the same
 wherever it came from.
 
+Embedding cache (``index`` and ``fingerprint`` given): each item's cache key is its mm_hash
+plus the model's fingerprint. On a request's first attempt, when EVERY item has a live entry
+in the embedding index, nothing is decoded: the request goes straight to ``mm.prefill`` with
+the owners' descriptors (lease-less; prefill validates them). Otherwise every item is decoded
+and sent to encode with its cache key (encode reuses what it can). A restarted request
+(``attempt > 0``: a cached embedding failed it) never takes the hit path. The encode record's
+key is the first item's cache key (or mm_hash), so concurrent requests for one image meet in
+one encode worker and coalesce there.
+
 Loading: http(s) through the shared :class:`MediaFetcher` (address policy, caps, timeouts),
 with concurrent requests for one URL sharing one download and recent bytes kept in an LRU
 bounded in bytes (``media_cache_bytes``, ``media_cache_ttl_s``); ``file://`` only under
@@ -25,7 +34,10 @@ import blake3
 from shared import metrics, protocol
 from shared.tracing import timed_transfer
 from shared.compute import ComputeLane
-from shared.keys import TOPIC_ENCODE
+from shared.embcache.identity import cache_key
+from shared.embcache.index import EmbeddingIndex
+from shared.embcache.metrics import HITS, MISSES
+from shared.keys import TOPIC_ENCODE, TOPIC_PREFILL
 from shared.media.cache import FetchCache
 from shared.media.fetch import MediaFetcher
 from shared.media.files import load_file
@@ -39,8 +51,11 @@ Preprocess = Callable[[object], object]
 
 
 class MediaFetchHandler:
-    def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess, lane: ComputeLane) -> None:
+    def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess, lane: ComputeLane, *,
+                 index: EmbeddingIndex | None = None, fingerprint: str = "") -> None:
         self._s = settings
+        self._index = index
+        self._fingerprint = fingerprint
         self._fetcher = fetcher
         self._preprocess = preprocess
         self._lane = lane
@@ -52,18 +67,29 @@ class MediaFetchHandler:
 
     async def handle(self, msg: protocol.MediaFetchRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
+        try:
+            raws = []
+            for src in msg.items:
+                max_bytes, _ = self._kind(src)
+                with timed_transfer():
+                    raws.append(await self._load(src, max_bytes, msg.owner, ctx))
+        except MediaError as exc:
+            raise RequestFailed(exc.status, str(exc), param=_param_of(msg, exc), code=exc.code) from None
+        hashes = [blake3.blake3(raw).hexdigest() for raw in raws]
+        keys = [cache_key(self._fingerprint, h, src.kind) if self._fingerprint else ""
+                for h, src in zip(hashes, msg.items, strict=True)]
+        hit = await self._all_cached(msg, hashes, keys)
+        if hit is not None:
+            return Outcome([Produce(TOPIC_PREFILL, msg.meta.request_id, hit)])
         items: list[protocol.PixelItem] = []
         try:
-            for index, src in enumerate(msg.items):
-                max_bytes, decode = self._kind(src)
-                with timed_transfer():
-                    raw = await self._load(src, max_bytes, msg.owner, ctx)
-                mm_hash = blake3.blake3(raw).hexdigest()
+            for index, (src, raw) in enumerate(zip(msg.items, raws, strict=True)):
+                _, decode = self._kind(src)
                 px = await self._lane.run(decode, raw, src.param)
                 with timed_transfer():
                     ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000)
-                items.append(protocol.PixelItem(index=index, mm_hash=mm_hash, grid_thw=px.grid_thw,
-                                                n_tokens=px.n_tokens, pixels=ref))
+                items.append(protocol.PixelItem(index=index, mm_hash=hashes[index], grid_thw=px.grid_thw,
+                                                n_tokens=px.n_tokens, pixels=ref, cache_key=keys[index]))
         except BaseException as exc:
             for item in items:  # nobody will read these slots: free them now, not at TTL
                 ctx.transfer.free_local(item.pixels.lease)
@@ -71,7 +97,24 @@ class MediaFetchHandler:
                 raise RequestFailed(exc.status, str(exc), param=_param_of(msg, exc), code=exc.code) from None
             raise
         out = protocol.EncodeRequest(meta=msg.meta, owner=ctx.transfer.ref(), items=tuple(items))
-        return Outcome([Produce(TOPIC_ENCODE, msg.meta.request_id, out)])
+        route = (keys[0] or hashes[0]) if items else msg.meta.request_id
+        return Outcome([Produce(TOPIC_ENCODE, route, out)])
+
+    async def _all_cached(self, msg: protocol.MediaFetchRequest, hashes: list[str],
+                          keys: list[str]) -> protocol.PrefillRequest | None:
+        """The request for prefill when every item has a live index entry, else None."""
+        if self._index is None or not keys or not all(keys) or msg.meta.attempt > 0:
+            return None
+        entries = await asyncio.gather(*(self._index.lookup_live(k) for k in keys))
+        if any(e is None for e in entries):
+            MISSES.labels(stage="media-fetch").inc(sum(e is None for e in entries))
+            return None
+        HITS.labels(stage="media-fetch", source="index").inc(len(entries))
+        owners = {e.owner.name: e.owner for e in entries}
+        items = tuple(protocol.EmbeddingItem(index=i, mm_hash=h, grid_thw=e.grid_thw, n_tokens=e.n_tokens,
+                                             embeds=e.embeds, cache_key=k, cache_gen=e.gen)
+                      for i, (h, k, e) in enumerate(zip(hashes, keys, entries, strict=True)))
+        return protocol.PrefillRequest(meta=msg.meta, owners=tuple(owners.values()), items=items)
 
     def _kind(self, src: protocol.MediaSource) -> tuple[int, Callable[[bytes, str], object]]:
         entry = self._kinds.get(src.kind)

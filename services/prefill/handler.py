@@ -13,9 +13,8 @@ prompt's blocks are then kept, and what the cache stored / evicted goes out on
 
 from __future__ import annotations
 
-import asyncio
-
 from shared import protocol
+from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine, ImageEmbeds
 from shared.keys import TOPIC_DECODE
 from shared.kv.reuse import Lookup, PrefixReuse
@@ -38,34 +37,40 @@ def check_context(msg: protocol.PrefillRequest, max_model_len: int) -> int:
     return total
 
 
-async def pull_images(msg: protocol.PrefillRequest, ctx: Context) -> list[ImageEmbeds]:
-    """The request's embeddings in prompt order, pulled from their owners."""
-    owners = {o.name: o for o in msg.owners}
-    items = sorted(msg.items, key=lambda it: it.index)
-    with timed_transfer():
-        embeds = await asyncio.gather(*(ctx.transfer.get(owners[it.embeds.agent], it.embeds) for it in items))
-    return [(emb, it.grid_thw) for emb, it in zip(embeds, items, strict=True)]
+async def pull_images(msg: protocol.PrefillRequest, ctx: Context,
+                      puller: EmbeddingPuller | None = None) -> list[ImageEmbeds]:
+    """The request's embeddings in prompt order, pulled from their owners (through the
+    embedding cache's checks and prefill's recent copies when ``puller`` has them)."""
+    return await (puller or _PLAIN).pull(msg, ctx)
 
 
 def embedding_releases(msg: protocol.PrefillRequest) -> list[tuple[protocol.AgentRef, list[int]]]:
+    """Leases to release once the output is durable (cache hits found through the index hold
+    no lease: ``lease == 0``)."""
     owners = {o.name: o for o in msg.owners}
     by_owner: dict[str, list[int]] = {}
     for it in msg.items:
-        by_owner.setdefault(it.embeds.agent, []).append(it.embeds.lease)
+        if it.embeds.lease:
+            by_owner.setdefault(it.embeds.agent, []).append(it.embeds.lease)
     return [(owners[name], leases) for name, leases in by_owner.items()]
 
 
+_PLAIN = EmbeddingPuller()
+
+
 class PrefillHandler:
-    def __init__(self, engine: Engine, prefix: PrefixReuse | None = None, load: LoadTracker | None = None) -> None:
+    def __init__(self, engine: Engine, prefix: PrefixReuse | None = None, load: LoadTracker | None = None,
+                 puller: EmbeddingPuller | None = None) -> None:
         self._engine = engine
         self._prefix = prefix if engine.capabilities.prefix_kv else None
         self._load = load or LoadTracker()
+        self._puller = puller
 
     async def handle(self, msg: protocol.PrefillRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
         meta = msg.meta
         total = check_context(msg, self._engine.max_model_len)
-        images = await pull_images(msg, ctx)
+        images = await pull_images(msg, ctx, self._puller)
         lookup = self._prefix.lookup(msg, total) if self._prefix is not None else Lookup([], None, 0, 0)
         with self._load.track(total - lookup.prefix_len):
             if lookup.prefix_kv is None:  # engines without prefix_kv take no such argument

@@ -6,6 +6,12 @@ Contracts:
   :class:`TensorRef` names the raw ``(addr, nbytes, device_id)`` descriptor plus the lease.
   A lease ends when a consumer releases it (NIXL notification ``b"rel:<id>,<id>..."``), on
   ``free_local``, or when ``lease_ttl_ms`` passes. Release of an unknown lease is ignored.
+- Pins (for caches): ``pin(ref)`` holds a slot without a TTL until ``unpin(ref)``; ``share``
+  gives another consumer its own lease on a held slot. A slot is freed only when its last
+  holder (lease or pin) goes (:class:`~shared.transfer.leases.SlotHolders`), so a consumer's
+  release never frees a cached slot and eviction never frees a slot a consumer still leases.
+  A ref with ``lease == 0`` names a pinned slot without holding it: a local ``get`` of it
+  checks the pin; a remote reader must validate it some other way (the embedding index).
 - ``get`` pulls a peer's slot into a private staging slot of this pool (one-sided READ), then
   copies it into a NEW tensor the caller owns. Any failure to pull (peer SIGKILLed, peer
   unreachable, timeout, NIXL error state) raises :class:`OwnerGoneError`; callers treat it
@@ -23,12 +29,11 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import math
 import time
 from typing import Iterable
 
+import msgspec
 import numpy as np
 import torch
 try:  # the meta package's import path, else the variant wheel the project pins
@@ -38,37 +43,22 @@ except ImportError:
 
 from shared import metrics
 from shared.protocol import AgentRef, TensorRef
+from shared.transfer.leases import SlotHolders
+from shared.transfer.peers import Peers
 from shared.transfer.pool import SlotAllocator
+from shared.transfer.tensors import DTYPES, OwnerGoneError, PoolFullError, TransferError, as_bytes, check_ref
 
 __all__ = ["TransferAgent", "TransferError", "PoolFullError", "OwnerGoneError", "DTYPES"]
 
 log = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _PAGE = 4096
 _REL_PREFIX = b"rel:"
 _REL_CHUNK = 512  # lease ids per notification, keeps each message small
-_SPIN_S = 0.0002  # yield-only polling window of a pull before timed sleeps
 _COUNTERS = (
     "puts", "local_gets", "transfers", "bytes_pulled", "transfer_errors", "expired_leases",
     "released_leases", "release_notifs_sent", "release_notifs_received", "quarantined_bytes",
 )
-
-
-class TransferError(Exception):
-    """Base class of transfer failures."""
-
-
-class PoolFullError(TransferError):
-    """No slot large enough is free in this process's pool (now, or within the wait)."""
-
-
-class OwnerGoneError(TransferError):
-    """The owner cannot serve the tensor (dead, unreachable, lease gone): recompute it."""
 
 
 class TransferAgent:
@@ -112,11 +102,8 @@ class TransferAgent:
             np.array([[self._base, pool_bytes, 0]], dtype=np.uint64), "DRAM"
         )
         self._metadata: bytes = self._nixl.get_agent_metadata()
-        # lease id -> (offset, expires_at); insertion order == expiry order (one TTL), and
-        # OrderedDict keeps popping from the front O(1).
-        self._leases: collections.OrderedDict[int, tuple[int, float]] = collections.OrderedDict()
-        self._next_lease = 1
-        self._remotes: dict[str, bytes] = {}  # peer name -> metadata loaded into NIXL
+        self._leases = SlotHolders(self._ttl_s)
+        self._peers = Peers(self._nixl, name)
         self._peer_inflight: dict[str, int] = {}
         self._inflight = 0
         self._space_event: asyncio.Event | None = None
@@ -166,7 +153,7 @@ class TransferAgent:
 
     def put(self, tensor: torch.Tensor) -> TensorRef:
         """Copy a CPU tensor into a new leased slot; raises :class:`PoolFullError`."""
-        src, dtype_name = self._as_bytes(tensor)
+        src, dtype_name = as_bytes(tensor)
         off = self._alloc.alloc(src.numel())
         if off is None:
             raise self._full(src.numel())
@@ -174,16 +161,36 @@ class TransferAgent:
 
     async def put_wait(self, tensor: torch.Tensor, timeout_ms: float) -> TensorRef:
         """``put``, waiting up to ``timeout_ms`` for room; then raises :class:`PoolFullError`."""
-        src, dtype_name = self._as_bytes(tensor)
+        src, dtype_name = as_bytes(tensor)
         off = await self._alloc_wait(src.numel(), time.monotonic() + timeout_ms / 1000.0)
         return self._lease(off, src, dtype_name, tuple(tensor.shape))
 
     def free_local(self, lease: int) -> bool:
         """End a lease held by this agent; returns False if it was unknown/expired."""
-        entry = self._leases.pop(lease, None)
-        if entry is not None:
-            self._free_slot(entry[0])
-        return entry is not None
+        known, off = self._leases.end(lease)
+        if off is not None:
+            self._free_slot(off)
+        return known
+
+    def pin(self, ref: TensorRef) -> None:
+        """Hold ``ref``'s slot (one of this agent's, still leased) until ``unpin``."""
+        self._leases.pin(self._own_offset(ref))
+
+    def unpin(self, ref: TensorRef) -> None:
+        """Drop the pin; the slot is freed once no lease on it is left either."""
+        off = self._leases.unpin(self._own_offset(ref))
+        if off is not None:
+            self._free_slot(off)
+
+    def share(self, ref: TensorRef) -> TensorRef:
+        """A new lease on ``ref``'s held slot (a cache hit handed to one more consumer)."""
+        off = self._own_offset(ref)
+        if not self._leases.is_held(off):
+            raise KeyError(f"{self.name}: slot at {ref.addr:#x} is not held")
+        lease = self._leases.lease(off, time.monotonic())
+        self._last_put = time.monotonic()
+        self._kick()
+        return msgspec.structs.replace(ref, lease=lease)
 
     # ------------------------------------------------------------ consumer side
 
@@ -195,7 +202,7 @@ class TransferAgent:
         Local refs are copied without NIXL. Raises :class:`OwnerGoneError` if the owner
         cannot serve it within ``timeout_ms`` (default ``xfer_timeout_ms``), and
         :class:`PoolFullError` if no staging slot frees up in time."""
-        dtype = self._check_ref(ref)
+        dtype = check_ref(ref)
         if ref.agent != owner.name:
             raise ValueError(f"ref names agent {ref.agent!r} but owner is {owner.name!r}")
         if ref.agent == self.name:
@@ -212,7 +219,8 @@ class TransferAgent:
             off = await self._alloc_wait(ref.nbytes, deadline)
             try:
                 t0 = time.perf_counter()
-                await self._read_into(owner, ref, off, deadline)
+                await self._peers.read(owner, ref, self._base + off, deadline, self._fast_s,
+                                       lambda: self._quarantine_slot(off))
                 metrics.NIXL_TRANSFER.observe(time.perf_counter() - t0)
                 out = self._tbuf[off : off + ref.nbytes].clone()
             finally:
@@ -228,7 +236,7 @@ class TransferAgent:
             if self._peer_inflight[peer] == 0:
                 del self._peer_inflight[peer]
                 if failed:
-                    self._forget_peer(peer)
+                    self._peers.forget(peer)
         self._c["transfers"] += 1
         self._c["bytes_pulled"] += ref.nbytes
         metrics.NIXL_BYTES.labels("in").inc(ref.nbytes)
@@ -260,8 +268,8 @@ class TransferAgent:
         try:
             self._check_open()
             if isinstance(owner, AgentRef):
-                self._ensure_peer(owner)
-            elif name not in self._remotes:
+                self._peers.ensure(owner)
+            elif name not in self._peers:
                 log.warning("release to unknown peer %s (no metadata): dropped", name)
                 return
             for i in range(0, len(leases), _REL_CHUNK):
@@ -278,8 +286,9 @@ class TransferAgent:
         return {
             "pool_bytes": self.pool_bytes, "used_bytes": a.used_bytes,
             "free_bytes": a.free_bytes, "largest_free": a.largest_free,
-            "leases_outstanding": len(self._leases), "inflight": self._inflight,
-            "remote_agents": len(self._remotes), **self._c,
+            "leases_outstanding": len(self._leases), "pinned_slots": self._leases.pinned,
+            "inflight": self._inflight,
+            "remote_agents": len(self._peers), **self._c,
         }
 
     # ------------------------------------------------------------ internals: slots, leases
@@ -288,39 +297,27 @@ class TransferAgent:
         if self._closed:
             raise TransferError(f"agent {self.name} is stopped")
 
-    def _as_bytes(self, tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
-        if tensor.device.type != "cpu":
-            raise ValueError(f"put needs a CPU tensor, got {tensor.device}")
-        name = _DTYPE_NAMES.get(tensor.dtype)
-        if name is None:
-            raise ValueError(f"unsupported dtype {tensor.dtype}; supported: {list(DTYPES)}")
-        return tensor.detach().contiguous().reshape(-1).view(torch.uint8), name
+    def _own_offset(self, ref: TensorRef) -> int:
+        off = ref.addr - self._base
+        if ref.agent != self.name or not 0 <= off < self.pool_bytes:
+            raise ValueError(f"{self.name}: ref of {ref.agent} at {ref.addr:#x} is not in this pool")
+        return off
 
     def _lease(self, off: int, src: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> TensorRef:
         n = src.numel()
         self._tbuf[off : off + n].copy_(src)
-        lease = self._next_lease
-        self._next_lease += 1
         self._last_put = time.monotonic()
-        self._leases[lease] = (off, self._last_put + self._ttl_s)
+        lease = self._leases.lease(off, self._last_put)
         self._c["puts"] += 1
         metrics.NIXL_BYTES.labels("out").inc(n)
         self._kick()  # a fresh lease switches progress to fast polling
         return TensorRef(self.name, self._base + off, n, 0, lease, dtype, shape)
 
-    def _check_ref(self, ref: TensorRef) -> torch.dtype:
-        dtype = DTYPES.get(ref.dtype)
-        if dtype is None:
-            raise ValueError(f"unsupported dtype {ref.dtype!r}")
-        if math.prod(ref.shape) * dtype.itemsize != ref.nbytes:
-            raise ValueError(f"ref nbytes {ref.nbytes} != shape {ref.shape} x {ref.dtype}")
-        return dtype
-
     def _get_local(self, ref: TensorRef, dtype: torch.dtype) -> torch.Tensor:
         off = ref.addr - self._base
-        entry = self._leases.get(ref.lease)
-        if entry is None or entry[0] != off:
-            raise OwnerGoneError(f"{self.name}: local lease {ref.lease} expired or unknown")
+        held = self._leases.is_pinned(off) if ref.lease == 0 else self._leases.offset_of(ref.lease) == off
+        if not held:
+            raise OwnerGoneError(f"{self.name}: local lease {ref.lease} expired or unknown (or unpinned)")
         self._c["local_gets"] += 1
         return self._tbuf[off : off + ref.nbytes].clone().view(dtype).reshape(ref.shape)
 
@@ -352,79 +349,18 @@ class TransferAgent:
             ev.set()  # wakes every waiter; each retries its own alloc
 
     def _expire(self, now: float) -> None:
-        leases = self._leases
-        while leases:
-            lease, (off, expires) = next(iter(leases.items()))
-            if expires > now:
-                break
-            del leases[lease]
+        n, freed = self._leases.expire(now)
+        self._c["expired_leases"] += n
+        for off in freed:
             self._free_slot(off)
-            self._c["expired_leases"] += 1
 
     # ------------------------------------------------------------ internals: NIXL
 
-    async def _read_into(self, owner: AgentRef, ref: TensorRef, off: int, deadline: float) -> None:
-        """One NIXL READ of ``ref`` into local offset ``off``; OwnerGoneError on failure."""
-        nx = self._nixl
-        handle = None
-        try:
-            self._ensure_peer(owner)
-            local = nx.get_xfer_descs([(self._base + off, ref.nbytes, 0)], "DRAM")
-            remote = nx.get_xfer_descs([(ref.addr, ref.nbytes, ref.device_id)], "DRAM")
-            handle = nx.initialize_xfer("READ", local, remote, owner.name, b"")
-            state = nx.transfer(handle)
-            spin_until = time.monotonic() + _SPIN_S
-            while state == "PROC":
-                now = time.monotonic()
-                if now > deadline:
-                    raise TimeoutError("transfer timed out")
-                # Warm pulls finish in microseconds: yield only; then back off to timed
-                # sleeps so a slow (first-connect) pull does not spin the loop.
-                await asyncio.sleep(0 if now < spin_until else self._fast_s)
-                state = nx.check_xfer_state(handle)
-            if state != "DONE":
-                raise RuntimeError(f"transfer state {state}")
-        except asyncio.CancelledError:
-            self._release_handle(handle, off)
-            raise
-        except Exception as e:
-            self._release_handle(handle, off)
-            raise OwnerGoneError(
-                f"{self.name}: cannot pull lease {ref.lease} ({ref.nbytes} B) from "
-                f"{owner.name}: {type(e).__name__}: {e}"
-            ) from e
-        self._release_handle(handle, off)
-
-    def _release_handle(self, handle: object, off: int) -> None:
-        if handle is None:
-            return
-        try:
-            handle.release()  # type: ignore[attr-defined]
-        except Exception as e:
-            # NIXL could not cancel an active READ: the staging bytes may still be written,
-            # so they are never reused (quarantined for the process lifetime).
-            log.error("%s: xfer handle release failed, quarantining slot: %s", self.name, e)
-            self._quarantine.add(off)
-            self._c["quarantined_bytes"] += self._alloc.size_of(off)
-
-    def _ensure_peer(self, owner: AgentRef) -> None:
-        if self._remotes.get(owner.name) == owner.metadata:
-            return
-        loaded = self._nixl.add_remote_agent(owner.metadata)
-        # 1.5.1 returns the name as bytes; a mismatch means the ref lies about its owner.
-        loaded_s = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if loaded_s != owner.name:
-            raise ValueError(f"metadata is for agent {loaded_s!r}, not {owner.name!r}")
-        self._remotes[owner.name] = owner.metadata
-
-    def _forget_peer(self, name: str) -> None:
-        """Drop a failed peer once nothing pulls from it: frees its endpoint, and a later
-        pull reloads it instead of reusing a dead connection."""
-        if self._remotes.pop(name, None) is not None:
-            try:
-                self._nixl.remove_remote_agent(name)
-            except Exception as e:
-                log.debug("remove_remote_agent(%s): %s", name, e)
+    def _quarantine_slot(self, off: int) -> None:
+        # NIXL could not cancel an active READ: the staging bytes may still be written, so
+        # they are never reused (quarantined for the process lifetime).
+        self._quarantine.add(off)
+        self._c["quarantined_bytes"] += self._alloc.size_of(off)
 
     def _kick(self) -> None:
         """Cut the progress loop's sleep short (new lease / transfer started)."""

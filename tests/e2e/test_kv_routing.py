@@ -16,12 +16,14 @@ import pytest
 import redis
 
 from shared import protocol
-from shared.keys import RedisKeys
+from shared.keys import TOPIC_PREFILL, RedisKeys
+from shared.settings import Settings
 from tests import procs
 from tests.e2e.test_skeleton import noise_image, png_data_url
 
 PREFIX = "kvtest"
 MAX_TOKENS = 8
+PARTITIONS = Settings().topic_partitions
 QUESTIONS = ["What is in this picture?", "Tell me more about its colours.", "And what is at the top left?",
              "Summarise it in one line."]
 
@@ -106,5 +108,26 @@ def test_killing_the_sessions_worker_moves_the_session_and_it_completes(client, 
     text, moved, _cached = s.turn(client, redis_url, QUESTIONS[2])
     assert text and moved != home, "the session went to a live worker"
     print(f"\nafter the kill the next turn finished in {time.monotonic() - t0:.1f} s on {moved}")
+    _wait_for_settled_owners(redis_url, workers=3)  # the killed worker is back; its rebalance is over
     text, after, cached = s.turn(client, redis_url, QUESTIONS[3])
     assert text and after == moved and cached > 0, "and sticks to its new worker"
+
+
+def _wait_for_settled_owners(redis_url: str, workers: int, timeout_s: float = 120) -> None:
+    """Until ``workers`` prefill workers each own partitions of mm.prefill and every partition
+    has an owner that lists it itself (a rebalance in progress may route a turn elsewhere:
+    only the hit would be lost, which this test is not about)."""
+    keys = RedisKeys(PREFIX)
+    r = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            owners = {int(p): w.decode() for p, w in r.hgetall(keys.kv_owners(TOPIC_PREFILL)).items()}
+            confirmed = {p for p, w in owners.items()
+                         if str(p) in (r.hget(keys.kv_load(w), "partitions") or b"").decode().split(",")}
+            if len(set(owners.values())) == workers and confirmed == set(range(PARTITIONS)):
+                return
+            time.sleep(0.5)
+    finally:
+        r.close()
+    raise AssertionError(f"prefill partitions not settled over {workers} workers within {timeout_s} s")

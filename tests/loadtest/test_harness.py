@@ -268,3 +268,27 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
     write_all(result, tmp_path, plots=False)
     summary = (tmp_path / "summary.md").read_text()
     assert "Per-stage breakdown" in summary and "same text as" in summary
+
+
+def test_fleet_spec_settings_and_reuse_table():
+    from loadtest import reuse
+    from loadtest.targets import fleet_settings, parse_spec
+
+    assert parse_spec("fleet:e-p-d,embedding_cache_bytes=0") == ("fleet", "e-p-d,embedding_cache_bytes=0")
+    assert fleet_settings("fleet:e-p-d,embedding_cache_bytes=0,stage_replicas=encode=2") == {
+        "MMFLEET_EMBEDDING_CACHE_BYTES": "0", "MMFLEET_STAGE_REPLICAS": "encode=2"}
+    with pytest.raises(ValueError):
+        parse_spec("fleet:e-p-d,no_such_setting=1")
+
+    def run(target, ratio, p50, items=None):
+        agg = {"ttft_ms": {"p50": p50, "p99": 2 * p50}, "output_throughput": 10.0, "requests": 4, "failed": 0}
+        return {"target": target, "reuse_ratio": ratio, "aggregates": agg, "encoder_items": items}
+
+    result = {"config": {"reuse_ratios": [0.0, 0.8]},
+              "runs": [run(reuse.ON, 0.0, 100, 4), run(reuse.OFF, 0.0, 100), run(reuse.ON, 0.8, 50, 1),
+                       run(reuse.OFF, 0.8, 100)]}
+    goals, lines = reuse.table(result)
+    assert [g["verdict"] for g in goals] == ["met"] and "50% lower" in goals[0]["measured"]
+    assert any(line.startswith("| 80% | 50.0 / 100.0 | -50% |") for line in lines)
+    result["runs"][2]["aggregates"]["ttft_ms"]["p50"] = 70
+    assert reuse.table(result)[0][0]["verdict"] == "**not met**"

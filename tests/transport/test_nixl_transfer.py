@@ -212,3 +212,26 @@ async def test_local_get_put_wait_and_pool_full() -> None:
         assert ref.nbytes == block.numel() and xa.stats()["leases_outstanding"] == 4
         with pytest.raises(ValueError):
             xa.put(torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.asyncio
+async def test_pinned_slot_outlives_releases_and_is_freed_after_unpin() -> None:
+    """A cache pins a slot: consumers' leases (``share``) end without freeing it, a ``lease == 0``
+    ref reads it locally while pinned, and unpinning frees it once no lease is left."""
+    async with TransferAgent(uniq("owner"), 1 << 20, lease_ttl_ms=60_000) as xa:
+        t = torch.arange(256, dtype=torch.float32)
+        ref = xa.put(t)
+        xa.pin(ref)
+        shared = xa.share(ref)
+        assert shared.lease not in (0, ref.lease) and shared.addr == ref.addr
+        await xa.release(xa.ref(), [ref.lease, shared.lease])
+        pinned = msgspec.structs.replace(ref, lease=0)
+        assert torch.equal(await xa.get(xa.ref(), pinned), t)
+        assert xa.stats()["used_bytes"] > 0 and xa.stats()["pinned_slots"] == 1
+        reader = xa.share(ref)
+        xa.unpin(ref)
+        with pytest.raises(OwnerGoneError):
+            await xa.get(xa.ref(), pinned)  # no longer pinned: a lease-0 ref is refused
+        assert torch.equal(await xa.get(xa.ref(), reader), t)  # the reader's lease still holds it
+        assert xa.free_local(reader.lease)
+        assert xa.stats()["used_bytes"] == 0

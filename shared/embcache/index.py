@@ -1,0 +1,148 @@
+"""The Redis side of the embedding cache: the index and the coalescing lease.
+
+Contracts:
+- Index entry: a Redis hash under ``RedisKeys.embedding_index(key)`` with fields ``v`` (an
+  ``EmbeddingIndexEntry``, msgpack) and ``gen``, expiring after ``ttl_s``. Only its owner
+  writes it; the owner deletes it (compare-and-delete on ``gen``) BEFORE it unpins the slot,
+  so a reader that pulled and then still sees its ``gen`` knows the bytes it read were the
+  embedding (``still_valid``).
+- Advisory: every read swallows Redis errors and answers "no entry" / "not valid", so a Redis
+  outage or FLUSHALL costs misses, never errors. ``lookup_live`` also checks the owner's
+  liveness record: an entry whose owner is not serving is not used (and is dropped).
+- Lease: ``SET NX PX`` on ``RedisKeys.embedding_lease(key)`` with the holder's name; released
+  by its holder (compare-and-delete) or by expiry if the holder died. A Redis error while
+  taking it counts as taken (encode without coordination rather than fail).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared import protocol
+from shared.keys import RedisKeys
+
+log = logging.getLogger(__name__)
+
+_DEL_IF_GEN = "if redis.call('hget', KEYS[1], 'gen') == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+_DEL_IF_OWNER = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+_ERRORS = (RedisError, OSError)
+
+
+class EmbeddingIndex:
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, *, ttl_s: int, lease_ms: int) -> None:
+        self._redis = redis
+        self._keys = keys
+        self.ttl_s = ttl_s
+        self.lease_ms = lease_ms
+        self._del_if_gen = redis.register_script(_DEL_IF_GEN)
+        self._del_if_owner = redis.register_script(_DEL_IF_OWNER)
+        self._dec = protocol.decoder_for(protocol.EmbeddingIndexEntry)
+
+    # ---------------------------------------------------------------- entries
+    async def publish(self, key: str, entry: protocol.EmbeddingIndexEntry) -> bool:
+        name = self._keys.embedding_index(key)
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hset(name, mapping={"v": protocol.encode(entry), "gen": str(entry.gen)})
+                pipe.expire(name, self.ttl_s)
+                await pipe.execute()
+            return True
+        except _ERRORS as exc:
+            log.warning("embedding index: publish of %s failed: %s", key, exc)
+            return False
+
+    async def delete(self, key: str, gen: int) -> bool:
+        """Delete the entry if it still carries ``gen``; False only when Redis failed (the
+        caller must not reuse the slot yet: a reader could still validate against it)."""
+        try:
+            await self._del_if_gen(keys=[self._keys.embedding_index(key)], args=[str(gen)])
+            return True
+        except _ERRORS as exc:
+            log.warning("embedding index: delete of %s failed: %s", key, exc)
+            return False
+
+    async def lookup(self, key: str) -> protocol.EmbeddingIndexEntry | None:
+        try:
+            raw = await self._redis.hget(self._keys.embedding_index(key), "v")
+            return None if raw is None else self._dec.decode(raw)
+        except _ERRORS as exc:
+            log.warning("embedding index: lookup of %s failed: %s", key, exc)
+            return None
+
+    async def lookup_live(self, key: str) -> protocol.EmbeddingIndexEntry | None:
+        """The entry if its owner is serving now; an entry of a dead owner is dropped."""
+        entry = await self.lookup(key)
+        if entry is None:
+            return None
+        try:
+            alive = await self._redis.exists(self._keys.worker(entry.owner.name))
+        except _ERRORS:
+            return None
+        if not alive:
+            await self.delete(key, entry.gen)
+            return None
+        return entry
+
+    async def still_valid(self, key: str, gen: int) -> bool:
+        try:
+            raw = await self._redis.hget(self._keys.embedding_index(key), "gen")
+        except _ERRORS:
+            return False
+        return raw is not None and int(raw) == gen
+
+    async def lookup_or_lease(self, key: str, holder: str) -> tuple[protocol.EmbeddingIndexEntry | None, bool]:
+        """One round trip for the miss path: (the entry if one is there, whether ``holder``
+        now holds the lease). A found entry's owner is checked for liveness as in
+        ``lookup_live`` (an entry of a dead owner is dropped and reported as none)."""
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hget(self._keys.embedding_index(key), "v")
+                pipe.set(self._keys.embedding_lease(key), holder, nx=True, px=self.lease_ms)
+                raw, leased = await pipe.execute()
+        except _ERRORS as exc:
+            log.warning("embedding index: lookup/lease of %s failed (%s); encoding uncoordinated", key, exc)
+            return None, False
+        if raw is None:
+            return None, bool(leased)
+        entry = self._dec.decode(raw)
+        try:
+            alive = await self._redis.exists(self._keys.worker(entry.owner.name))
+        except _ERRORS:
+            alive = False
+        if not alive:
+            await self.delete(key, entry.gen)
+            return None, bool(leased)
+        if leased:
+            await self.release_lease(key, holder)
+        return entry, False
+
+    # ---------------------------------------------------------------- coalescing lease
+    async def try_lease(self, key: str, holder: str) -> bool:
+        try:
+            return bool(await self._redis.set(self._keys.embedding_lease(key), holder, nx=True, px=self.lease_ms))
+        except _ERRORS as exc:
+            log.warning("embedding index: lease of %s failed (%s); encoding uncoordinated", key, exc)
+            return True
+
+    async def lease_held(self, key: str) -> bool:
+        try:
+            return bool(await self._redis.exists(self._keys.embedding_lease(key)))
+        except _ERRORS:
+            return False
+
+    async def release_lease(self, key: str, holder: str) -> None:
+        try:
+            await self._del_if_owner(keys=[self._keys.embedding_lease(key)], args=[holder])
+        except _ERRORS as exc:
+            log.warning("embedding index: lease release of %s failed (it expires): %s", key, exc)
+
+    # ---------------------------------------------------------------- stats
+    async def count_encoded(self, n: int) -> None:
+        """Fleet-wide encoder item count (``RedisKeys.encoder_items``); best-effort."""
+        try:
+            await self._redis.incrby(self._keys.encoder_items(), n)
+        except _ERRORS:
+            pass

@@ -1,0 +1,66 @@
+"""prefill's side of the embedding cache: get a request's embeddings, trusting cache entries
+only as far as they can be checked.
+
+For each item, in prompt order:
+- a copy in prefill's recent LRU (by cache key; content-addressed, so always right): no pull;
+- else pull it from its owner. An item found through the index (``cache_gen`` set, no lease)
+  is then validated: the index entry must still carry that generation (its owner deletes the
+  entry before reusing the slot). A failed pull of such an item drops its index entry, so
+  the next request does not try the same dead owner.
+A cached item that fails either way raises :class:`OwnerGoneError`: the runner restarts the
+request from its source (``attempt + 1``), and that attempt does not use fleet entries, so it
+is encoded again: a fallback, never an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared import protocol
+from shared.embcache.index import EmbeddingIndex
+from shared.embcache.metrics import FALLBACKS, HITS
+from shared.embcache.recent import RecentEmbeddings
+from shared.engines.base import ImageEmbeds
+from shared.stage import Context
+from shared.tracing import timed_transfer
+from shared.transfer import OwnerGoneError
+
+
+class EmbeddingPuller:
+    def __init__(self, index: EmbeddingIndex | None = None, recent: RecentEmbeddings | None = None) -> None:
+        self._index = index
+        self._recent = recent
+
+    async def pull(self, msg: protocol.PrefillRequest, ctx: Context) -> list[ImageEmbeds]:
+        """The request's embeddings in prompt order."""
+        owners = {o.name: o for o in msg.owners}
+        items = sorted(msg.items, key=lambda it: it.index)
+        with timed_transfer():
+            embeds = await asyncio.gather(*(self._one(owners[it.embeds.agent], it, ctx) for it in items),
+                                          return_exceptions=True)
+        for e in embeds:
+            if isinstance(e, BaseException):
+                raise e
+        return [(emb, it.grid_thw) for emb, it in zip(embeds, items, strict=True)]
+
+    async def _one(self, owner: protocol.AgentRef, it: protocol.EmbeddingItem, ctx: Context):
+        key = it.cache_key
+        if key and self._recent is not None:
+            held = self._recent.get(key)
+            if held is not None:
+                HITS.labels(stage="prefill", source="prefill").inc()
+                return held
+        fleet_ref = it.cache_gen != 0 and it.embeds.agent != ctx.transfer.name
+        try:
+            emb = await ctx.transfer.get(owner, it.embeds)
+        except OwnerGoneError:
+            if fleet_ref and self._index is not None:
+                FALLBACKS.labels(stage="prefill", reason="owner_gone").inc()
+                await self._index.delete(key, it.cache_gen)
+            raise
+        if fleet_ref and (self._index is None or not await self._index.still_valid(key, it.cache_gen)):
+            FALLBACKS.labels(stage="prefill", reason="evicted").inc()
+            raise OwnerGoneError(f"cached embedding {key} at {owner.name} was evicted before it was read")
+        if key and self._recent is not None:
+            self._recent.put(key, emb)
+        return emb

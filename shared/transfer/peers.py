@@ -1,0 +1,96 @@
+"""The agent's side of talking to peers over NIXL: their metadata, and one polled READ.
+
+Contracts:
+- ``ensure`` loads a peer's metadata once (NIXL connects eagerly, ~10 ms) and checks the
+  metadata really names that peer; ``forget`` drops it so a later pull reconnects instead of
+  reusing a dead endpoint.
+- ``read`` is one one-sided READ of a peer's descriptor into a local address, polled from the
+  event loop (warm pulls finish in microseconds: yield only at first, then timed sleeps).
+  Any failure (peer gone, timeout, error state) raises :class:`OwnerGoneError`. If NIXL
+  cannot cancel a failed READ, ``on_stuck`` is called: the local bytes may still be written
+  and must never be reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from shared.protocol import AgentRef, TensorRef
+from shared.transfer.tensors import OwnerGoneError
+
+log = logging.getLogger(__name__)
+
+_SPIN_S = 0.0002  # yield-only polling window of a pull before timed sleeps
+
+
+class Peers:
+    def __init__(self, nixl, name: str) -> None:
+        self._nixl = nixl
+        self._name = name
+        self._remotes: dict[str, bytes] = {}  # peer name -> metadata loaded into NIXL
+
+    def __len__(self) -> int:
+        return len(self._remotes)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._remotes
+
+    def ensure(self, owner: AgentRef) -> None:
+        if self._remotes.get(owner.name) == owner.metadata:
+            return
+        loaded = self._nixl.add_remote_agent(owner.metadata)
+        # 1.5.1 returns the name as bytes; a mismatch means the ref lies about its owner.
+        loaded_s = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_s != owner.name:
+            raise ValueError(f"metadata is for agent {loaded_s!r}, not {owner.name!r}")
+        self._remotes[owner.name] = owner.metadata
+
+    def forget(self, name: str) -> None:
+        if self._remotes.pop(name, None) is not None:
+            try:
+                self._nixl.remove_remote_agent(name)
+            except Exception as e:
+                log.debug("remove_remote_agent(%s): %s", name, e)
+
+    async def read(self, owner: AgentRef, ref: TensorRef, local_addr: int, deadline: float, poll_s: float,
+                   on_stuck: Callable[[], None]) -> None:
+        """One NIXL READ of ``ref`` into ``local_addr``; OwnerGoneError on failure."""
+        nx = self._nixl
+        handle = None
+        try:
+            self.ensure(owner)
+            local = nx.get_xfer_descs([(local_addr, ref.nbytes, 0)], "DRAM")
+            remote = nx.get_xfer_descs([(ref.addr, ref.nbytes, ref.device_id)], "DRAM")
+            handle = nx.initialize_xfer("READ", local, remote, owner.name, b"")
+            state = nx.transfer(handle)
+            spin_until = time.monotonic() + _SPIN_S
+            while state == "PROC":
+                now = time.monotonic()
+                if now > deadline:
+                    raise TimeoutError("transfer timed out")
+                await asyncio.sleep(0 if now < spin_until else poll_s)
+                state = nx.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"transfer state {state}")
+        except asyncio.CancelledError:
+            self._release(handle, on_stuck)
+            raise
+        except Exception as e:
+            self._release(handle, on_stuck)
+            raise OwnerGoneError(
+                f"{self._name}: cannot pull lease {ref.lease} ({ref.nbytes} B) from "
+                f"{owner.name}: {type(e).__name__}: {e}"
+            ) from e
+        self._release(handle, on_stuck)
+
+    def _release(self, handle: object, on_stuck: Callable[[], None]) -> None:
+        if handle is None:
+            return
+        try:
+            handle.release()  # type: ignore[attr-defined]
+        except Exception as e:
+            log.error("%s: xfer handle release failed, quarantining slot: %s", self._name, e)
+            on_stuck()

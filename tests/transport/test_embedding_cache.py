@@ -1,0 +1,184 @@
+"""The embedding cache against real Redis and real NIXL agents (two "encode workers" and a
+"prefill" in one process): store bounds and eviction order, coalescing within and across
+workers, a dead lease holder, validation of lease-less reads, Redis flushed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+import torch
+
+from shared import protocol
+from shared.embcache.coalesce import EncodeCache
+from shared.embcache.identity import cache_key
+from shared.embcache.index import EmbeddingIndex
+from shared.embcache.pull import EmbeddingPuller
+from shared.embcache.recent import RecentEmbeddings
+from shared.embcache.store import EmbeddingStore
+from shared.keys import RedisKeys
+from shared.stage import Context
+from shared.transfer import OwnerGoneError, TransferAgent
+from tests.fakes import ListSink
+
+EMB = (4, 32)  # rows x hidden of a test embedding (512 B)
+
+
+def emb(seed: int) -> torch.Tensor:
+    return torch.arange(EMB[0] * EMB[1], dtype=torch.float32).reshape(EMB) * 0.5 + seed
+
+
+def pixel_item(key: str, index: int = 0) -> protocol.PixelItem:
+    dummy = protocol.TensorRef("media", 0, 4, 0, 1, "float32", (1,))
+    return protocol.PixelItem(index=index, mm_hash=key, grid_thw=(1, 4, 4), n_tokens=EMB[0], pixels=dummy,
+                              cache_key=key)
+
+
+@pytest_asyncio.fixture
+async def env(redis_url):
+    redis = aioredis.from_url(redis_url)
+    keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
+    index = EmbeddingIndex(redis, keys, ttl_s=60, lease_ms=400)
+    agents = [TransferAgent(f"{n}-{os.getpid()}-{uuid.uuid4().hex[:6]}", 1 << 20) for n in ("enc0", "enc1", "pre")]
+    for a in agents:
+        await a.start()
+        await redis.set(keys.worker(a.name), b"x", px=60_000)  # "serving" liveness records
+    try:
+        yield redis, keys, index, agents
+    finally:
+        for a in agents:
+            await a.stop()
+        await redis.aclose()
+
+
+def make_cache(index, agent, capacity=1 << 16, wait_ms=5_000, fraction=0.5) -> tuple[EncodeCache, EmbeddingStore]:
+    store = EmbeddingStore(agent, index, capacity_bytes=capacity, max_item_fraction=fraction)
+    return EncodeCache(store, index, agent, agent.name, wait_ms=wait_ms, poll_ms=5), store
+
+
+class CountingEncoder:
+    """The encode callback: counts forwards; slow enough that concurrent requests overlap."""
+
+    def __init__(self, agent: TransferAgent, delay_s: float = 0.1) -> None:
+        self.agent, self.delay_s, self.calls = agent, delay_s, 0
+
+    def __call__(self, seed: int):
+        async def encode() -> protocol.TensorRef:
+            self.calls += 1
+            await asyncio.sleep(self.delay_s)
+            return self.agent.put(emb(seed))
+        return encode
+
+
+async def test_store_is_bounded_in_bytes_and_evicts_index_entry_before_the_slot(env) -> None:
+    redis, keys, index, (a, _, _) = env
+    store = EmbeddingStore(a, index, capacity_bytes=3 * 512, max_item_fraction=0.4)
+    refs = [a.put(emb(i)) for i in range(4)]
+    cached = [await store.insert(f"k{i}", r, (1, 4, 4), 4) for i, r in enumerate(refs)]
+    assert all(c is not None for c in cached) and len(store) == 3 and store.bytes == 3 * 512
+    assert store.get("k0") is None and await index.lookup("k0") is None  # evicted: entry gone
+    assert (await index.lookup("k3")).gen == cached[3].gen
+    for r in refs:  # the producers' consumers release: cached slots stay, the evicted one goes
+        a.free_local(r.lease)
+    assert a.stats()["used_bytes"] == 3 * 512 and a.stats()["pinned_slots"] == 3
+    big = a.put(torch.zeros(1024, dtype=torch.float32))  # 4 KiB > 0.4 x capacity
+    assert await store.insert("big", big, (1, 4, 4), 4) is None
+    await store.close()
+    assert await index.lookup("k3") is None and a.stats()["pinned_slots"] == 0
+
+
+async def test_forty_concurrent_requests_over_two_workers_encode_once(env) -> None:
+    _, _, index, (a, b, _) = env
+    (ca, _), (cb, _) = make_cache(index, a), make_cache(index, b)
+    enc_a, enc_b = CountingEncoder(a), CountingEncoder(b)
+    key = cache_key("fp", "same-image")
+    calls = [ca.embed(pixel_item(key), enc_a(7), fleet_ok=True, deadline_unix_ms=2**62) for _ in range(20)]
+    calls += [cb.embed(pixel_item(key), enc_b(7), fleet_ok=True, deadline_unix_ms=2**62) for _ in range(20)]
+    results = await asyncio.gather(*calls)
+    assert enc_a.calls + enc_b.calls == 1
+    owner = a if enc_a.calls else b
+    assert {o.name for o, _ in results} == {owner.name}
+    assert len({(it.embeds.addr, it.cache_key) for _, it in results}) == 1
+    # the content every request gets is the one embedding
+    for o, it in results[:3] + results[-3:]:
+        got = await (a if o.name == a.name else b).get(o, it.embeds)
+        assert torch.equal(got, emb(7))
+
+
+async def test_a_dead_lease_holder_is_taken_over_after_expiry(env) -> None:
+    _, _, index, (a, _, _) = env
+    cache, _ = make_cache(index, a)
+    key = cache_key("fp", "orphan")
+    assert await index.try_lease(key, "ghost-worker")  # a holder that will never publish
+    enc = CountingEncoder(a, delay_s=0)
+    owner, item = await cache.embed(pixel_item(key), enc(3), fleet_ok=True, deadline_unix_ms=2**62)
+    assert enc.calls == 1 and owner.name == a.name and item.embeds.lease != 0
+    await cache.drain()
+    assert (await index.lookup(key)) is not None
+
+
+async def test_prefill_validates_lease_less_refs_and_falls_back(env) -> None:
+    redis, keys, index, (a, _, p) = env
+    cache, store = make_cache(index, a, capacity=512, wait_ms=1_000, fraction=1.0)
+    ctx = Context(stage="prefill", worker_id=p.name, events=ListSink(), transfer=p)
+    puller = EmbeddingPuller(index, RecentEmbeddings(1 << 16))
+    enc = CountingEncoder(a, delay_s=0)
+    k1, k2 = cache_key("fp", "one"), cache_key("fp", "two")
+    await cache.embed(pixel_item(k1), enc(1), fleet_ok=True, deadline_unix_ms=2**62)
+    await cache.drain()
+    entry = await index.lookup_live(k1)
+    hit = protocol.EmbeddingItem(index=0, mm_hash="one", grid_thw=(1, 4, 4), n_tokens=4, embeds=entry.embeds,
+                                 cache_key=k1, cache_gen=entry.gen)
+    msg = protocol.PrefillRequest(meta=_meta(), owners=(entry.owner,), items=(hit,))
+    [(got, _)] = await EmbeddingPuller(index).pull(msg, ctx)
+    assert torch.equal(got, emb(1))
+    # k2 evicts k1 (capacity one item): the same ref no longer validates -> restart, not garbage
+    await cache.embed(pixel_item(k2), enc(2), fleet_ok=True, deadline_unix_ms=2**62)
+    await cache.drain()
+    with pytest.raises(OwnerGoneError):
+        await puller.pull(msg, ctx)
+    # a copy prefill already holds needs no pull and no owner
+    entry2 = await index.lookup_live(k2)
+    hit2 = protocol.EmbeddingItem(index=0, mm_hash="two", grid_thw=(1, 4, 4), n_tokens=4, embeds=entry2.embeds,
+                                  cache_key=k2, cache_gen=entry2.gen)
+    msg2 = protocol.PrefillRequest(meta=_meta(), owners=(entry2.owner,), items=(hit2,))
+    await puller.pull(msg2, ctx)
+    await store.close()  # the owner's entries and slots are gone now
+    [(got2, _)] = await puller.pull(msg2, ctx)
+    assert torch.equal(got2, emb(2))
+
+
+async def test_dead_owner_entries_are_not_used_and_are_dropped(env) -> None:
+    redis, keys, index, (a, _, _) = env
+    cache, _ = make_cache(index, a)
+    key = cache_key("fp", "dead-owner")
+    await cache.embed(pixel_item(key), CountingEncoder(a, 0)(5), fleet_ok=True, deadline_unix_ms=2**62)
+    await cache.drain()
+    await redis.delete(keys.worker(a.name))  # the owner stopped serving
+    assert await index.lookup_live(key) is None
+    assert await index.lookup(key) is None  # dropped for everyone
+
+
+async def test_redis_flushed_only_costs_misses(env) -> None:
+    redis, _, index, (a, b, _) = env
+    (ca, _), (cb, _) = make_cache(index, a), make_cache(index, b)
+    key = cache_key("fp", "flush")
+    enc = CountingEncoder(a, 0)
+    await ca.embed(pixel_item(key), enc(9), fleet_ok=True, deadline_unix_ms=2**62)
+    await ca.drain()
+    await redis.flushall()
+    assert await index.lookup_live(key) is None
+    enc_b = CountingEncoder(b, 0)
+    owner, item = await cb.embed(pixel_item(key), enc_b(9), fleet_ok=True, deadline_unix_ms=2**62)
+    assert enc_b.calls == 1 and owner.name == b.name  # a miss, encoded again, no error
+    owner, item = await ca.embed(pixel_item(key), enc(9), fleet_ok=True, deadline_unix_ms=2**62)
+    assert enc.calls == 1 and owner.name == a.name and item.embeds.lease  # worker a's own copy
+
+
+def _meta() -> protocol.RequestMeta:
+    return protocol.RequestMeta(request_id=uuid.uuid4().hex, model="m", deadline_unix_ms=2**62,
+                                created_unix_ms=0, prompt_token_ids=(1,))
