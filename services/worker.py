@@ -31,7 +31,7 @@ from shared.keys import STAGES, RedisKeys
 from shared.ledger import StageLedger
 from shared.liveness import heartbeat
 from shared.modes import check_engine, entry_stages, normalise
-from shared.models.registry import resolve_model_path
+from shared.models.registry import family_of, resolve_model_path, served_modalities
 from shared.runner import StageRunner
 from shared.settings import Settings
 from shared.stage import Context
@@ -73,6 +73,10 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     torch.set_num_threads(settings.torch_threads)
     worker_id = f"{'+'.join(stages)}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     model_dir = resolve_model_path(settings)
+    try:  # an engine that cannot serve this model family fails here, loudly, before taking traffic
+        served_modalities(family_of(model_dir), settings.engine)
+    except ValueError as exc:
+        raise SystemExit(f"cannot start worker: {exc}") from None
     async with AsyncExitStack() as stack:
         redis = aioredis.from_url(settings.redis_url)
         stack.push_async_callback(redis.aclose)

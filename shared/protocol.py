@@ -64,11 +64,14 @@ class MediaSource(Struct, frozen=True, kw_only=True):
     never rides on Kafka). ``param``: the request's JSON path, for error messages.
     """
 
-    kind: str  # "image"
+    kind: str  # a modality: "image" | "video" | "audio" (see shared.models.registry)
     param: str
     url: str = ""
     inline: TensorRef | None = None
     mime: str = ""
+    # video sampling asked by the request (0: the server's default, settings video_num_frames)
+    num_frames: int = 0
+    fps: float = 0.0  # > 0: sample this many frames per second instead (capped by max_video_frames)
 
 
 class StageSpan(Struct, frozen=True):
@@ -106,23 +109,34 @@ class RequestMeta(Struct, frozen=True, kw_only=True):
 
 
 class PixelItem(Struct, frozen=True):
-    """Preprocessed pixels of one item, ready for the encoder."""
+    """Preprocessed media of one item, ready for the encoder.
+
+    ``kind``: the modality ("image", "video", "audio"). ``grid_thw``: Qwen2-VL's patch grid
+    (t, h, w) for images and videos; families without one put ``(0, 0, 0)`` there and their
+    geometry in ``meta`` (family-specific integers, e.g. an audio clip's valid feature frames).
+    ``pixels`` holds the processor output (pixel values, or audio features).
+    """
 
     index: int
     mm_hash: str
     grid_thw: tuple[int, int, int]
     n_tokens: int
     pixels: TensorRef
+    kind: str = "image"
+    meta: tuple[int, ...] = ()
 
 
 class EmbeddingItem(Struct, frozen=True):
-    """Encoder output of one item: ``n_tokens`` rows of the LM's hidden size."""
+    """Encoder output of one item: ``n_tokens`` rows of the LM's hidden size. ``kind`` and
+    ``meta`` as in :class:`PixelItem` (prefill needs the kind to pick the placeholder)."""
 
     index: int
     mm_hash: str
     grid_thw: tuple[int, int, int]
     n_tokens: int
     embeds: TensorRef
+    kind: str = "image"
+    meta: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------- stage messages

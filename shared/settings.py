@@ -31,7 +31,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     kafka_bootstrap: str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "mm"
-    model_path: str = ""  # empty: the tiny offline demo model, built once under cache_dir
+    model_path: str = ""  # empty: the tiny offline demo model named by demo_model, built once under cache_dir
+    # which tiny offline demo family to build and serve when model_path is empty (see
+    # shared.models.registry.DEMOS): qwen2-vl (image + video)
+    demo_model: str = "qwen2-vl"
     served_model_name: str = "mmfleet-demo"
     cache_dir: str = msgspec.field(default_factory=_default_cache_dir)
     gateway_host: str = "127.0.0.1"
@@ -90,6 +93,17 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     media_file_root: str = ""
     media_cache_bytes: int = 64 * _MiB  # media-fetch LRU of fetched bytes (http(s)), in bytes; 0: off
     media_cache_ttl_s: int = 300  # how long fetched bytes of a URL may be served from that cache
+    # --- video (decoded with PyAV in media-fetch's compute lane)
+    max_video_bytes: int = 64 * _MiB  # fetched / inline bytes of one video
+    max_video_duration_s: float = 600.0  # longer videos are refused (413) before any frame is decoded
+    max_video_frames: int = 32  # frames one video may give the model (num_frames / fps beyond it: 400)
+    max_video_side: int = 4096  # longest side of a video frame, in pixels (larger: 413)
+    video_num_frames: int = 8  # frames sampled uniformly over the video when the request names none
+    # > 0: sample this many frames per second when the request names no num_frames / fps
+    # (capped at max_video_frames); 0: sample video_num_frames uniformly
+    video_fps: float = 0.0
+    # frames PyAV may decode to find the sampled ones: bounds the CPU a high-frame-rate video costs
+    max_video_decoded_frames: int = 20_000
 
     log_level: str = "INFO"
 

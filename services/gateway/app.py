@@ -216,8 +216,10 @@ async def _first_message(state: GatewayState, meta: protocol.RequestMeta, prepar
             has_inline = True
             ref = await state.transfer.put_wait(torch.frombuffer(bytearray(m.data), dtype=torch.uint8),
                                                 timeout_ms=2_000)
-            items.append(protocol.MediaSource(kind=m.kind, param=m.param, inline=ref, mime=m.mime))
+            items.append(protocol.MediaSource(kind=m.kind, param=m.param, inline=ref, mime=m.mime,
+                                              num_frames=m.num_frames, fps=m.fps))
         else:
-            items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url))
+            items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url, num_frames=m.num_frames,
+                                              fps=m.fps))
     owner = state.transfer.ref() if has_inline else None
     return entry_message(msgspec.structs.replace(meta, sources=tuple(items), source_owner=owner))

@@ -26,6 +26,8 @@ class MediaInput:
     url: str = ""  # http(s) or file:// (read by media-fetch)
     mime: str = ""
     data: bytes | None = None  # decoded data: URL
+    num_frames: int = 0  # video sampling the request asked for (0: server default)
+    fps: float = 0.0
 
 
 @dataclass
@@ -38,28 +40,43 @@ class Prepared:
 
 
 class PromptBuilder:
-    """Knows the model's tokenizer, chat template and placeholder token."""
+    """Knows the model's tokenizer, chat template, the modalities it takes and their placeholder
+    tokens (one per item in the rendered prompt).
 
-    def __init__(self, tokenizer, *, placeholder_token: str, max_model_len: int, settings: Settings) -> None:
+    ``placeholders``: modality -> placeholder token; its keys are the modalities served (a part
+    of any other modality is a 400 naming the modality and the model). Default: images only,
+    with ``placeholder_token``.
+    """
+
+    def __init__(self, tokenizer, *, placeholder_token: str = "", max_model_len: int, settings: Settings,
+                 placeholders: dict[str, str] | None = None) -> None:
         self._tok = tokenizer
-        self._placeholder = placeholder_token
-        self._placeholder_id = tokenizer.convert_tokens_to_ids(placeholder_token)
+        self._placeholders = dict(placeholders) if placeholders is not None else {"image": placeholder_token}
+        self._placeholder_ids = {tokenizer.convert_tokens_to_ids(t): t for t in self._placeholders.values()}
         self._max_model_len = max_model_len
         self._s = settings
         self._allow = as_allowlist(settings.media_allow_hosts)
-        self._max_bytes = {"image": settings.max_image_bytes}
+        self._max_bytes = {"image": settings.max_image_bytes, "video": settings.max_video_bytes}
+
+    @property
+    def modalities(self) -> frozenset[str]:
+        return frozenset(self._placeholders)
 
     @classmethod
     def for_model(cls, model_dir, settings: Settings) -> PromptBuilder:
-        """The builder for a saved model: its tokenizer, its family's placeholder, its context."""
+        """The builder for a saved model: its tokenizer, the placeholders of the modalities its
+        family takes (and the engine serves), its context."""
         from transformers import AutoConfig, AutoTokenizer
 
-        from shared.models.registry import family_of
+        from shared.models.registry import family_of, served_modalities
 
         config = AutoConfig.from_pretrained(model_dir)
         max_len = getattr(getattr(config, "text_config", config), "max_position_embeddings", 4096)
-        return cls(AutoTokenizer.from_pretrained(model_dir), placeholder_token=family_of(model_dir).image_placeholder,
-                   max_model_len=max_len, settings=settings)
+        family = family_of(model_dir)
+        served = served_modalities(family, settings.engine)
+        placeholders = {m: tok for m, tok in family.placeholders.items() if m in served}
+        return cls(AutoTokenizer.from_pretrained(model_dir), max_model_len=max_len, settings=settings,
+                   placeholders=placeholders)
 
     # ------------------------------------------------------------------ chat
     def chat(self, req: schema.ChatCompletionRequest) -> Prepared:
@@ -75,9 +92,10 @@ class PromptBuilder:
                                 param="messages", code="too_many_media_items")
         text = self._tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
         ids = self._tokenize(text)
-        if sum(1 for t in ids if t == self._placeholder_id) != len(media):
+        if sum(1 for t in ids if t in self._placeholder_ids) != len(media):
             raise RequestFailed.bad_request(
-                f"text may not contain the reserved token {self._placeholder}", param="messages")
+                f"text may not contain the reserved tokens {', '.join(self._placeholder_ids.values())}",
+                param="messages")
         return Prepared(ids, media, self._sampling(req, req.max_completion_tokens or req.max_tokens),
                         req.stream, bool(req.stream_options and req.stream_options.include_usage))
 
@@ -96,14 +114,52 @@ class PromptBuilder:
                     if image_url.detail not in (None, "auto", "low", "high"):
                         raise RequestFailed.bad_request(f"{param}: image_url.detail must be one of auto, low, high",
                                                         param=param)
+                    self._check_modality("image", "image_url", param)
                     media.append(self._media("image", image_url.url, param))
                     parts.append({"type": "image"})
+                case schema.VideoPart(video_url=video_url):
+                    self._check_modality("video", "video_url", param)
+                    if msg.role != "user":
+                        raise RequestFailed.bad_request(f"{param}: videos are accepted in user messages only", param=param)
+                    item = self._media("video", video_url.url, param)
+                    item.num_frames, item.fps = self._video_sampling(video_url, param)
+                    media.append(item)
+                    parts.append({"type": "video"})
+                case schema.AudioURLPart() | schema.InputAudioPart():
+                    self._check_modality("audio", type(part).__struct_config__.tag, param)
+                    raise RequestFailed(422, f"{param}: audio parts are not served yet", param=param,
+                                        code="unsupported_modality")
                 case _:
                     kind = type(part).__struct_config__.tag
-                    raise RequestFailed(422, f"{param}: model {self._s.served_model_name} does not accept "
-                                             f"{kind} content; it accepts text and image_url parts",
-                                        param=param, code="unsupported_modality")
+                    raise RequestFailed(422, f"{param}: {kind} content is not supported", param=param,
+                                        code="unsupported_modality")
         return parts
+
+    def _check_modality(self, modality: str, part: str, param: str) -> None:
+        """A part of a modality the served model does not take is a 400 that names both."""
+        if modality in self._placeholders:
+            return
+        accepts = ", ".join(["text", *(m for m in ("image", "video", "audio") if m in self._placeholders)])
+        raise RequestFailed(400, f"{param}: model {self._s.served_model_name!r} does not accept {modality} input "
+                                 f"({part} parts); it accepts {accepts}", param=param, code="unsupported_modality")
+
+    def _video_sampling(self, video_url: schema.MediaURL, param: str) -> tuple[int, float]:
+        """(num_frames, fps) the request asked for; 0 means "the server's default"."""
+        s = self._s
+        if video_url.num_frames is not None and video_url.fps is not None:
+            raise RequestFailed.bad_request(f"{param}: give video_url.num_frames or video_url.fps, not both",
+                                            param=param)
+        if video_url.num_frames is not None:
+            if not 1 <= video_url.num_frames <= s.max_video_frames:
+                raise RequestFailed.bad_request(f"{param}: video_url.num_frames must be between 1 and "
+                                                f"{s.max_video_frames}", param=param)
+            return video_url.num_frames, 0.0
+        if video_url.fps is not None:
+            if not 0.0 < video_url.fps <= 60.0:
+                raise RequestFailed.bad_request(f"{param}: video_url.fps must be above 0 and at most 60",
+                                                param=param)
+            return 0, float(video_url.fps)
+        return 0, 0.0
 
     def _media(self, kind: str, url: str, param: str) -> MediaInput:
         """Checks that need no I/O: data: URLs are decoded here (MIME, base64, size); http(s)
@@ -134,8 +190,9 @@ class PromptBuilder:
     def completion(self, req: schema.CompletionRequest) -> Prepared:
         self._check_common(req.model, req.n)
         ids = self._tokenize(req.prompt)
-        if self._placeholder_id in ids:
-            raise RequestFailed.bad_request(f"prompt may not contain the reserved token {self._placeholder}",
+        reserved = [tok for tid, tok in self._placeholder_ids.items() if tid in ids]
+        if reserved:
+            raise RequestFailed.bad_request(f"prompt may not contain the reserved token {reserved[0]}",
                                             param="prompt")
         return Prepared(ids, [], self._sampling(req, req.max_tokens), req.stream,
                         bool(req.stream_options and req.stream_options.include_usage))

@@ -21,6 +21,9 @@ class ImageURL(Struct, frozen=True):
 
 class MediaURL(Struct, frozen=True):
     url: str
+    # video only (mmfleet extension): how to sample frames; at most one of the two
+    num_frames: int | None = None
+    fps: float | None = None
 
 
 class InputAudio(Struct, frozen=True):
