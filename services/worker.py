@@ -137,13 +137,16 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
     if "media-fetch" in stages:
         from services.media_fetch.handler import MediaFetchHandler
         from shared.compute import ComputeLane
-        from shared.engines.qwen2_vl import ImagePreprocessor
+        from shared.engines.qwen2_vl import ImagePreprocessor, VideoPreprocessor
         from shared.media.fetch import MediaFetcher
 
         fetcher = await stack.enter_async_context(MediaFetcher.from_settings(settings))
         lane = ComputeLane("media")
         stack.callback(lane.close)
-        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane)
+        served = served_modalities(family_of(model_dir), settings.engine)
+        video = VideoPreprocessor(model_dir) if "video" in served else None
+        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane,
+                                                    preprocess_video=video)
     if "encode" in stages:
         from services.encode.handler import EncodeHandler
 

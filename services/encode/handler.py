@@ -25,7 +25,7 @@ class EncodeHandler:
         assert ctx.transfer is not None
         with timed_transfer():
             pixels = await asyncio.gather(*(ctx.transfer.get(msg.owner, it.pixels) for it in msg.items))
-        embeds = await asyncio.gather(*(self._engine.encode(px, it.grid_thw, it.n_tokens)
+        embeds = await asyncio.gather(*(self._engine.encode(px, it.grid_thw, it.n_tokens, it.kind)
                                         for px, it in zip(pixels, msg.items, strict=True)))
         out_items = []
         try:
@@ -35,7 +35,8 @@ class EncodeHandler:
                 with timed_transfer():
                     ref = await ctx.transfer.put_wait(emb, timeout_ms=5_000)
                 out_items.append(protocol.EmbeddingItem(index=it.index, mm_hash=it.mm_hash, grid_thw=it.grid_thw,
-                                                        n_tokens=it.n_tokens, embeds=ref))
+                                                        n_tokens=it.n_tokens, embeds=ref, kind=it.kind,
+                                                        meta=it.meta))
         except BaseException:
             for item in out_items:
                 ctx.transfer.free_local(item.embeds.lease)

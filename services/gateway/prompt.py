@@ -63,9 +63,9 @@ class PromptBuilder:
         return frozenset(self._placeholders)
 
     @classmethod
-    def for_model(cls, model_dir, settings: Settings) -> PromptBuilder:
+    def for_model(cls, model_dir, settings: Settings, *, only: frozenset[str] | None = None) -> PromptBuilder:
         """The builder for a saved model: its tokenizer, the placeholders of the modalities its
-        family takes (and the engine serves), its context."""
+        family takes (and the engine serves; ``only`` narrows them further), its context."""
         from transformers import AutoConfig, AutoTokenizer
 
         from shared.models.registry import family_of, served_modalities
@@ -74,7 +74,7 @@ class PromptBuilder:
         max_len = getattr(getattr(config, "text_config", config), "max_position_embeddings", 4096)
         family = family_of(model_dir)
         served = served_modalities(family, settings.engine)
-        placeholders = {m: tok for m, tok in family.placeholders.items() if m in served}
+        placeholders = {m: tok for m, tok in family.placeholders.items() if m in served and (only is None or m in only)}
         return cls(AutoTokenizer.from_pretrained(model_dir), max_model_len=max_len, settings=settings,
                    placeholders=placeholders)
 

@@ -11,7 +11,10 @@ wherever it came from.
 Loading: http(s) through the shared :class:`MediaFetcher` (address policy, caps, timeouts),
 with concurrent requests for one URL sharing one download and recent bytes kept in an LRU
 bounded in bytes (``media_cache_bytes``, ``media_cache_ttl_s``); ``file://`` only under
-``media_file_root``. Decoding is dispatched on the item's ``kind`` (only ``image`` today).
+``media_file_root``. Decoding is dispatched on the item's ``kind``: ``image`` (always) and
+``video`` (when the model has a video preprocessor): PyAV decode + frame sampling on the
+compute lane, never on the event loop. A video's mm_hash also covers how it was sampled
+(``num_frames`` / ``fps``): the same bytes sampled differently are different model inputs.
 """
 
 from __future__ import annotations
@@ -29,25 +32,34 @@ from shared.media.cache import FetchCache
 from shared.media.fetch import MediaFetcher
 from shared.media.files import load_file
 from shared.media.images import decode_image
+from shared.media.video import VideoLimits, decode_video
 from shared.media.sources import REMOTE_SCHEMES, MediaError, scheme_of
 from shared.settings import Settings
 from shared.stage import Context, Outcome, Produce, RequestFailed
 
-# image -> object with pixel_values (float32 [n_patches, patch_dim]), grid_thw, n_tokens
+# image (PIL) or video (uint8 [frames, h, w, 3]) -> object with pixel_values (float32
+# [n_patches, patch_dim]), grid_thw, n_tokens
 Preprocess = Callable[[object], object]
 
 
 class MediaFetchHandler:
-    def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess, lane: ComputeLane) -> None:
+    def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess, lane: ComputeLane, *,
+                 preprocess_video: Preprocess | None = None) -> None:
         self._s = settings
         self._fetcher = fetcher
         self._preprocess = preprocess
+        self._preprocess_video = preprocess_video
         self._lane = lane
         self.cache = FetchCache(settings.media_cache_bytes, ttl_s=settings.media_cache_ttl_s)
-        # kind -> (byte cap, decoder run on the compute lane: (raw, param) -> preprocessed)
-        self._kinds: dict[str, tuple[int, Callable[[bytes, str], object]]] = {
+        self._video_limits = VideoLimits(max_duration_s=settings.max_video_duration_s,
+                                         max_frames=settings.max_video_frames, max_side=settings.max_video_side,
+                                         max_decoded_frames=settings.max_video_decoded_frames)
+        # kind -> (byte cap, decoder run on the compute lane: (raw, source) -> preprocessed)
+        self._kinds: dict[str, tuple[int, Callable[[bytes, protocol.MediaSource], object]]] = {
             "image": (settings.max_image_bytes, self._decode_image),
         }
+        if preprocess_video is not None:
+            self._kinds["video"] = (settings.max_video_bytes, self._decode_video)
 
     async def handle(self, msg: protocol.MediaFetchRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
@@ -57,12 +69,12 @@ class MediaFetchHandler:
                 max_bytes, decode = self._kind(src)
                 with timed_transfer():
                     raw = await self._load(src, max_bytes, msg.owner, ctx)
-                mm_hash = blake3.blake3(raw).hexdigest()
-                px = await self._lane.run(decode, raw, src.param)
+                mm_hash = self._mm_hash(raw, src)
+                px = await self._lane.run(decode, raw, src)
                 with timed_transfer():
                     ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000)
                 items.append(protocol.PixelItem(index=index, mm_hash=mm_hash, grid_thw=px.grid_thw,
-                                                n_tokens=px.n_tokens, pixels=ref))
+                                                n_tokens=px.n_tokens, pixels=ref, kind=src.kind))
         except BaseException as exc:
             for item in items:  # nobody will read these slots: free them now, not at TTL
                 ctx.transfer.free_local(item.pixels.lease)
@@ -101,12 +113,36 @@ class MediaFetchHandler:
         except MediaError as exc:
             raise exc.for_param(src.param) from None
 
-    def _decode_image(self, raw: bytes, param: str):
+    def _sampling(self, src: protocol.MediaSource) -> tuple[int, float]:
+        """(num_frames, fps) for a video: the request's, else the server's defaults."""
+        if src.num_frames > 0 or src.fps > 0:
+            return src.num_frames, src.fps
+        if self._s.video_fps > 0:
+            return 0, self._s.video_fps
+        return self._s.video_num_frames, 0.0
+
+    def _mm_hash(self, raw: bytes, src: protocol.MediaSource) -> str:
+        h = blake3.blake3(raw)
+        if src.kind == "video":  # the same bytes sampled differently are different inputs
+            num_frames, fps = self._sampling(src)
+            h.update(f"|video:num_frames={num_frames}:fps={fps:g}".encode())
+        return h.hexdigest()
+
+    def _decode_image(self, raw: bytes, src: protocol.MediaSource):
+        param = src.param
         img = decode_image(raw, max_pixels=self._s.max_image_pixels, param=param)
         try:
             return self._preprocess(img)
         except ValueError as exc:  # the model's processor refuses this image (e.g. extreme aspect ratio)
             raise MediaError(f"{param}: the image cannot be processed by this model: {str(exc)[:200]}") from None
+
+    def _decode_video(self, raw: bytes, src: protocol.MediaSource):
+        num_frames, fps = self._sampling(src)
+        frames = decode_video(raw, num_frames=num_frames, fps=fps, limits=self._video_limits, param=src.param)
+        try:
+            return self._preprocess_video(frames)
+        except ValueError as exc:  # the model's processor refuses these frames (e.g. too small)
+            raise MediaError(f"{src.param}: the video cannot be processed by this model: {str(exc)[:200]}") from None
 
 
 def _param_of(msg: protocol.MediaFetchRequest, exc: MediaError) -> str | None:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 
 from shared import protocol
-from shared.engines.base import Engine, ImageEmbeds
+from shared.engines.base import Engine, MediaEmbeds
 from shared.keys import TOPIC_DECODE
 from shared.stage import Context, Outcome, Produce, RequestFailed
 from shared.tracing import timed_transfer
 
 
 def expanded_prompt_len(msg: protocol.PrefillRequest) -> int:
-    """Prompt length once each image placeholder becomes the image's tokens."""
+    """Prompt length once each media placeholder becomes the item's tokens."""
     return len(msg.meta.prompt_token_ids) + sum(it.n_tokens - 1 for it in msg.items)
 
 
@@ -31,13 +31,13 @@ def check_context(msg: protocol.PrefillRequest, max_model_len: int) -> int:
     return total
 
 
-async def pull_images(msg: protocol.PrefillRequest, ctx: Context) -> list[ImageEmbeds]:
+async def pull_images(msg: protocol.PrefillRequest, ctx: Context) -> list[MediaEmbeds]:
     """The request's embeddings in prompt order, pulled from their owners."""
     owners = {o.name: o for o in msg.owners}
     items = sorted(msg.items, key=lambda it: it.index)
     with timed_transfer():
         embeds = await asyncio.gather(*(ctx.transfer.get(owners[it.embeds.agent], it.embeds) for it in items))
-    return [(emb, it.grid_thw) for emb, it in zip(embeds, items, strict=True)]
+    return [MediaEmbeds(emb, it.grid_thw, it.kind) for emb, it in zip(embeds, items, strict=True)]
 
 
 def embedding_releases(msg: protocol.PrefillRequest) -> list[tuple[protocol.AgentRef, list[int]]]:

@@ -44,7 +44,7 @@ class TransformersEngine:
         compute = self.compute
 
         def encode_batch(items):
-            return compute.encode_images([ImagePixels(px, grid, n) for px, grid, n in items])
+            return compute.encode_images([ImagePixels(px, grid, n, kind) for px, grid, n, kind in items])
 
         self._batcher = MicroBatcher(encode_batch, self._lane, max_items=self._batch_items,
                                      max_wait_ms=self._batch_wait_ms)
@@ -80,8 +80,9 @@ class TransformersEngine:
         return (self._batcher.batches, self._batcher.items) if self._batcher else (0, 0)
 
     # ------------------------------------------------------------------ work
-    async def encode(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int], n_tokens: int) -> torch.Tensor:
-        return await self._batcher.submit((pixels, grid_thw, n_tokens))
+    async def encode(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int], n_tokens: int,
+                     kind: str = "image") -> torch.Tensor:
+        return await self._batcher.submit((pixels, grid_thw, n_tokens, kind))
 
     async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
                       sampling: protocol.Sampling) -> PrefillOutput:

@@ -30,17 +30,19 @@ def reference_generate(
     max_new_tokens: int,
     *,
     loaded: tuple | None = None,
+    videos: list | None = None,
 ) -> list[int]:
     """Greedy-generate with ``model.generate`` and return only the new token ids.
 
     ``images`` are in the order their placeholders appear in ``messages``.  The
     output stops after the first eos (included, as ``generate`` returns it) or after
     ``max_new_tokens``.  ``loaded`` may pass a cached ``load_reference`` result to
-    skip reloading; it does not change the result.
+    skip reloading; it does not change the result. ``videos``: sampled frames
+    (``uint8 [frames, h, w, 3]``) per video placeholder, in order.
     """
     processor, model = loaded if loaded is not None else load_reference(Path(model_dir))
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=[text], images=images or None, return_tensors="pt")
+    inputs = processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     prompt_len = inputs["input_ids"].shape[1]
