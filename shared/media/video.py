@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,5 +148,6 @@ def _frame_time_s(frame, stream, index: int) -> float:
 
 
 def _short(exc: BaseException) -> str:
-    text = str(exc)
+    # FFmpeg's messages name the (in-memory) file and an errno: neither helps the client
+    text = re.sub(r"^\[Errno -?\d+\] |: '<none>'$", "", str(exc))
     return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
