@@ -307,6 +307,9 @@ class VllmEngine:
                 await stream.aclose()
 
     def _prompt(self, prompt_ids: list[int], images: list[ImageEmbeds]) -> dict:
+        other = sorted({getattr(it, "kind", "image") for it in images} - {"image"})
+        if other:
+            raise EngineError(f"the vllm engine serves image embeddings only, not {', '.join(other)}")
         n_placeholders = sum(1 for t in prompt_ids if t == self.placeholder_token_id)
         if n_placeholders != len(images):
             raise EngineError(f"prompt has {n_placeholders} image placeholders but {len(images)} images given")
@@ -315,9 +318,6 @@ class VllmEngine:
             return prompt
         if len(images) > self._max_images:
             raise EngineError(f"{len(images)} images exceed this engine's limit of {self._max_images} per prompt")
-        other = sorted({getattr(it, "kind", "image") for it in images} - {"image"})
-        if other:
-            raise EngineError(f"the vllm engine serves image embeddings only, not {', '.join(other)}")
         embeds, grids = [], []
         for emb, (t, h, w), *_ in images:
             n = t * h * w // (self.merge_size**2)
