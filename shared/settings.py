@@ -104,6 +104,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     video_fps: float = 0.0
     # frames PyAV may decode to find the sampled ones: bounds the CPU a high-frame-rate video costs
     max_video_decoded_frames: int = 20_000
+    # --- audio (soundfile / PyAV in media-fetch's compute lane, resampled to the model's rate)
+    max_audio_bytes: int = 16 * _MiB  # fetched / inline bytes of one audio clip
+    max_audio_duration_s: float = 30.0  # longer clips are refused (413); Qwen2-Audio hears 30 s at most
 
     log_level: str = "INFO"
 

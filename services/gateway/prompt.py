@@ -19,6 +19,10 @@ from shared.stage import RequestFailed
 from services.gateway import schema
 
 
+# OpenAI's input_audio.format values -> the MIME type its base64 data is checked as
+_INPUT_AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg"}
+
+
 @dataclass
 class MediaInput:
     kind: str
@@ -56,7 +60,8 @@ class PromptBuilder:
         self._max_model_len = max_model_len
         self._s = settings
         self._allow = as_allowlist(settings.media_allow_hosts)
-        self._max_bytes = {"image": settings.max_image_bytes, "video": settings.max_video_bytes}
+        self._max_bytes = {"image": settings.max_image_bytes, "video": settings.max_video_bytes,
+                           "audio": settings.max_audio_bytes}
 
     @property
     def modalities(self) -> frozenset[str]:
@@ -125,10 +130,18 @@ class PromptBuilder:
                     item.num_frames, item.fps = self._video_sampling(video_url, param)
                     media.append(item)
                     parts.append({"type": "video"})
-                case schema.AudioURLPart() | schema.InputAudioPart():
-                    self._check_modality("audio", type(part).__struct_config__.tag, param)
-                    raise RequestFailed(422, f"{param}: audio parts are not served yet", param=param,
-                                        code="unsupported_modality")
+                case schema.AudioURLPart(audio_url=audio_url):
+                    self._check_modality("audio", "audio_url", param)
+                    media.append(self._media("audio", audio_url.url, param))
+                    parts.append({"type": "audio"})
+                case schema.InputAudioPart(input_audio=input_audio):
+                    self._check_modality("audio", "input_audio", param)
+                    mime = _INPUT_AUDIO_MIME.get(input_audio.format)
+                    if mime is None:
+                        raise RequestFailed.bad_request(f"{param}: input_audio.format must be one of "
+                                                        f"{', '.join(_INPUT_AUDIO_MIME)}", param=param)
+                    media.append(self._media("audio", f"data:{mime};base64,{input_audio.data}", param))
+                    parts.append({"type": "audio"})
                 case _:
                     kind = type(part).__struct_config__.tag
                     raise RequestFailed(422, f"{param}: {kind} content is not supported", param=param,

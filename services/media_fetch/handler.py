@@ -13,7 +13,8 @@ with concurrent requests for one URL sharing one download and recent bytes kept 
 bounded in bytes (``media_cache_bytes``, ``media_cache_ttl_s``); ``file://`` only under
 ``media_file_root``. Decoding is dispatched on the item's ``kind``: ``image`` (always) and
 ``video`` (when the model has a video preprocessor): PyAV decode + frame sampling on the
-compute lane, never on the event loop. A video's mm_hash also covers how it was sampled
+compute lane, never on the event loop; ``audio`` (when the model has a feature extractor):
+decode, mono, resample to its rate, then features. A video's mm_hash also covers how it was sampled
 (``num_frames`` / ``fps``): the same bytes sampled differently are different model inputs.
 """
 
@@ -31,6 +32,7 @@ from shared.keys import TOPIC_ENCODE
 from shared.media.cache import FetchCache
 from shared.media.fetch import MediaFetcher
 from shared.media.files import load_file
+from shared.media.audio import decode_audio
 from shared.media.images import decode_image
 from shared.media.video import VideoLimits, decode_video
 from shared.media.sources import REMOTE_SCHEMES, MediaError, scheme_of
@@ -44,11 +46,13 @@ Preprocess = Callable[[object], object]
 
 class MediaFetchHandler:
     def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess, lane: ComputeLane, *,
-                 preprocess_video: Preprocess | None = None) -> None:
+                 preprocess_video: Preprocess | None = None, preprocess_audio: Preprocess | None = None) -> None:
         self._s = settings
         self._fetcher = fetcher
         self._preprocess = preprocess
         self._preprocess_video = preprocess_video
+        # audio: float32 mono samples at ``preprocess_audio.sampling_rate`` -> features
+        self._preprocess_audio = preprocess_audio
         self._lane = lane
         self.cache = FetchCache(settings.media_cache_bytes, ttl_s=settings.media_cache_ttl_s)
         self._video_limits = VideoLimits(max_duration_s=settings.max_video_duration_s,
@@ -60,6 +64,8 @@ class MediaFetchHandler:
         }
         if preprocess_video is not None:
             self._kinds["video"] = (settings.max_video_bytes, self._decode_video)
+        if preprocess_audio is not None:
+            self._kinds["audio"] = (settings.max_audio_bytes, self._decode_audio)
 
     async def handle(self, msg: protocol.MediaFetchRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
@@ -74,7 +80,8 @@ class MediaFetchHandler:
                 with timed_transfer():
                     ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000)
                 items.append(protocol.PixelItem(index=index, mm_hash=mm_hash, grid_thw=px.grid_thw,
-                                                n_tokens=px.n_tokens, pixels=ref, kind=src.kind))
+                                                n_tokens=px.n_tokens, pixels=ref, kind=src.kind,
+                                                meta=tuple(getattr(px, "meta", ()))))
         except BaseException as exc:
             for item in items:  # nobody will read these slots: free them now, not at TTL
                 ctx.transfer.free_local(item.pixels.lease)
@@ -143,6 +150,14 @@ class MediaFetchHandler:
             return self._preprocess_video(frames)
         except ValueError as exc:  # the model's processor refuses these frames (e.g. too small)
             raise MediaError(f"{src.param}: the video cannot be processed by this model: {str(exc)[:200]}") from None
+
+    def _decode_audio(self, raw: bytes, src: protocol.MediaSource):
+        samples = decode_audio(raw, rate_hz=int(self._preprocess_audio.sampling_rate),
+                               max_duration_s=self._s.max_audio_duration_s, param=src.param)
+        try:
+            return self._preprocess_audio(samples)
+        except ValueError as exc:
+            raise MediaError(f"{src.param}: the audio cannot be processed by this model: {str(exc)[:200]}") from None
 
 
 def _param_of(msg: protocol.MediaFetchRequest, exc: MediaError) -> str | None:

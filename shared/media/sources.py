@@ -23,7 +23,10 @@ IMAGE_MIME_TYPES = frozenset({"image/jpeg", "image/png", "image/webp"})
 # What each media kind accepts in a data: URL, and which request part carries it. A new kind
 # (video, audio) adds its line here and a decoder in media-fetch.
 VIDEO_MIME_TYPES = frozenset({"video/mp4", "video/webm", "video/quicktime", "video/x-matroska"})
-MIME_TYPES_BY_KIND: dict[str, frozenset[str]] = {"image": IMAGE_MIME_TYPES, "video": VIDEO_MIME_TYPES}
+AUDIO_MIME_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/mpeg", "audio/flac", "audio/ogg",
+                              "audio/webm", "audio/mp4"})
+MIME_TYPES_BY_KIND: dict[str, frozenset[str]] = {"image": IMAGE_MIME_TYPES, "video": VIDEO_MIME_TYPES,
+                                                 "audio": AUDIO_MIME_TYPES}
 PART_BY_KIND = {"image": "image_url", "video": "video_url", "audio": "audio_url"}
 _MIME_ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg"}  # common in the wild
 

@@ -201,3 +201,7 @@ def wav(seconds: float = 0.5, rate: int = 16_000, freq: float = 440.0) -> bytes:
     buf = io.BytesIO()
     soundfile.write(buf, (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate, format="WAV")
     return buf.getvalue()
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()

@@ -188,3 +188,34 @@ async def test_video_items(world, model_dir):
             await handler.handle(protocol.MediaFetchRequest(meta=msg.meta, items=items), w["ctx"])
         ev = info.value.event
         assert ev.status == status and fragment in ev.message and ev.param == "messages[0].content[0]", ev
+
+
+class Features:
+    """A stand-in feature extractor: what media-fetch needs from one (rate in, features out)."""
+
+    sampling_rate = 16_000
+
+    def __call__(self, samples):
+        self.last = samples
+        return type("F", (), {"pixel_values": torch.zeros((8, 4), dtype=torch.float32), "grid_thw": (0, 0, 0),
+                              "n_tokens": 3, "meta": (len(samples),)})()
+
+
+async def test_audio_items(world):
+    w = world
+    settings = Settings(media_file_root=str(w["root"]), max_audio_duration_s=2.0)
+    feats = Features()
+    handler = MediaFetchHandler(settings, w["handler"]._fetcher, w["handler"]._preprocess, w["handler"]._lane,
+                                preprocess_audio=feats)
+    (w["root"] / "a.wav").write_bytes(samples.wav(0.5, rate=44_100))
+    (w["root"] / "long.wav").write_bytes(samples.wav(3.0, rate=8_000))
+    (w["root"] / "silent.wav").write_bytes(samples.wav(0.5, freq=0.0))
+    out = await handler.handle(_request("a", [f"file://{w['root']}/a.wav"], kind="audio"), w["ctx"])
+    (item,) = out.produce[0].value.items
+    assert item.kind == "audio" and item.meta == (8_000,) and feats.last.dtype.name == "float32"  # 0.5 s at 16 kHz
+    for name, status, fragment in (("long.wav", 413, "3.0 s long, above the limit of 2 s"),
+                                   ("silent.wav", 400, "silent")):
+        handler_req = _request("bad", [f"file://{w['root']}/{name}"], kind="audio")
+        with pytest.raises(RequestFailed) as info:
+            await handler.handle(handler_req, w["ctx"])
+        assert info.value.event.status == status and fragment in info.value.event.message

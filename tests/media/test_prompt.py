@@ -171,3 +171,46 @@ def test_property_parts_never_fail_with_a_5xx(builder, parts, role):
         pass  # the gateway answers these with a 400
     except RequestFailed as err:
         assert 400 <= err.event.status < 500, err.event
+
+
+@pytest.fixture(scope="module")
+def audio_builder(model_dir):
+    """A builder for a model that takes audio: the tiny tokenizer plus an audio placeholder and
+    a chat template that renders audio parts (what an audio family's template does)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|AUDIO|>"]})
+    tok.chat_template = ("{%- for m in messages -%}{{- m['role'] + ': ' -}}{%- if m['content'] is string -%}"
+                         "{{- m['content'] -}}{%- else -%}{%- for p in m['content'] -%}"
+                         "{%- if p['type'] == 'text' -%}{{- p['text'] -}}{%- elif p['type'] == 'audio' -%}"
+                         "{{- '<|AUDIO|>' -}}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endfor -%}")
+    s = Settings(max_audio_bytes=50_000)
+    return PromptBuilder(tok, placeholders={"audio": "<|AUDIO|>"}, max_model_len=4096, settings=s)
+
+
+def test_audio_parts(audio_builder):
+    wav = samples.wav(0.1)
+    p = build(audio_builder, body({"type": "input_audio", "input_audio": {"data": samples.b64(wav), "format": "wav"}},
+                                  {"type": "audio_url", "audio_url": {"url": "https://example.com/a.mp3"}},
+                                  {"type": "text", "text": "what is said?"}))
+    assert [(m.kind, m.mime, m.data == wav, m.url) for m in p.media] == [
+        ("audio", "audio/wav", True, ""), ("audio", "", False, "https://example.com/a.mp3")]
+    audio_id = audio_builder._tok.convert_tokens_to_ids("<|AUDIO|>")
+    assert p.prompt_token_ids.count(audio_id) == 2
+    ev = failed(audio_builder, body(img("https://example.com/a.png"))).event
+    assert ev.status == 400 and "does not accept image input (image_url parts); it accepts text, audio" in ev.message
+
+
+@pytest.mark.parametrize("part, status, fragment", [
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "flac"}}, 400,
+     "input_audio.format must be one of wav, mp3"),
+    ({"type": "input_audio", "input_audio": {"data": "!!!!", "format": "wav"}}, 400, "invalid base64"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "mp3"}}, 400, "data URL is empty"),
+    ({"type": "input_audio", "input_audio": {"data": "A" * 80_000, "format": "wav"}}, 413, "50000 byte limit"),
+    ({"type": "audio_url", "audio_url": {"url": "data:video/mp4;base64,AAAA"}}, 400,
+     "does not match an audio_url part"),
+])
+def test_bad_audio_parts(audio_builder, part, status, fragment):
+    ev = failed(audio_builder, body(part)).event
+    assert ev.status == status and fragment in ev.message, ev.message
