@@ -41,6 +41,7 @@ class ImagePixels:
     grid_thw: tuple[int, int, int]
     n_tokens: int
     kind: str = "image"
+    meta: tuple[int, ...] = ()  # family-specific geometry (Qwen2-Audio: valid feature frames)
 
 
 @dataclass(frozen=True)
