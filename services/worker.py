@@ -122,6 +122,22 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     return 1 if failed else 0
 
 
+def _preprocessors(model_dir, served: frozenset[str]) -> dict:
+    """modality -> the model's own processor for it (no weights), for the modalities served."""
+    out: dict = {}
+    if family_of(model_dir).name == "qwen2_audio":
+        from shared.engines.qwen2_audio import AudioPreprocessor
+
+        out["audio"] = AudioPreprocessor(model_dir)
+    else:
+        from shared.engines.qwen2_vl import ImagePreprocessor, VideoPreprocessor
+
+        out["image"] = ImagePreprocessor(model_dir)
+        if "video" in served:
+            out["video"] = VideoPreprocessor(model_dir)
+    return {m: p for m, p in out.items() if m in served}
+
+
 async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir, stack: AsyncExitStack) -> dict:
     engines: dict[str, Engine] = {}
 
@@ -137,16 +153,15 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
     if "media-fetch" in stages:
         from services.media_fetch.handler import MediaFetchHandler
         from shared.compute import ComputeLane
-        from shared.engines.qwen2_vl import ImagePreprocessor, VideoPreprocessor
         from shared.media.fetch import MediaFetcher
 
         fetcher = await stack.enter_async_context(MediaFetcher.from_settings(settings))
         lane = ComputeLane("media")
         stack.callback(lane.close)
-        served = served_modalities(family_of(model_dir), settings.engine)
-        video = VideoPreprocessor(model_dir) if "video" in served else None
-        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane,
-                                                    preprocess_video=video)
+        pre = _preprocessors(model_dir, served_modalities(family_of(model_dir), settings.engine))
+        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, pre.get("image"), lane,
+                                                    preprocess_video=pre.get("video"),
+                                                    preprocess_audio=pre.get("audio"))
     if "encode" in stages:
         from services.encode.handler import EncodeHandler
 

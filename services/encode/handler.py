@@ -25,7 +25,7 @@ class EncodeHandler:
         assert ctx.transfer is not None
         with timed_transfer():
             pixels = await asyncio.gather(*(ctx.transfer.get(msg.owner, it.pixels) for it in msg.items))
-        embeds = await asyncio.gather(*(self._engine.encode(px, it.grid_thw, it.n_tokens, it.kind)
+        embeds = await asyncio.gather(*(self._engine.encode(px, it.grid_thw, it.n_tokens, it.kind, it.meta)
                                         for px, it in zip(pixels, msg.items, strict=True)))
         out_items = []
         try:

@@ -45,7 +45,7 @@ Preprocess = Callable[[object], object]
 
 
 class MediaFetchHandler:
-    def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess, lane: ComputeLane, *,
+    def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess | None, lane: ComputeLane, *,
                  preprocess_video: Preprocess | None = None, preprocess_audio: Preprocess | None = None) -> None:
         self._s = settings
         self._fetcher = fetcher
@@ -59,9 +59,9 @@ class MediaFetchHandler:
                                          max_frames=settings.max_video_frames, max_side=settings.max_video_side,
                                          max_decoded_frames=settings.max_video_decoded_frames)
         # kind -> (byte cap, decoder run on the compute lane: (raw, source) -> preprocessed)
-        self._kinds: dict[str, tuple[int, Callable[[bytes, protocol.MediaSource], object]]] = {
-            "image": (settings.max_image_bytes, self._decode_image),
-        }
+        self._kinds: dict[str, tuple[int, Callable[[bytes, protocol.MediaSource], object]]] = {}
+        if preprocess is not None:
+            self._kinds["image"] = (settings.max_image_bytes, self._decode_image)
         if preprocess_video is not None:
             self._kinds["video"] = (settings.max_video_bytes, self._decode_video)
         if preprocess_audio is not None:

@@ -78,8 +78,9 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def encode(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int], n_tokens: int,
-                     kind: str = "image") -> torch.Tensor:
-        """One item's embeddings (``kind``: its modality); concurrent calls are batched."""
+                     kind: str = "image", meta: tuple[int, ...] = ()) -> torch.Tensor:
+        """One item's embeddings (``kind``: its modality, ``meta``: its family-specific
+        geometry, see ``protocol.PixelItem``); concurrent calls are batched."""
         ...
 
     def generate(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],

@@ -1,5 +1,6 @@
 """The transformers engine: the CPU reference, every capability (encode, generate, KV export
-and import), on the split compute path of :mod:`shared.engines.qwen2_vl`.
+and import), on the family's split compute path (:mod:`shared.engines.qwen2_vl`,
+:mod:`shared.engines.qwen2_audio`).
 
 All model work runs on one ``ComputeLane`` thread (torch releases the GIL in kernels, so the
 event loop keeps serving Kafka, Redis and NIXL). Encoder calls from concurrent requests meet in
@@ -17,6 +18,21 @@ from shared import protocol
 from shared.compute import ComputeLane, MicroBatcher
 from shared.engines.base import Capabilities, ImageEmbeds, PrefillOutput
 from shared.engines.sampling import sample_at
+
+
+def compute_class(model_dir: str | Path):
+    """The family's split compute path (one interface: encode_images, prefill, start_decode,
+    decode_step, and the model facts)."""
+    from shared.models.registry import family_of
+
+    name = family_of(model_dir).name
+    if name == "qwen2_audio":
+        from shared.engines.qwen2_audio import Qwen2AudioCompute
+
+        return Qwen2AudioCompute
+    from shared.engines.qwen2_vl import Qwen2VLCompute
+
+    return Qwen2VLCompute
 
 
 class TransformersEngine:
@@ -37,14 +53,14 @@ class TransformersEngine:
     async def start(self) -> None:
         if self.compute is not None:
             return
-        from shared.engines.qwen2_vl import ImagePixels, Qwen2VLCompute
+        from shared.engines.qwen2_vl import ImagePixels
 
         self._lane = ComputeLane(f"transformers-{self._model_dir.name}")
-        self.compute = await self._lane.run(Qwen2VLCompute, self._model_dir)
+        self.compute = await self._lane.run(compute_class(self._model_dir), self._model_dir)
         compute = self.compute
 
         def encode_batch(items):
-            return compute.encode_images([ImagePixels(px, grid, n, kind) for px, grid, n, kind in items])
+            return compute.encode_images([ImagePixels(*item) for item in items])
 
         self._batcher = MicroBatcher(encode_batch, self._lane, max_items=self._batch_items,
                                      max_wait_ms=self._batch_wait_ms)
@@ -81,8 +97,8 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------ work
     async def encode(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int], n_tokens: int,
-                     kind: str = "image") -> torch.Tensor:
-        return await self._batcher.submit((pixels, grid_thw, n_tokens, kind))
+                     kind: str = "image", meta: tuple[int, ...] = ()) -> torch.Tensor:
+        return await self._batcher.submit((pixels, grid_thw, n_tokens, kind, tuple(meta)))
 
     async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
                       sampling: protocol.Sampling) -> PrefillOutput:
