@@ -125,10 +125,15 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
 def _preprocessors(model_dir, served: frozenset[str]) -> dict:
     """modality -> the model's own processor for it (no weights), for the modalities served."""
     out: dict = {}
-    if family_of(model_dir).name == "qwen2_audio":
+    family = family_of(model_dir).name
+    if family == "qwen2_audio":
         from shared.engines.qwen2_audio import AudioPreprocessor
 
         out["audio"] = AudioPreprocessor(model_dir)
+    elif family == "llava":
+        from shared.engines.llava import LlavaImagePreprocessor
+
+        out["image"] = LlavaImagePreprocessor(model_dir)
     else:
         from shared.engines.qwen2_vl import ImagePreprocessor, VideoPreprocessor
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.engines.qwen2_vl import DecodeState, ImagePixels, PrefillResult, _kind
+from shared.engines.plain_lm import PlainLMCompute
+from shared.engines.qwen2_vl import ImagePixels, _kind
 
 
 def n_audio_tokens(valid_frames: int) -> int:
@@ -48,7 +49,11 @@ class AudioPreprocessor:
                            n_audio_tokens(valid), "audio", (valid,))
 
 
-class Qwen2AudioCompute:
+class Qwen2AudioCompute(PlainLMCompute):
+    """Prefill and decode (plain positions) come from :class:`PlainLMCompute`."""
+
+    kind = "audio"
+
     def __init__(self, model_dir: Path | str) -> None:
         from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
@@ -56,27 +61,9 @@ class Qwen2AudioCompute:
         self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
         self.model = Qwen2AudioForConditionalGeneration.from_pretrained(str(self.model_dir),
                                                                         dtype=torch.float32).eval()
-        cfg = self.model.config
-        text_cfg = cfg.text_config
-        self.placeholder_token_id: int = int(cfg.audio_token_id)
-        self.hidden_size: int = int(text_cfg.hidden_size)
-        self.n_layers: int = int(text_cfg.num_hidden_layers)
-        self.n_kv_heads: int = int(text_cfg.num_key_value_heads)
-        self.head_dim: int = int(getattr(text_cfg, "head_dim", None)
-                                 or text_cfg.hidden_size // text_cfg.num_attention_heads)
-        self.max_model_len: int = int(text_cfg.max_position_embeddings)
-        eos = self.model.generation_config.eos_token_id
-        eos = text_cfg.eos_token_id if eos is None else eos
-        self.eos_token_ids = frozenset(int(i) for i in ([eos] if isinstance(eos, int) else list(eos or [])))
+        self.placeholder_token_id: int = int(self.model.config.audio_token_id)
+        self._init_lm()
         self.preprocess_audio = AudioPreprocessor(self.model_dir, processor=self.processor)
-
-    @property
-    def tokenizer(self):
-        return self.processor.tokenizer
-
-    def render_prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ---- encode ---------------------------------------------------------------
     @torch.inference_mode()
@@ -103,57 +90,3 @@ class Qwen2AudioCompute:
             if f.shape != (it.n_tokens, self.hidden_size):
                 raise RuntimeError(f"encoder output {tuple(f.shape)} != ({it.n_tokens}, {self.hidden_size})")
         return out
-
-    # ---- prefill --------------------------------------------------------------
-    def expand_prompt(self, prompt_ids: list[int], items: list) -> list[int]:
-        found = sum(1 for t in prompt_ids if t == self.placeholder_token_id)
-        if found != len(items) or any(_kind(it) != "audio" for it in items):
-            raise ValueError(f"prompt has {found} audio placeholders but items {[_kind(it) for it in items]} given")
-        expanded: list[int] = []
-        it = iter(items)
-        for tok in prompt_ids:
-            expanded.extend([tok] * (next(it)[0].shape[0] if tok == self.placeholder_token_id else 1))
-        return expanded
-
-    @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], items: list) -> PrefillResult:
-        from transformers import DynamicCache
-
-        input_ids = torch.tensor([self.expand_prompt(prompt_ids, items)], dtype=torch.long)
-        embeds = self.model.get_input_embeddings()(input_ids)
-        if items:
-            is_audio = (input_ids == self.placeholder_token_id).unsqueeze(-1)
-            embeds = embeds.masked_scatter(is_audio, torch.cat([it[0].to(embeds.dtype) for it in items]))
-        seq_len = input_ids.shape[1]
-        out = self.model(inputs_embeds=embeds, position_ids=torch.arange(seq_len)[None, :],
-                         past_key_values=DynamicCache(config=self.model.config.text_config), use_cache=True,
-                         logits_to_keep=1)
-        return PrefillResult(last_logits=out.logits[0, -1].to(torch.float32).clone(),
-                             kv=self.pack_kv(out.past_key_values), rope_delta=0, prompt_len=seq_len)
-
-    @staticmethod
-    def pack_kv(cache) -> torch.Tensor:
-        per_layer = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
-        return torch.stack(per_layer).to(torch.float32).contiguous()
-
-    # ---- decode ---------------------------------------------------------------
-    @torch.inference_mode()
-    def start_decode(self, kv_packed: torch.Tensor, rope_delta: int, seq_len: int) -> DecodeState:
-        from transformers import DynamicCache
-
-        expected = (self.n_layers, 2, self.n_kv_heads, seq_len, self.head_dim)
-        if tuple(kv_packed.shape) != expected:
-            raise ValueError(f"packed KV shape {tuple(kv_packed.shape)} != {expected}")
-        kv = kv_packed.to(torch.float32)
-        layers = [(kv[i, 0].unsqueeze(0).clone(), kv[i, 1].unsqueeze(0).clone()) for i in range(self.n_layers)]
-        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config.text_config)
-        return DecodeState(cache=cache, rope_delta=0, seq_len=seq_len)
-
-    @torch.inference_mode()
-    def decode_step(self, state: DecodeState, token_id: int) -> torch.Tensor:
-        cache_len = state.cache.get_seq_length()
-        out = self.model(input_ids=torch.tensor([[token_id]], dtype=torch.long),
-                         position_ids=torch.tensor([[cache_len]], dtype=torch.long),
-                         past_key_values=state.cache, use_cache=True)
-        state.seq_len = cache_len + 1
-        return out.logits[0, -1].to(torch.float32).clone()

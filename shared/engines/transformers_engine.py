@@ -30,6 +30,10 @@ def compute_class(model_dir: str | Path):
         from shared.engines.qwen2_audio import Qwen2AudioCompute
 
         return Qwen2AudioCompute
+    if name == "llava":
+        from shared.engines.llava import LlavaCompute
+
+        return LlavaCompute
     from shared.engines.qwen2_vl import Qwen2VLCompute
 
     return Qwen2VLCompute

@@ -28,7 +28,8 @@ def load_reference(model_dir: Path):
     return processor, model
 
 
-_MODEL_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_audio": "Qwen2AudioForConditionalGeneration"}
+_MODEL_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_audio": "Qwen2AudioForConditionalGeneration",
+                "llava": "LlavaForConditionalGeneration"}
 
 
 def reference_generate(

@@ -39,6 +39,7 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family("qwen2_vl", {"image": "<|image_pad|>", "video": "<|video_pad|>"}),
     "qwen2_audio": Family("qwen2_audio", {"audio": "<|AUDIO|>"}),
+    "llava": Family("llava", {"image": "<image>"}),
 }
 
 # engine -> family -> the modalities it serves (None: every family, every modality of it)
@@ -86,10 +87,17 @@ def _demo_qwen2_audio(cache_root: Path) -> Path:
     return ensure_tiny_qwen2_audio(cache_root)
 
 
+def _demo_llava(cache_root: Path) -> Path:
+    from shared.models.llava_tiny import ensure_tiny_llava
+
+    return ensure_tiny_llava(cache_root)
+
+
 # settings.demo_model -> builder of the tiny offline demo (built once under cache_dir, cached)
 DEMOS: dict[str, Callable[[Path], Path]] = {
     "qwen2-vl": _demo_qwen2_vl,
     "qwen2-audio": _demo_qwen2_audio,
+    "llava": _demo_llava,
 }
 
 
