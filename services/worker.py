@@ -134,6 +134,10 @@ def _preprocessors(model_dir, served: frozenset[str]) -> dict:
         from shared.engines.llava import LlavaImagePreprocessor
 
         out["image"] = LlavaImagePreprocessor(model_dir)
+    elif family == "llava_next_video":
+        from shared.engines.llava import NextVideoPreprocessor
+
+        out["video"] = NextVideoPreprocessor(model_dir)
     else:
         from shared.engines.qwen2_vl import ImagePreprocessor, VideoPreprocessor
 

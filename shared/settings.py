@@ -33,7 +33,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     redis_prefix: str = "mm"
     model_path: str = ""  # empty: the tiny offline demo model named by demo_model, built once under cache_dir
     # which tiny offline demo family to build and serve when model_path is empty (see
-    # shared.models.registry.DEMOS): qwen2-vl (image + video) | qwen2-audio (audio) | llava (image)
+    # shared.models.registry.DEMOS): qwen2-vl (image + video) | qwen2-audio (audio) | llava (image) | llava-next-video (video)
     demo_model: str = "qwen2-vl"
     served_model_name: str = "mmfleet-demo"
     cache_dir: str = msgspec.field(default_factory=_default_cache_dir)

@@ -34,6 +34,10 @@ def compute_class(model_dir: str | Path):
         from shared.engines.llava import LlavaCompute
 
         return LlavaCompute
+    if name == "llava_next_video":
+        from shared.engines.llava import LlavaNextVideoCompute
+
+        return LlavaNextVideoCompute
     from shared.engines.qwen2_vl import Qwen2VLCompute
 
     return Qwen2VLCompute

@@ -107,14 +107,23 @@ def build_tiny_llava(out_dir: Path, *, seed: int = 0) -> Path:
 
 def ensure_tiny_llava(cache_root: Path, *, seed: int = 0) -> Path:
     """``cache_root/llava-tiny-<hash>``, built once (race-safe as ensure_tiny_qwen2_vl)."""
+    return ensure_built(cache_root, MODEL_NAME, build_tiny_llava, [], seed=seed)
+
+
+def ensure_built(cache_root: Path, name: str, build, recipe_files: list[Path], *, seed: int = 0) -> Path:
+    """``cache_root/<name>-<hash of this recipe + recipe_files>``, built once by ``build(dir, seed=)``
+    in a temp dir and renamed into place (a process that loses the race uses the winner's)."""
     cache_root = Path(cache_root)
-    final = cache_root / f"{MODEL_NAME}-{recipe_hash(seed)}"
+    h = hashlib.sha256(recipe_hash(seed).encode())
+    for f in recipe_files:
+        h.update(Path(f).read_bytes())
+    final = cache_root / f"{name}-{h.hexdigest()[:12]}"
     if (final / _MARKER).is_file():
         return final
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_root))
     try:
-        build_tiny_llava(tmp, seed=seed)
+        build(tmp, seed=seed)
         (tmp / _MARKER).write_text(json.dumps({"name": final.name, "seed": seed}))
         try:
             os.rename(tmp, final)

@@ -29,7 +29,8 @@ def load_reference(model_dir: Path):
 
 
 _MODEL_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_audio": "Qwen2AudioForConditionalGeneration",
-                "llava": "LlavaForConditionalGeneration"}
+                "llava": "LlavaForConditionalGeneration",
+                "llava_next_video": "LlavaNextVideoForConditionalGeneration"}
 
 
 def reference_generate(

@@ -40,6 +40,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family("qwen2_vl", {"image": "<|image_pad|>", "video": "<|video_pad|>"}),
     "qwen2_audio": Family("qwen2_audio", {"audio": "<|AUDIO|>"}),
     "llava": Family("llava", {"image": "<image>"}),
+    "llava_next_video": Family("llava_next_video", {"video": "<video>"}),  # its anyres image path: not served
 }
 
 # engine -> family -> the modalities it serves (None: every family, every modality of it)
@@ -93,11 +94,18 @@ def _demo_llava(cache_root: Path) -> Path:
     return ensure_tiny_llava(cache_root)
 
 
+def _demo_llava_next_video(cache_root: Path) -> Path:
+    from shared.models.llava_next_video_tiny import ensure_tiny_llava_next_video
+
+    return ensure_tiny_llava_next_video(cache_root)
+
+
 # settings.demo_model -> builder of the tiny offline demo (built once under cache_dir, cached)
 DEMOS: dict[str, Callable[[Path], Path]] = {
     "qwen2-vl": _demo_qwen2_vl,
     "qwen2-audio": _demo_qwen2_audio,
     "llava": _demo_llava,
+    "llava-next-video": _demo_llava_next_video,
 }
 
 

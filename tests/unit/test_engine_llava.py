@@ -73,3 +73,42 @@ def test_split_path_matches_generate(llava_dir, compute, decode_compute, referen
 def test_different_images_give_different_tokens(llava_dir, reference):
     a, b = (reference_generate(llava_dir, msgs(1), [image(s)], MAX_NEW_TOKENS, loaded=reference) for s in (1, 2))
     assert a != b
+
+
+# ---- LLaVA-NeXT-Video ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def next_video():
+    from shared.engines.llava import LlavaNextVideoCompute
+    from shared.models.llava_next_video_tiny import ensure_tiny_llava_next_video
+
+    path = ensure_tiny_llava_next_video(CACHE_DIR / "models")
+    return path, LlavaNextVideoCompute(path), LlavaNextVideoCompute(path), load_reference(path)
+
+
+def frames(seed: int, n: int) -> np.ndarray:
+    from shared.media.video import VideoLimits, decode_video
+    from tests.media import samples
+
+    raw = samples.video(samples.video_frames(12, size=(96, 64), seed=seed), fps=6)
+    return decode_video(raw, num_frames=n, fps=0, limits=VideoLimits(60, 16, 1024, 1000), param="p")
+
+
+def vmsgs(n: int, text: str = "What happens?") -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "video"} for _ in range(n)), {"type": "text", "text": text}]}]
+
+
+@pytest.mark.parametrize("n_frames", [[4], [3, 3]], ids=["one_video", "two_videos"])  # generate() wants equal counts
+def test_next_video_split_path_matches_generate(next_video, n_frames):
+    path, compute, decoder, reference = next_video
+    videos = [frames(i, n) for i, n in enumerate(n_frames)]
+    expected = reference_generate(path, vmsgs(len(videos)), [], MAX_NEW_TOKENS, loaded=reference, videos=videos)
+    mine = [compute.preprocess_video(v) for v in videos]
+    assert [p.n_tokens for p in mine] == [4 * n for n in n_frames]
+    feats = compute.encode_images([compute.preprocess_video(frames(9, 2)), *mine])[1:]  # batched with others
+    prefill = compute.prefill(compute.render_prompt_ids(vmsgs(len(videos))),
+                              [MediaEmbeds(f, (0, 0, 0), "video") for f in feats])
+    got = greedy_decode(decoder, _shipped(prefill), MAX_NEW_TOKENS)
+    assert got == expected
+    assert len(set(got)) > 1
