@@ -122,6 +122,13 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     return 1 if failed else 0
 
 
+def _hidden_size(model_dir) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return int(getattr(config, "text_config", config).hidden_size)
+
+
 def _preprocessors(model_dir, served: frozenset[str]) -> dict:
     """modality -> the model's own processor for it (no weights), for the modalities served."""
     out: dict = {}
@@ -170,7 +177,8 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
         pre = _preprocessors(model_dir, served_modalities(family_of(model_dir), settings.engine))
         handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, pre.get("image"), lane,
                                                     preprocess_video=pre.get("video"),
-                                                    preprocess_audio=pre.get("audio"))
+                                                    preprocess_audio=pre.get("audio"),
+                                                    embeds_hidden_size=_hidden_size(model_dir) if "image" in pre else 0)
     if "encode" in stages:
         from services.encode.handler import EncodeHandler
 

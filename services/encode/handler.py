@@ -21,12 +21,16 @@ class EncodeHandler:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine  # concurrent encode() calls are batched by the engine
 
+    async def _encode(self, pixels, item: protocol.PixelItem):
+        if item.kind.endswith("_embeds"):  # precomputed by the client (checked at the gateway): no encoder
+            return pixels
+        return await self._engine.encode(pixels, item.grid_thw, item.n_tokens, item.kind, item.meta)
+
     async def handle(self, msg: protocol.EncodeRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
         with timed_transfer():
             pixels = await asyncio.gather(*(ctx.transfer.get(msg.owner, it.pixels) for it in msg.items))
-        embeds = await asyncio.gather(*(self._engine.encode(px, it.grid_thw, it.n_tokens, it.kind, it.meta)
-                                        for px, it in zip(pixels, msg.items, strict=True)))
+        embeds = await asyncio.gather(*(self._encode(px, it) for px, it in zip(pixels, msg.items, strict=True)))
         out_items = []
         try:
             for it, emb in zip(msg.items, embeds, strict=True):
@@ -35,8 +39,8 @@ class EncodeHandler:
                 with timed_transfer():
                     ref = await ctx.transfer.put_wait(emb, timeout_ms=5_000)
                 out_items.append(protocol.EmbeddingItem(index=it.index, mm_hash=it.mm_hash, grid_thw=it.grid_thw,
-                                                        n_tokens=it.n_tokens, embeds=ref, kind=it.kind,
-                                                        meta=it.meta))
+                                                        n_tokens=it.n_tokens, embeds=ref,
+                                                        kind=it.kind.removesuffix("_embeds"), meta=it.meta))
         except BaseException:
             for item in out_items:
                 ctx.transfer.free_local(item.embeds.lease)

@@ -217,7 +217,7 @@ async def _first_message(state: GatewayState, meta: protocol.RequestMeta, prepar
             ref = await state.transfer.put_wait(torch.frombuffer(bytearray(m.data), dtype=torch.uint8),
                                                 timeout_ms=2_000)
             items.append(protocol.MediaSource(kind=m.kind, param=m.param, inline=ref, mime=m.mime,
-                                              num_frames=m.num_frames, fps=m.fps))
+                                              num_frames=m.num_frames, fps=m.fps, grid_thw=m.grid_thw))
         else:
             items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url, num_frames=m.num_frames,
                                               fps=m.fps))

@@ -32,6 +32,7 @@ class MediaInput:
     data: bytes | None = None  # decoded data: URL
     num_frames: int = 0  # video sampling the request asked for (0: server default)
     fps: float = 0.0
+    grid_thw: tuple[int, int, int] = (0, 0, 0)  # image_embeds: the grid they were encoded with
 
 
 @dataclass
@@ -53,15 +54,20 @@ class PromptBuilder:
     """
 
     def __init__(self, tokenizer, *, placeholder_token: str = "", max_model_len: int, settings: Settings,
-                 placeholders: dict[str, str] | None = None) -> None:
+                 placeholders: dict[str, str] | None = None, embeds_hidden_size: int = 0,
+                 embeds_merge_size: int = 0) -> None:
         self._tok = tokenizer
         self._placeholders = dict(placeholders) if placeholders is not None else {"image": placeholder_token}
         self._placeholder_ids = {tokenizer.convert_tokens_to_ids(t): t for t in self._placeholders.values()}
         self._max_model_len = max_model_len
+        # image_embeds parts: accepted when the hidden size is known; a merge size > 0 means the
+        # family's positions need grid_thw (Qwen2-VL: rows = t·h·w / merge²)
+        self._embeds_hidden = embeds_hidden_size
+        self._embeds_merge = embeds_merge_size
         self._s = settings
         self._allow = as_allowlist(settings.media_allow_hosts)
         self._max_bytes = {"image": settings.max_image_bytes, "video": settings.max_video_bytes,
-                           "audio": settings.max_audio_bytes}
+                           "audio": settings.max_audio_bytes, "image_embeds": settings.max_image_bytes}
 
     @property
     def modalities(self) -> frozenset[str]:
@@ -80,8 +86,12 @@ class PromptBuilder:
         family = family_of(model_dir)
         served = served_modalities(family, settings.engine)
         placeholders = {m: tok for m, tok in family.placeholders.items() if m in served and (only is None or m in only)}
+        hidden = int(getattr(getattr(config, "text_config", config), "hidden_size", 0))
+        merge = int(getattr(getattr(config, "vision_config", None), "spatial_merge_size", 0) or 0) \
+            if family.name == "qwen2_vl" else 0
         return cls(AutoTokenizer.from_pretrained(model_dir), max_model_len=max_len, settings=settings,
-                   placeholders=placeholders)
+                   placeholders=placeholders, embeds_hidden_size=hidden if only is None else 0,
+                   embeds_merge_size=merge)
 
     # ------------------------------------------------------------------ chat
     def chat(self, req: schema.ChatCompletionRequest) -> Prepared:
@@ -130,6 +140,12 @@ class PromptBuilder:
                     item.num_frames, item.fps = self._video_sampling(video_url, param)
                     media.append(item)
                     parts.append({"type": "video"})
+                case schema.ImageEmbedsPart(image_embeds=embeds):
+                    self._check_modality("image", "image_embeds", param)
+                    if msg.role != "user":
+                        raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only", param=param)
+                    media.append(self._embeds(embeds, param))
+                    parts.append({"type": "image"})
                 case schema.AudioURLPart(audio_url=audio_url):
                     self._check_modality("audio", "audio_url", param)
                     media.append(self._media("audio", audio_url.url, param))
@@ -155,6 +171,39 @@ class PromptBuilder:
         accepts = ", ".join(["text", *(m for m in ("image", "video", "audio") if m in self._placeholders)])
         raise RequestFailed(400, f"{param}: model {self._s.served_model_name!r} does not accept {modality} input "
                                  f"({part} parts); it accepts {accepts}", param=param, code="unsupported_modality")
+
+    def _embeds(self, embeds: schema.EmbedsData, param: str) -> MediaInput:
+        """Precomputed image embeddings: decoded and checked here (format, hidden size, rows
+        against grid_thw), held inline like a data: URL; encode passes them through."""
+        from shared.media.embeds import FORMATS, parse_embeddings
+
+        if not self._embeds_hidden:
+            raise RequestFailed(422, f"{param}: this server does not take image_embeds", param=param,
+                                code="unsupported_modality")
+        if embeds.format not in FORMATS:
+            raise RequestFailed.bad_request(f"{param}: image_embeds.format must be one of {', '.join(FORMATS)}",
+                                            param=param)
+        grid = (0, 0, 0)
+        max_rows = self._max_model_len
+        if self._embeds_merge:
+            g = embeds.grid_thw
+            if g is None or len(g) != 3 or min(g) < 1 or (g[1] % self._embeds_merge) or (g[2] % self._embeds_merge):
+                raise RequestFailed.bad_request(
+                    f"{param}: image_embeds.grid_thw must be [t, h, w] (positive, h and w multiples of "
+                    f"{self._embeds_merge}): the patch grid the embeddings were encoded with", param=param)
+            grid = (g[0], g[1], g[2])
+            max_rows = g[0] * g[1] * g[2] // self._embeds_merge**2
+        item = self._media("image_embeds", f"data:application/x-{embeds.format};base64,{embeds.data}", param)
+        try:
+            arr = parse_embeddings(item.data, fmt=embeds.format, hidden_size=self._embeds_hidden,
+                                   max_rows=max_rows, param=param)
+        except MediaError as exc:
+            raise RequestFailed(exc.status, str(exc), param=param, code=exc.code) from None
+        if self._embeds_merge and arr.shape[0] != max_rows:
+            raise RequestFailed.bad_request(f"{param}: embeddings have {arr.shape[0]} rows; grid_thw {list(grid)} "
+                                            f"needs {max_rows}", param=param)
+        item.mime, item.grid_thw = embeds.format, grid
+        return item
 
     def _video_sampling(self, video_url: schema.MediaURL, param: str) -> tuple[int, float]:
         """(num_frames, fps) the request asked for; 0 means "the server's default"."""

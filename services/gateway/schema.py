@@ -31,6 +31,16 @@ class InputAudio(Struct, frozen=True):
     format: str
 
 
+class EmbedsData(Struct, frozen=True):
+    """Precomputed image embeddings (mmfleet extension): base64 of one .npy or safetensors file
+    holding float [n_tokens, hidden]; ``grid_thw``: the patch grid they were encoded with
+    (required by Qwen2-VL, whose positions depend on it)."""
+
+    data: str
+    format: str = "npy"
+    grid_thw: list[int] | None = None
+
+
 class TextPart(Struct, frozen=True, tag="text", tag_field="type"):
     text: str
 
@@ -51,7 +61,11 @@ class InputAudioPart(Struct, frozen=True, tag="input_audio", tag_field="type"):
     input_audio: InputAudio
 
 
-Part = Union[TextPart, ImagePart, VideoPart, AudioURLPart, InputAudioPart]
+class ImageEmbedsPart(Struct, frozen=True, tag="image_embeds", tag_field="type"):
+    image_embeds: EmbedsData
+
+
+Part = Union[TextPart, ImagePart, VideoPart, AudioURLPart, InputAudioPart, ImageEmbedsPart]
 
 
 class Message(Struct, frozen=True):

@@ -46,7 +46,8 @@ Preprocess = Callable[[object], object]
 
 class MediaFetchHandler:
     def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess | None, lane: ComputeLane, *,
-                 preprocess_video: Preprocess | None = None, preprocess_audio: Preprocess | None = None) -> None:
+                 preprocess_video: Preprocess | None = None, preprocess_audio: Preprocess | None = None,
+                 embeds_hidden_size: int = 0) -> None:
         self._s = settings
         self._fetcher = fetcher
         self._preprocess = preprocess
@@ -66,6 +67,9 @@ class MediaFetchHandler:
             self._kinds["video"] = (settings.max_video_bytes, self._decode_video)
         if preprocess_audio is not None:
             self._kinds["audio"] = (settings.max_audio_bytes, self._decode_audio)
+        self._embeds_hidden = embeds_hidden_size
+        if embeds_hidden_size:  # precomputed image embeddings: parsed here, passed through by encode
+            self._kinds["image_embeds"] = (settings.max_image_bytes, self._decode_embeds)
 
     async def handle(self, msg: protocol.MediaFetchRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
@@ -130,6 +134,8 @@ class MediaFetchHandler:
 
     def _mm_hash(self, raw: bytes, src: protocol.MediaSource) -> str:
         h = blake3.blake3(raw)
+        if src.kind == "image_embeds":  # embeddings are never the same input as an image's bytes
+            h.update(f"|embeds:{src.mime}:{src.grid_thw}".encode())
         if src.kind == "video":  # the same bytes sampled differently are different inputs
             num_frames, fps = self._sampling(src)
             h.update(f"|video:num_frames={num_frames}:fps={fps:g}".encode())
@@ -151,6 +157,15 @@ class MediaFetchHandler:
         except ValueError as exc:  # the model's processor refuses these frames (e.g. too small)
             raise MediaError(f"{src.param}: the video cannot be processed by this model: {str(exc)[:200]}") from None
 
+    def _decode_embeds(self, raw: bytes, src: protocol.MediaSource):
+        import torch
+
+        from shared.media.embeds import parse_embeddings
+
+        arr = parse_embeddings(raw, fmt=src.mime, hidden_size=self._embeds_hidden, max_rows=1 << 20,
+                               param=src.param)
+        return _Embeds(torch.from_numpy(arr), src.grid_thw, arr.shape[0])
+
     def _decode_audio(self, raw: bytes, src: protocol.MediaSource):
         samples = decode_audio(raw, rate_hz=int(self._preprocess_audio.sampling_rate),
                                max_duration_s=self._s.max_audio_duration_s, param=src.param)
@@ -158,6 +173,13 @@ class MediaFetchHandler:
             return self._preprocess_audio(samples)
         except ValueError as exc:
             raise MediaError(f"{src.param}: the audio cannot be processed by this model: {str(exc)[:200]}") from None
+
+
+class _Embeds:
+    """Precomputed embeddings in the shape of a preprocessor's output (encode passes them on)."""
+
+    def __init__(self, values, grid_thw: tuple[int, int, int], n_tokens: int) -> None:
+        self.pixel_values, self.grid_thw, self.n_tokens = values, grid_thw, n_tokens
 
 
 def _param_of(msg: protocol.MediaFetchRequest, exc: MediaError) -> str | None:

@@ -320,3 +320,27 @@ def test_video_matches_reference_generate(client, model_dir):
         assert streamed(client, content)[0] == expected
         answers[num_frames] = expected
     assert answers[4] != answers[6]
+
+
+def test_precomputed_image_embeds_answer_like_the_image(client, model_dir):
+    """An image_embeds part (.npy of the encoder's output for an image, with its grid) skips the
+    encoder and gets exactly the answer the image itself gets; a wrong hidden size is a 400."""
+    import numpy as np
+
+    from shared.engines.qwen2_vl import Qwen2VLCompute
+
+    compute = Qwen2VLCompute(model_dir)
+    img = noise_image(11)
+    px = compute.preprocess_image(img)
+    (emb,) = compute.encode_images([px])
+    buf = io.BytesIO()
+    np.save(buf, emb.numpy())
+    part = {"type": "image_embeds", "image_embeds": {"data": base64.b64encode(buf.getvalue()).decode(),
+                                                     "format": "npy", "grid_thw": list(px.grid_thw)}}
+    by_image = chat(client, image_parts([png_data_url(img)], "What is this?")).choices[0].message.content
+    assert chat(client, [part, {"type": "text", "text": "What is this?"}]).choices[0].message.content == by_image
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((px.n_tokens, 64), np.float32))
+    part["image_embeds"]["data"] = base64.b64encode(buf.getvalue()).decode()
+    with pytest.raises(openai.BadRequestError, match="its hidden size is 128"):
+        chat(client, [part, {"type": "text", "text": "What is this?"}])
