@@ -183,8 +183,7 @@ class PromptBuilder:
         if embeds.format not in FORMATS:
             raise RequestFailed.bad_request(f"{param}: image_embeds.format must be one of {', '.join(FORMATS)}",
                                             param=param)
-        grid = (0, 0, 0)
-        max_rows = self._max_model_len
+        grid, rows_needed = (0, 0, 0), 0
         if self._embeds_merge:
             g = embeds.grid_thw
             if g is None or len(g) != 3 or min(g) < 1 or (g[1] % self._embeds_merge) or (g[2] % self._embeds_merge):
@@ -192,16 +191,16 @@ class PromptBuilder:
                     f"{param}: image_embeds.grid_thw must be [t, h, w] (positive, h and w multiples of "
                     f"{self._embeds_merge}): the patch grid the embeddings were encoded with", param=param)
             grid = (g[0], g[1], g[2])
-            max_rows = g[0] * g[1] * g[2] // self._embeds_merge**2
+            rows_needed = g[0] * g[1] * g[2] // self._embeds_merge**2
         item = self._media("image_embeds", f"data:application/x-{embeds.format};base64,{embeds.data}", param)
         try:
             arr = parse_embeddings(item.data, fmt=embeds.format, hidden_size=self._embeds_hidden,
-                                   max_rows=max_rows, param=param)
+                                   max_rows=self._max_model_len, param=param)
         except MediaError as exc:
             raise RequestFailed(exc.status, str(exc), param=param, code=exc.code) from None
-        if self._embeds_merge and arr.shape[0] != max_rows:
+        if rows_needed and arr.shape[0] != rows_needed:
             raise RequestFailed.bad_request(f"{param}: embeddings have {arr.shape[0]} rows; grid_thw {list(grid)} "
-                                            f"needs {max_rows}", param=param)
+                                            f"needs {rows_needed}", param=param)
         item.mime, item.grid_thw = embeds.format, grid
         return item
 

@@ -11,6 +11,7 @@ Network: only 127.0.0.1. The allowlist names the local media server's exact port
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import urllib.error
@@ -18,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests import procs
@@ -148,6 +150,13 @@ def vid(url: str, **extra) -> dict:
 def vpart(url: str, **extra):
     """A case body: one video part whose URL may name {media} {root}."""
     return lambda f: chat(vid(url.format(**f.ctx), **extra))
+
+
+def _embeds(arr, fmt: str = "npy") -> dict:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=True)
+    return {"type": "image_embeds", "image_embeds": {"data": b64(buf.getvalue()), "format": fmt,
+                                                     "grid_thw": [1, 4, 4]}}
 
 
 def b64(raw: bytes) -> str:
@@ -373,6 +382,12 @@ CASES = [
     Case("video: remote 404", 400, "returned HTTP 404", vpart("http://127.0.0.1:{media}/missing.mp4")),
     Case("video: ssrf to the gateway", 400, "loopback address", vpart("http://127.0.0.1:{gw}/v1/models")),
     Case("video: file symlink escape", 400, "outside the directory", vpart("file://{root}/escape.mp4")),
+    # --- precomputed embeddings
+    Case("embeds: wrong hidden size", 400, "its hidden size is 128", chat(_embeds(np.zeros((4, 64), np.float32)))),
+    Case("embeds: pickled object array", 400, "without pickle", chat(_embeds(np.array([{"x": 1}], dtype=object)))),
+    Case("embeds: rows do not fit grid_thw", 400, "needs 4", chat(_embeds(np.zeros((5, 128), np.float32)))),
+    Case("embeds: torch.save format", 400, "format must be one of npy, safetensors",
+         chat(_embeds(np.zeros((4, 128), np.float32), fmt="pt"))),
     # --- streaming requests get the same status before any SSE
     Case("stream: bad image", 400, "not a recognised image", stream_part("data:image/png;base64," + b64(b"nope"))),
     Case("stream: ssrf by name", 400, "resolves to 127.0.0.1", stream_part("http://localhost:{gw}/v1/models")),
