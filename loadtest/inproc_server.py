@@ -94,7 +94,8 @@ async def _lifecycle(app: web.Application):
     model_dir = resolve_model_path(s)
     engine = make_engine("transformers", s, model_dir)  # as a worker builds it
     await engine.start()
-    builder = PromptBuilder.for_model(model_dir, s)  # as the gateway builds it
+    # as the gateway builds it, for the modality this baseline serves (images)
+    builder = PromptBuilder.for_model(model_dir, s, only=frozenset({"image"}))
     lane = ComputeLane("media")
     async with MediaFetcher.from_settings(s) as fetcher:
         app[STATE] = InprocState(s, engine, builder, fetcher, ImagePreprocessor(model_dir), lane)

@@ -40,7 +40,7 @@ from shared.ledger import StageLedger
 from shared.metrics import MetricsServer
 from shared.liveness import heartbeat
 from shared.modes import check_engine, entry_stages, normalise
-from shared.models.registry import placeholder_token_id, resolve_model_path
+from shared.models.registry import family_of, placeholder_token_id, resolve_model_path, served_modalities
 from shared.runner import StageRunner
 from shared.settings import Settings
 from shared.stage import Context
@@ -83,6 +83,10 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     worker_id = f"{'+'.join(stages)}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     logs.set_process(worker_id)
     model_dir = resolve_model_path(settings)
+    try:  # an engine that cannot serve this model family fails here, loudly, before taking traffic
+        served_modalities(family_of(model_dir), settings.engine)
+    except ValueError as exc:
+        raise SystemExit(f"cannot start worker: {exc}") from None
     async with AsyncExitStack() as stack:
         metrics_server = await stack.enter_async_context(MetricsServer(settings.metrics_host, settings.metrics_port))
         log.info("metrics on http://%s:%d/metrics", settings.metrics_host, metrics_server.port)
@@ -162,6 +166,38 @@ class _CacheParts:
     worker_id: str
 
 
+def _hidden_size(model_dir) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return int(getattr(config, "text_config", config).hidden_size)
+
+
+def _preprocessors(model_dir, served: frozenset[str]) -> dict:
+    """modality -> the model's own processor for it (no weights), for the modalities served."""
+    out: dict = {}
+    family = family_of(model_dir).name
+    if family == "qwen2_audio":
+        from shared.engines.qwen2_audio import AudioPreprocessor
+
+        out["audio"] = AudioPreprocessor(model_dir)
+    elif family == "llava":
+        from shared.engines.llava import LlavaImagePreprocessor
+
+        out["image"] = LlavaImagePreprocessor(model_dir)
+    elif family == "llava_next_video":
+        from shared.engines.llava import NextVideoPreprocessor
+
+        out["video"] = NextVideoPreprocessor(model_dir)
+    else:
+        from shared.engines.qwen2_vl import ImagePreprocessor, VideoPreprocessor
+
+        out["image"] = ImagePreprocessor(model_dir)
+        if "video" in served:
+            out["video"] = VideoPreprocessor(model_dir)
+    return {m: p for m, p in out.items() if m in served}
+
+
 async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir, stack: AsyncExitStack,
                           parts: _CacheParts, reuse: PrefixReuse | None = None,
                           load: LoadTracker | None = None) -> dict:
@@ -185,7 +221,6 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
     if "media-fetch" in stages:
         from services.media_fetch.handler import MediaFetchHandler
         from shared.compute import ComputeLane
-        from shared.engines.qwen2_vl import ImagePreprocessor
         from shared.media.fetch import MediaFetcher
 
         fetcher = await stack.enter_async_context(MediaFetcher.from_settings(settings))
@@ -196,7 +231,11 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
             from shared.embcache.identity import model_fingerprint
 
             fingerprint = await asyncio.to_thread(model_fingerprint, model_dir)
-        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, ImagePreprocessor(model_dir), lane,
+        pre = _preprocessors(model_dir, served_modalities(family_of(model_dir), settings.engine))
+        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, pre.get("image"), lane,
+                                                    preprocess_video=pre.get("video"),
+                                                    preprocess_audio=pre.get("audio"),
+                                                    embeds_hidden_size=_hidden_size(model_dir) if "image" in pre else 0,
                                                     index=index, fingerprint=fingerprint)
     if "encode" in stages:
         from services.encode.handler import EncodeHandler

@@ -64,11 +64,17 @@ class MediaSource(Struct, frozen=True, kw_only=True):
     never rides on Kafka). ``param``: the request's JSON path, for error messages.
     """
 
-    kind: str  # "image"
+    kind: str  # a modality: "image" | "video" | "audio" (see shared.models.registry)
     param: str
     url: str = ""
     inline: TensorRef | None = None
     mime: str = ""
+    # video sampling asked by the request (0: the server's default, settings video_num_frames)
+    num_frames: int = 0
+    fps: float = 0.0  # > 0: sample this many frames per second instead (capped by max_video_frames)
+    # kind "image_embeds" (precomputed embeddings, ``mime`` = "npy" | "safetensors"): the grid
+    # they were encoded with (Qwen2-VL positions need it; (0, 0, 0) for other families)
+    grid_thw: tuple[int, int, int] = (0, 0, 0)
 
 
 class StageSpan(Struct, frozen=True):
@@ -106,8 +112,14 @@ class RequestMeta(Struct, frozen=True, kw_only=True):
 
 
 class PixelItem(Struct, frozen=True):
-    """Preprocessed pixels of one item, ready for the encoder. ``cache_key``: the item's key
-    in the embedding cache (mm_hash + model + processor identity); empty: do not cache."""
+    """Preprocessed media of one item, ready for the encoder.
+
+    ``kind``: the modality ("image", "video", "audio"). ``grid_thw``: Qwen2-VL's patch grid
+    (t, h, w) for images and videos; families without one put ``(0, 0, 0)`` there and their
+    geometry in ``meta`` (family-specific integers, e.g. an audio clip's valid feature frames).
+    ``pixels`` holds the processor output (pixel values, or audio features). ``cache_key``: the
+    item's key in the embedding cache (mm_hash + model + processor identity); empty: do not cache.
+    """
 
     index: int
     mm_hash: str
@@ -115,10 +127,13 @@ class PixelItem(Struct, frozen=True):
     n_tokens: int
     pixels: TensorRef
     cache_key: str = ""
+    kind: str = "image"
+    meta: tuple[int, ...] = ()
 
 
 class EmbeddingItem(Struct, frozen=True):
-    """Encoder output of one item: ``n_tokens`` rows of the LM's hidden size.
+    """Encoder output of one item: ``n_tokens`` rows of the LM's hidden size. ``kind`` and
+    ``meta`` as in :class:`PixelItem` (prefill needs the kind to pick the placeholder).
 
     ``cache_key``: the item's embedding-cache key (empty when not cached). ``cache_gen``
     non-zero: ``embeds`` names a slot pinned by the owner's cache WITHOUT a lease (``lease ==
@@ -132,6 +147,8 @@ class EmbeddingItem(Struct, frozen=True):
     embeds: TensorRef
     cache_key: str = ""
     cache_gen: int = 0
+    kind: str = "image"
+    meta: tuple[int, ...] = ()
 
 
 class EmbeddingIndexEntry(Struct, frozen=True):

@@ -48,6 +48,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     redis_prefix: Annotated[str, _d("prefix of every Redis key (several fleets can share one Redis)")] = "mm"
     model_path: Annotated[str, _d("local model directory; empty: the tiny offline demo model, built once "
                                   "under cache_dir")] = ""
+    demo_model: Annotated[str, _d("which tiny offline demo family to build and serve when model_path is empty: "
+                                  "qwen2-vl (image + video), qwen2-audio (audio), llava (image), "
+                                  "llava-next-video (video)")] = "qwen2-vl"
     served_model_name: Annotated[str, _d("the model name clients must ask for")] = "mmfleet-demo"
     cache_dir: Annotated[str, _d("where the demo model is built and cached (default "
                                  "$XDG_CACHE_HOME/mmfleet or ~/.cache/mmfleet)")] = \
@@ -136,6 +139,24 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
                                        "file:// refused")] = ""
     media_cache_bytes: Annotated[int, _d("media-fetch LRU of fetched http(s) bytes, bytes; 0: off")] = 64 * _MiB
     media_cache_ttl_s: Annotated[int, _d("how long fetched bytes of a URL may be served from that cache")] = 300
+
+    # --- video (decoded with PyAV in media-fetch's compute lane)
+    max_video_bytes: Annotated[int, _d("fetched / inline bytes of one video (413 beyond)")] = 64 * _MiB
+    max_video_duration_s: Annotated[float, _d("longer videos are refused (413) before any frame is "
+                                              "decoded")] = 600.0
+    max_video_frames: Annotated[int, _d("frames one video may give the model (num_frames / fps beyond it: "
+                                        "400)")] = 32
+    max_video_side: Annotated[int, _d("longest side of a video frame, pixels (413 beyond)")] = 4096
+    video_num_frames: Annotated[int, _d("frames sampled uniformly over a video when the request names "
+                                        "none")] = 8
+    video_fps: Annotated[float, _d("> 0: sample this many frames per second when the request names no "
+                                   "num_frames / fps (capped at max_video_frames); 0: video_num_frames")] = 0.0
+    max_video_decoded_frames: Annotated[int, _d("frames PyAV may decode to find the sampled ones (bounds the "
+                                                "CPU a high-frame-rate video costs)")] = 20_000
+    # --- audio (soundfile / PyAV in media-fetch's compute lane, resampled to the model's rate)
+    max_audio_bytes: Annotated[int, _d("fetched / inline bytes of one audio clip (413 beyond)")] = 16 * _MiB
+    max_audio_duration_s: Annotated[float, _d("longer clips are refused (413); Qwen2-Audio hears 30 s at "
+                                              "most")] = 30.0
 
     # --- who may send (HTTP and the Kafka ingress alike)
     api_key_hashes: Annotated[tuple[str, ...], _d("API keys as lowercase hex sha256 (`mmfleet keys hash` prints one), each optionally "

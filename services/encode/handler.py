@@ -31,6 +31,11 @@ class EncodeHandler:
         self._engine = engine  # concurrent encode() calls are batched by the engine
         self._cache = cache
 
+    async def _encode(self, pixels, item: protocol.PixelItem):
+        if item.kind.endswith("_embeds"):  # precomputed by the client (checked at the gateway): no encoder
+            return pixels
+        return await self._engine.encode(pixels, item.grid_thw, item.n_tokens, item.kind, item.meta)
+
     async def handle(self, msg: protocol.EncodeRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
         results = await asyncio.gather(*(self._item(msg, it, ctx) for it in msg.items), return_exceptions=True)
@@ -50,7 +55,7 @@ class EncodeHandler:
         async def encode() -> protocol.TensorRef:
             with timed_transfer():
                 pixels = await ctx.transfer.get(msg.owner, it.pixels)
-            emb = await self._engine.encode(pixels, it.grid_thw, it.n_tokens)
+            emb = await self._encode(pixels, it)
             if emb.shape[0] != it.n_tokens:
                 raise RuntimeError(f"encoder gave {emb.shape[0]} rows for {it.n_tokens} tokens")
             with timed_transfer():
@@ -62,4 +67,10 @@ class EncodeHandler:
         ref = await encode()
         count_uncached_encode()
         return ctx.transfer.ref(), protocol.EmbeddingItem(index=it.index, mm_hash=it.mm_hash, grid_thw=it.grid_thw,
-                                                          n_tokens=it.n_tokens, embeds=ref)
+                                                          n_tokens=it.n_tokens, embeds=ref,
+                                                          kind=it.kind.removesuffix("_embeds"), meta=it.meta)
+
+    async def _encode(self, pixels, item: protocol.PixelItem):
+        if item.kind.endswith("_embeds"):  # precomputed by the client (checked at the gateway): no encoder
+            return pixels
+        return await self._engine.encode(pixels, item.grid_thw, item.n_tokens, item.kind, item.meta)

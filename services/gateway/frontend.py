@@ -159,7 +159,8 @@ class Frontend:
         items = []
         for m in prepared.media:
             if m.data is None:
-                items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url))
+                items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url, num_frames=m.num_frames,
+                                                  fps=m.fps))
                 continue
             try:
                 ref = await self.transfer.put_wait(torch.frombuffer(bytearray(m.data), dtype=torch.uint8),
@@ -169,7 +170,8 @@ class Frontend:
                 raise Rejected.of(429, "server media buffers are full; retry shortly", code="overloaded",
                                   retry_after_s=1) from None
             leases.append(ref.lease)
-            items.append(protocol.MediaSource(kind=m.kind, param=m.param, inline=ref, mime=m.mime))
+            items.append(protocol.MediaSource(kind=m.kind, param=m.param, inline=ref, mime=m.mime,
+                                              num_frames=m.num_frames, fps=m.fps, grid_thw=m.grid_thw))
         owner = self.transfer.ref() if leases else None
         meta = protocol.RequestMeta(request_id=request_id, model=model, created_unix_ms=now_ms,
                                     deadline_unix_ms=now_ms + self.settings.request_timeout_ms,

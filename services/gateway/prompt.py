@@ -19,6 +19,10 @@ from shared.stage import RequestFailed
 from services.gateway import schema
 
 
+# OpenAI's input_audio.format values -> the MIME type its base64 data is checked as
+_INPUT_AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg"}
+
+
 @dataclass
 class MediaInput:
     kind: str
@@ -26,6 +30,9 @@ class MediaInput:
     url: str = ""  # http(s) or file:// (read by media-fetch)
     mime: str = ""
     data: bytes | None = None  # decoded data: URL
+    num_frames: int = 0  # video sampling the request asked for (0: server default)
+    fps: float = 0.0
+    grid_thw: tuple[int, int, int] = (0, 0, 0)  # image_embeds: the grid they were encoded with
 
 
 @dataclass
@@ -38,28 +45,53 @@ class Prepared:
 
 
 class PromptBuilder:
-    """Knows the model's tokenizer, chat template and placeholder token."""
+    """Knows the model's tokenizer, chat template, the modalities it takes and their placeholder
+    tokens (one per item in the rendered prompt).
 
-    def __init__(self, tokenizer, *, placeholder_token: str, max_model_len: int, settings: Settings) -> None:
+    ``placeholders``: modality -> placeholder token; its keys are the modalities served (a part
+    of any other modality is a 400 naming the modality and the model). Default: images only,
+    with ``placeholder_token``.
+    """
+
+    def __init__(self, tokenizer, *, placeholder_token: str = "", max_model_len: int, settings: Settings,
+                 placeholders: dict[str, str] | None = None, embeds_hidden_size: int = 0,
+                 embeds_merge_size: int = 0) -> None:
         self._tok = tokenizer
-        self._placeholder = placeholder_token
-        self._placeholder_id = tokenizer.convert_tokens_to_ids(placeholder_token)
+        self._placeholders = dict(placeholders) if placeholders is not None else {"image": placeholder_token}
+        self._placeholder_ids = {tokenizer.convert_tokens_to_ids(t): t for t in self._placeholders.values()}
         self._max_model_len = max_model_len
+        # image_embeds parts: accepted when the hidden size is known; a merge size > 0 means the
+        # family's positions need grid_thw (Qwen2-VL: rows = t·h·w / merge²)
+        self._embeds_hidden = embeds_hidden_size
+        self._embeds_merge = embeds_merge_size
         self._s = settings
         self._allow = as_allowlist(settings.media_allow_hosts)
-        self._max_bytes = {"image": settings.max_image_bytes}
+        self._max_bytes = {"image": settings.max_image_bytes, "video": settings.max_video_bytes,
+                           "audio": settings.max_audio_bytes, "image_embeds": settings.max_image_bytes}
+
+    @property
+    def modalities(self) -> frozenset[str]:
+        return frozenset(self._placeholders)
 
     @classmethod
-    def for_model(cls, model_dir, settings: Settings) -> PromptBuilder:
-        """The builder for a saved model: its tokenizer, its family's placeholder, its context."""
+    def for_model(cls, model_dir, settings: Settings, *, only: frozenset[str] | None = None) -> PromptBuilder:
+        """The builder for a saved model: its tokenizer, the placeholders of the modalities its
+        family takes (and the engine serves; ``only`` narrows them further), its context."""
         from transformers import AutoConfig, AutoTokenizer
 
-        from shared.models.registry import family_of
+        from shared.models.registry import family_of, served_modalities
 
         config = AutoConfig.from_pretrained(model_dir)
         max_len = getattr(getattr(config, "text_config", config), "max_position_embeddings", 4096)
-        return cls(AutoTokenizer.from_pretrained(model_dir), placeholder_token=family_of(model_dir).image_placeholder,
-                   max_model_len=max_len, settings=settings)
+        family = family_of(model_dir)
+        served = served_modalities(family, settings.engine)
+        placeholders = {m: tok for m, tok in family.placeholders.items() if m in served and (only is None or m in only)}
+        hidden = int(getattr(getattr(config, "text_config", config), "hidden_size", 0))
+        merge = int(getattr(getattr(config, "vision_config", None), "spatial_merge_size", 0) or 0) \
+            if family.name == "qwen2_vl" else 0
+        return cls(AutoTokenizer.from_pretrained(model_dir), max_model_len=max_len, settings=settings,
+                   placeholders=placeholders, embeds_hidden_size=hidden if only is None else 0,
+                   embeds_merge_size=merge)
 
     # ------------------------------------------------------------------ chat
     def chat(self, req: schema.ChatCompletionRequest) -> Prepared:
@@ -75,9 +107,10 @@ class PromptBuilder:
                                 param="messages", code="too_many_media_items")
         text = self._tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
         ids = self._tokenize(text)
-        if sum(1 for t in ids if t == self._placeholder_id) != len(media):
+        if sum(1 for t in ids if t in self._placeholder_ids) != len(media):
             raise RequestFailed.bad_request(
-                f"text may not contain the reserved token {self._placeholder}", param="messages")
+                f"text may not contain the reserved tokens {', '.join(self._placeholder_ids.values())}",
+                param="messages")
         return Prepared(ids, media, self._sampling(req, req.max_completion_tokens or req.max_tokens),
                         req.stream, bool(req.stream_options and req.stream_options.include_usage))
 
@@ -96,14 +129,98 @@ class PromptBuilder:
                     if image_url.detail not in (None, "auto", "low", "high"):
                         raise RequestFailed.bad_request(f"{param}: image_url.detail must be one of auto, low, high",
                                                         param=param)
+                    self._check_modality("image", "image_url", param)
                     media.append(self._media("image", image_url.url, param))
                     parts.append({"type": "image"})
+                case schema.VideoPart(video_url=video_url):
+                    self._check_modality("video", "video_url", param)
+                    if msg.role != "user":
+                        raise RequestFailed.bad_request(f"{param}: videos are accepted in user messages only", param=param)
+                    item = self._media("video", video_url.url, param)
+                    item.num_frames, item.fps = self._video_sampling(video_url, param)
+                    media.append(item)
+                    parts.append({"type": "video"})
+                case schema.ImageEmbedsPart(image_embeds=embeds):
+                    self._check_modality("image", "image_embeds", param)
+                    if msg.role != "user":
+                        raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only", param=param)
+                    media.append(self._embeds(embeds, param))
+                    parts.append({"type": "image"})
+                case schema.AudioURLPart(audio_url=audio_url):
+                    self._check_modality("audio", "audio_url", param)
+                    media.append(self._media("audio", audio_url.url, param))
+                    parts.append({"type": "audio"})
+                case schema.InputAudioPart(input_audio=input_audio):
+                    self._check_modality("audio", "input_audio", param)
+                    mime = _INPUT_AUDIO_MIME.get(input_audio.format)
+                    if mime is None:
+                        raise RequestFailed.bad_request(f"{param}: input_audio.format must be one of "
+                                                        f"{', '.join(_INPUT_AUDIO_MIME)}", param=param)
+                    media.append(self._media("audio", f"data:{mime};base64,{input_audio.data}", param))
+                    parts.append({"type": "audio"})
                 case _:
                     kind = type(part).__struct_config__.tag
-                    raise RequestFailed(422, f"{param}: model {self._s.served_model_name} does not accept "
-                                             f"{kind} content; it accepts text and image_url parts",
-                                        param=param, code="unsupported_modality")
+                    raise RequestFailed(422, f"{param}: {kind} content is not supported", param=param,
+                                        code="unsupported_modality")
         return parts
+
+    def _check_modality(self, modality: str, part: str, param: str) -> None:
+        """A part of a modality the served model does not take is a 400 that names both."""
+        if modality in self._placeholders:
+            return
+        accepts = ", ".join(["text", *(m for m in ("image", "video", "audio") if m in self._placeholders)])
+        raise RequestFailed(400, f"{param}: model {self._s.served_model_name!r} does not accept {modality} input "
+                                 f"({part} parts); it accepts {accepts}", param=param, code="unsupported_modality")
+
+    def _embeds(self, embeds: schema.EmbedsData, param: str) -> MediaInput:
+        """Precomputed image embeddings: decoded and checked here (format, hidden size, rows
+        against grid_thw), held inline like a data: URL; encode passes them through."""
+        from shared.media.embeds import FORMATS, parse_embeddings
+
+        if not self._embeds_hidden:
+            raise RequestFailed(422, f"{param}: this server does not take image_embeds", param=param,
+                                code="unsupported_modality")
+        if embeds.format not in FORMATS:
+            raise RequestFailed.bad_request(f"{param}: image_embeds.format must be one of {', '.join(FORMATS)}",
+                                            param=param)
+        grid, rows_needed = (0, 0, 0), 0
+        if self._embeds_merge:
+            g = embeds.grid_thw
+            if g is None or len(g) != 3 or min(g) < 1 or (g[1] % self._embeds_merge) or (g[2] % self._embeds_merge):
+                raise RequestFailed.bad_request(
+                    f"{param}: image_embeds.grid_thw must be [t, h, w] (positive, h and w multiples of "
+                    f"{self._embeds_merge}): the patch grid the embeddings were encoded with", param=param)
+            grid = (g[0], g[1], g[2])
+            rows_needed = g[0] * g[1] * g[2] // self._embeds_merge**2
+        item = self._media("image_embeds", f"data:application/x-{embeds.format};base64,{embeds.data}", param)
+        try:
+            arr = parse_embeddings(item.data, fmt=embeds.format, hidden_size=self._embeds_hidden,
+                                   max_rows=self._max_model_len, param=param)
+        except MediaError as exc:
+            raise RequestFailed(exc.status, str(exc), param=param, code=exc.code) from None
+        if rows_needed and arr.shape[0] != rows_needed:
+            raise RequestFailed.bad_request(f"{param}: embeddings have {arr.shape[0]} rows; grid_thw {list(grid)} "
+                                            f"needs {rows_needed}", param=param)
+        item.mime, item.grid_thw = embeds.format, grid
+        return item
+
+    def _video_sampling(self, video_url: schema.MediaURL, param: str) -> tuple[int, float]:
+        """(num_frames, fps) the request asked for; 0 means "the server's default"."""
+        s = self._s
+        if video_url.num_frames is not None and video_url.fps is not None:
+            raise RequestFailed.bad_request(f"{param}: give video_url.num_frames or video_url.fps, not both",
+                                            param=param)
+        if video_url.num_frames is not None:
+            if not 1 <= video_url.num_frames <= s.max_video_frames:
+                raise RequestFailed.bad_request(f"{param}: video_url.num_frames must be between 1 and "
+                                                f"{s.max_video_frames}", param=param)
+            return video_url.num_frames, 0.0
+        if video_url.fps is not None:
+            if not 0.0 < video_url.fps <= 60.0:
+                raise RequestFailed.bad_request(f"{param}: video_url.fps must be above 0 and at most 60",
+                                                param=param)
+            return 0, float(video_url.fps)
+        return 0, 0.0
 
     def _media(self, kind: str, url: str, param: str) -> MediaInput:
         """Checks that need no I/O: data: URLs are decoded here (MIME, base64, size); http(s)
@@ -134,8 +251,9 @@ class PromptBuilder:
     def completion(self, req: schema.CompletionRequest) -> Prepared:
         self._check_common(req.model, req.n)
         ids = self._tokenize(req.prompt)
-        if self._placeholder_id in ids:
-            raise RequestFailed.bad_request(f"prompt may not contain the reserved token {self._placeholder}",
+        reserved = [tok for tid, tok in self._placeholder_ids.items() if tid in ids]
+        if reserved:
+            raise RequestFailed.bad_request(f"prompt may not contain the reserved token {reserved[0]}",
                                             param="prompt")
         return Prepared(ids, [], self._sampling(req, req.max_tokens), req.stream,
                         bool(req.stream_options and req.stream_options.include_usage))

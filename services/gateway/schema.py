@@ -21,11 +21,24 @@ class ImageURL(Struct, frozen=True):
 
 class MediaURL(Struct, frozen=True):
     url: str
+    # video only (mmfleet extension): how to sample frames; at most one of the two
+    num_frames: int | None = None
+    fps: float | None = None
 
 
 class InputAudio(Struct, frozen=True):
     data: str
     format: str
+
+
+class EmbedsData(Struct, frozen=True):
+    """Precomputed image embeddings (mmfleet extension): base64 of one .npy or safetensors file
+    holding float [n_tokens, hidden]; ``grid_thw``: the patch grid they were encoded with
+    (required by Qwen2-VL, whose positions depend on it)."""
+
+    data: str
+    format: str = "npy"
+    grid_thw: list[int] | None = None
 
 
 class TextPart(Struct, frozen=True, tag="text", tag_field="type"):
@@ -48,7 +61,11 @@ class InputAudioPart(Struct, frozen=True, tag="input_audio", tag_field="type"):
     input_audio: InputAudio
 
 
-Part = Union[TextPart, ImagePart, VideoPart, AudioURLPart, InputAudioPart]
+class ImageEmbedsPart(Struct, frozen=True, tag="image_embeds", tag_field="type"):
+    image_embeds: EmbedsData
+
+
+Part = Union[TextPart, ImagePart, VideoPart, AudioURLPart, InputAudioPart, ImageEmbedsPart]
 
 
 class Message(Struct, frozen=True):

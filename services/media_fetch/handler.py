@@ -8,19 +8,23 @@ released here: the gateway holds them until the request ends, so a restart from 
 goes on. mm_hash = BLAKE3 of the raw fetched bytes, so identical content hashes the same
 wherever it came from.
 
-Embedding cache (``index`` and ``fingerprint`` given): each item's cache key is its mm_hash
-plus the model's fingerprint. On a request's first attempt, when EVERY item has a live entry
-in the embedding index, nothing is decoded: the request goes straight to ``mm.prefill`` with
-the owners' descriptors (lease-less; prefill validates them). Otherwise every item is decoded
-and sent to encode with its cache key (encode reuses what it can). A restarted request
-(``attempt > 0``: a cached embedding failed it) never takes the hit path. The encode record's
-key is the first item's cache key (or mm_hash), so concurrent requests for one image meet in
-one encode worker and coalesce there.
-
 Loading: http(s) through the shared :class:`MediaFetcher` (address policy, caps, timeouts),
 with concurrent requests for one URL sharing one download and recent bytes kept in an LRU
 bounded in bytes (``media_cache_bytes``, ``media_cache_ttl_s``); ``file://`` only under
-``media_file_root``. Decoding is dispatched on the item's ``kind`` (only ``image`` today).
+``media_file_root``. Decoding is dispatched on the item's ``kind``: ``image`` (always) and
+``video`` (when the model has a video preprocessor): PyAV decode + frame sampling on the
+compute lane, never on the event loop; ``audio`` (when the model has a feature extractor):
+decode, mono, resample to its rate, then features. A video's mm_hash also covers how it was sampled
+(``num_frames`` / ``fps``): the same bytes sampled differently are different model inputs.
+
+Embedding cache (``index`` and ``fingerprint`` given): each item's cache key is its mm_hash
+plus the model's fingerprint and its kind. On a request's first attempt, when EVERY item is an
+image or a video with a live entry in the embedding index, nothing is decoded: the request goes
+straight to ``mm.prefill`` with the owners' descriptors (lease-less; prefill validates them).
+Otherwise every item is decoded and sent to encode with its cache key (encode reuses what it
+can). A restarted request (``attempt > 0``: a cached embedding failed it) never takes the hit
+path. The encode record's key is the first item's cache key (or mm_hash), so concurrent
+requests for one item meet in one encode worker and coalesce there.
 """
 
 from __future__ import annotations
@@ -41,29 +45,46 @@ from shared.keys import TOPIC_ENCODE, TOPIC_PREFILL
 from shared.media.cache import FetchCache
 from shared.media.fetch import MediaFetcher
 from shared.media.files import load_file
+from shared.media.audio import decode_audio
 from shared.media.images import decode_image
+from shared.media.video import VideoLimits, decode_video
 from shared.media.sources import REMOTE_SCHEMES, MediaError, scheme_of
 from shared.settings import Settings
 from shared.stage import Context, Outcome, Produce, RequestFailed
 
-# image -> object with pixel_values (float32 [n_patches, patch_dim]), grid_thw, n_tokens
+# image (PIL) or video (uint8 [frames, h, w, 3]) -> object with pixel_values (float32
+# [n_patches, patch_dim]), grid_thw, n_tokens
 Preprocess = Callable[[object], object]
 
 
 class MediaFetchHandler:
-    def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess, lane: ComputeLane, *,
-                 index: EmbeddingIndex | None = None, fingerprint: str = "") -> None:
+    def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess | None, lane: ComputeLane, *,
+                 preprocess_video: Preprocess | None = None, preprocess_audio: Preprocess | None = None,
+                 embeds_hidden_size: int = 0, index: EmbeddingIndex | None = None, fingerprint: str = "") -> None:
         self._s = settings
         self._index = index
         self._fingerprint = fingerprint
         self._fetcher = fetcher
         self._preprocess = preprocess
+        self._preprocess_video = preprocess_video
+        # audio: float32 mono samples at ``preprocess_audio.sampling_rate`` -> features
+        self._preprocess_audio = preprocess_audio
         self._lane = lane
         self.cache = FetchCache(settings.media_cache_bytes, ttl_s=settings.media_cache_ttl_s)
-        # kind -> (byte cap, decoder run on the compute lane: (raw, param) -> preprocessed)
-        self._kinds: dict[str, tuple[int, Callable[[bytes, str], object]]] = {
-            "image": (settings.max_image_bytes, self._decode_image),
-        }
+        self._video_limits = VideoLimits(max_duration_s=settings.max_video_duration_s,
+                                         max_frames=settings.max_video_frames, max_side=settings.max_video_side,
+                                         max_decoded_frames=settings.max_video_decoded_frames)
+        # kind -> (byte cap, decoder run on the compute lane: (raw, source) -> preprocessed)
+        self._kinds: dict[str, tuple[int, Callable[[bytes, protocol.MediaSource], object]]] = {}
+        if preprocess is not None:
+            self._kinds["image"] = (settings.max_image_bytes, self._decode_image)
+        if preprocess_video is not None:
+            self._kinds["video"] = (settings.max_video_bytes, self._decode_video)
+        if preprocess_audio is not None:
+            self._kinds["audio"] = (settings.max_audio_bytes, self._decode_audio)
+        self._embeds_hidden = embeds_hidden_size
+        if embeds_hidden_size:  # precomputed image embeddings: parsed here, passed through by encode
+            self._kinds["image_embeds"] = (settings.max_image_bytes, self._decode_embeds)
 
     async def handle(self, msg: protocol.MediaFetchRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
@@ -75,8 +96,8 @@ class MediaFetchHandler:
                     raws.append(await self._load(src, max_bytes, msg.owner, ctx))
         except MediaError as exc:
             raise RequestFailed(exc.status, str(exc), param=_param_of(msg, exc), code=exc.code) from None
-        hashes = [blake3.blake3(raw).hexdigest() for raw in raws]
-        keys = [cache_key(self._fingerprint, h, src.kind) if self._fingerprint else ""
+        hashes = [self._mm_hash(raw, src) for raw, src in zip(raws, msg.items, strict=True)]
+        keys = [cache_key(self._fingerprint, h, src.kind) if self._fingerprint and src.kind != "image_embeds" else ""
                 for h, src in zip(hashes, msg.items, strict=True)]
         hit = await self._all_cached(msg, hashes, keys)
         if hit is not None:
@@ -85,11 +106,12 @@ class MediaFetchHandler:
         try:
             for index, (src, raw) in enumerate(zip(msg.items, raws, strict=True)):
                 _, decode = self._kind(src)
-                px = await self._lane.run(decode, raw, src.param)
+                px = await self._lane.run(decode, raw, src)
                 with timed_transfer():
                     ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000)
                 items.append(protocol.PixelItem(index=index, mm_hash=hashes[index], grid_thw=px.grid_thw,
-                                                n_tokens=px.n_tokens, pixels=ref, cache_key=keys[index]))
+                                                n_tokens=px.n_tokens, pixels=ref, cache_key=keys[index],
+                                                kind=src.kind, meta=tuple(getattr(px, "meta", ()))))
         except BaseException as exc:
             for item in items:  # nobody will read these slots: free them now, not at TTL
                 ctx.transfer.free_local(item.pixels.lease)
@@ -102,8 +124,10 @@ class MediaFetchHandler:
 
     async def _all_cached(self, msg: protocol.MediaFetchRequest, hashes: list[str],
                           keys: list[str]) -> protocol.PrefillRequest | None:
-        """The request for prefill when every item has a live index entry, else None."""
-        if self._index is None or not keys or not all(keys) or msg.meta.attempt > 0:
+        """The request for prefill when every item has a live index entry, else None. Only
+        images and videos (their geometry is in the entry; audio items carry encoder meta)."""
+        if self._index is None or not keys or not all(keys) or msg.meta.attempt > 0 \
+                or any(src.kind not in ("image", "video") for src in msg.items):
             return None
         entries = await asyncio.gather(*(self._index.lookup_live(k) for k in keys))
         if any(e is None for e in entries):
@@ -112,8 +136,8 @@ class MediaFetchHandler:
         HITS.labels(stage="media-fetch", source="index").inc(len(entries))
         owners = {e.owner.name: e.owner for e in entries}
         items = tuple(protocol.EmbeddingItem(index=i, mm_hash=h, grid_thw=e.grid_thw, n_tokens=e.n_tokens,
-                                             embeds=e.embeds, cache_key=k, cache_gen=e.gen)
-                      for i, (h, k, e) in enumerate(zip(hashes, keys, entries, strict=True)))
+                                             embeds=e.embeds, cache_key=k, cache_gen=e.gen, kind=src.kind)
+                      for i, (h, k, e, src) in enumerate(zip(hashes, keys, entries, msg.items, strict=True)))
         return protocol.PrefillRequest(meta=msg.meta, owners=tuple(owners.values()), items=items)
 
     def _kind(self, src: protocol.MediaSource) -> tuple[int, Callable[[bytes, str], object]]:
@@ -154,12 +178,62 @@ class MediaFetchHandler:
         except MediaError as exc:
             raise exc.for_param(src.param) from None
 
-    def _decode_image(self, raw: bytes, param: str):
+    def _sampling(self, src: protocol.MediaSource) -> tuple[int, float]:
+        """(num_frames, fps) for a video: the request's, else the server's defaults."""
+        if src.num_frames > 0 or src.fps > 0:
+            return src.num_frames, src.fps
+        if self._s.video_fps > 0:
+            return 0, self._s.video_fps
+        return self._s.video_num_frames, 0.0
+
+    def _mm_hash(self, raw: bytes, src: protocol.MediaSource) -> str:
+        h = blake3.blake3(raw)
+        if src.kind == "image_embeds":  # embeddings are never the same input as an image's bytes
+            h.update(f"|embeds:{src.mime}:{src.grid_thw}".encode())
+        if src.kind == "video":  # the same bytes sampled differently are different inputs
+            num_frames, fps = self._sampling(src)
+            h.update(f"|video:num_frames={num_frames}:fps={fps:g}".encode())
+        return h.hexdigest()
+
+    def _decode_image(self, raw: bytes, src: protocol.MediaSource):
+        param = src.param
         img = decode_image(raw, max_pixels=self._s.max_image_pixels, param=param)
         try:
             return self._preprocess(img)
         except ValueError as exc:  # the model's processor refuses this image (e.g. extreme aspect ratio)
             raise MediaError(f"{param}: the image cannot be processed by this model: {str(exc)[:200]}") from None
+
+    def _decode_video(self, raw: bytes, src: protocol.MediaSource):
+        num_frames, fps = self._sampling(src)
+        frames = decode_video(raw, num_frames=num_frames, fps=fps, limits=self._video_limits, param=src.param)
+        try:
+            return self._preprocess_video(frames)
+        except ValueError as exc:  # the model's processor refuses these frames (e.g. too small)
+            raise MediaError(f"{src.param}: the video cannot be processed by this model: {str(exc)[:200]}") from None
+
+    def _decode_embeds(self, raw: bytes, src: protocol.MediaSource):
+        import torch
+
+        from shared.media.embeds import parse_embeddings
+
+        arr = parse_embeddings(raw, fmt=src.mime, hidden_size=self._embeds_hidden, max_rows=1 << 20,
+                               param=src.param)
+        return _Embeds(torch.from_numpy(arr), src.grid_thw, arr.shape[0])
+
+    def _decode_audio(self, raw: bytes, src: protocol.MediaSource):
+        samples = decode_audio(raw, rate_hz=int(self._preprocess_audio.sampling_rate),
+                               max_duration_s=self._s.max_audio_duration_s, param=src.param)
+        try:
+            return self._preprocess_audio(samples)
+        except ValueError as exc:
+            raise MediaError(f"{src.param}: the audio cannot be processed by this model: {str(exc)[:200]}") from None
+
+
+class _Embeds:
+    """Precomputed embeddings in the shape of a preprocessor's output (encode passes them on)."""
+
+    def __init__(self, values, grid_thw: tuple[int, int, int], n_tokens: int) -> None:
+        self.pixel_values, self.grid_thw, self.n_tokens = values, grid_thw, n_tokens
 
 
 def _param_of(msg: protocol.MediaFetchRequest, exc: MediaError) -> str | None:

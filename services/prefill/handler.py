@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from shared import protocol
 from shared.embcache.pull import EmbeddingPuller
-from shared.engines.base import Engine, ImageEmbeds
+from shared.engines.base import Engine, MediaEmbeds
 from shared.keys import TOPIC_DECODE
 from shared.kv.reuse import Lookup, PrefixReuse
 from shared.kv.table import LoadTracker
@@ -24,7 +24,7 @@ from shared.tracing import timed_transfer
 
 
 def expanded_prompt_len(msg: protocol.PrefillRequest) -> int:
-    """Prompt length once each image placeholder becomes the image's tokens."""
+    """Prompt length once each media placeholder becomes the item's tokens."""
     return len(msg.meta.prompt_token_ids) + sum(it.n_tokens - 1 for it in msg.items)
 
 
@@ -38,7 +38,7 @@ def check_context(msg: protocol.PrefillRequest, max_model_len: int) -> int:
 
 
 async def pull_images(msg: protocol.PrefillRequest, ctx: Context,
-                      puller: EmbeddingPuller | None = None) -> list[ImageEmbeds]:
+                      puller: EmbeddingPuller | None = None) -> list[MediaEmbeds]:
     """The request's embeddings in prompt order, pulled from their owners (through the
     embedding cache's checks and prefill's recent copies when ``puller`` has them)."""
     return await (puller or _PLAIN).pull(msg, ctx)

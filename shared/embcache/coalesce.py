@@ -154,7 +154,8 @@ class EncodeCache:
     @staticmethod
     def _item(item: protocol.PixelItem, ref: protocol.TensorRef, gen: int = 0) -> protocol.EmbeddingItem:
         return protocol.EmbeddingItem(index=item.index, mm_hash=item.mm_hash, grid_thw=item.grid_thw,
-                                      n_tokens=item.n_tokens, embeds=ref, cache_key=item.cache_key, cache_gen=gen)
+                                      n_tokens=item.n_tokens, embeds=ref, cache_key=item.cache_key, cache_gen=gen,
+                                      kind=item.kind.removesuffix("_embeds"), meta=item.meta)
 
 
 def count_uncached_encode() -> None:

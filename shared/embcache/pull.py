@@ -20,7 +20,7 @@ from shared import protocol
 from shared.embcache.index import EmbeddingIndex
 from shared.embcache.metrics import FALLBACKS, HITS
 from shared.embcache.recent import RecentEmbeddings
-from shared.engines.base import ImageEmbeds
+from shared.engines.base import MediaEmbeds
 from shared.stage import Context
 from shared.tracing import timed_transfer
 from shared.transfer import OwnerGoneError
@@ -31,7 +31,7 @@ class EmbeddingPuller:
         self._index = index
         self._recent = recent
 
-    async def pull(self, msg: protocol.PrefillRequest, ctx: Context) -> list[ImageEmbeds]:
+    async def pull(self, msg: protocol.PrefillRequest, ctx: Context) -> list[MediaEmbeds]:
         """The request's embeddings in prompt order."""
         owners = {o.name: o for o in msg.owners}
         items = sorted(msg.items, key=lambda it: it.index)
@@ -41,7 +41,7 @@ class EmbeddingPuller:
         for e in embeds:
             if isinstance(e, BaseException):
                 raise e
-        return [(emb, it.grid_thw) for emb, it in zip(embeds, items, strict=True)]
+        return [MediaEmbeds(emb, it.grid_thw, it.kind) for emb, it in zip(embeds, items, strict=True)]
 
     async def _one(self, owner: protocol.AgentRef, it: protocol.EmbeddingItem, ctx: Context):
         key = it.cache_key

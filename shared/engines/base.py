@@ -21,14 +21,25 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from shared import protocol
 
-# (embeddings [n_tokens, hidden] float32, grid_thw) of one image, in prompt order
-ImageEmbeds = tuple[torch.Tensor, tuple[int, int, int]]
+
+class MediaEmbeds(NamedTuple):
+    """Encoder output of one media item, in prompt order: embeddings ``[n_tokens, hidden]``
+    float32, Qwen's ``grid_thw`` (``(0, 0, 0)`` for families without one) and the modality,
+    which picks the placeholder the embeddings replace."""
+
+    embeds: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    kind: str = "image"
+
+
+# a plain ``(embeds, grid_thw)`` pair is an image (what callers before MediaEmbeds passed)
+ImageEmbeds = MediaEmbeds
 
 
 @dataclass(frozen=True)
@@ -69,8 +80,10 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def encode(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int], n_tokens: int) -> torch.Tensor:
-        """One image's embeddings; concurrent calls are batched into one forward."""
+    async def encode(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int], n_tokens: int,
+                     kind: str = "image", meta: tuple[int, ...] = ()) -> torch.Tensor:
+        """One item's embeddings (``kind``: its modality, ``meta``: its family-specific
+        geometry, see ``protocol.PixelItem``); concurrent calls are batched."""
         ...
 
     def generate(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],

@@ -31,7 +31,7 @@ from PIL import Image
 
 @dataclass(frozen=True)
 class ImagePixels:
-    """Processor output for one image.
+    """Processor output for one image (or video: ``kind="video"``).
 
     pixel_values: float32 [n_patches, patch_dim] (patch_dim = C·t_patch·p·p).
     grid_thw: (t, h, w) in patches.  n_tokens = t·h·w / merge² (LM image tokens).
@@ -40,6 +40,8 @@ class ImagePixels:
     pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]
     n_tokens: int
+    kind: str = "image"
+    meta: tuple[int, ...] = ()  # family-specific geometry (Qwen2-Audio: valid feature frames)
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,38 @@ class ImagePreprocessor:
         return ImagePixels(out["pixel_values"].to(torch.float32).contiguous(), grid, n_tokens)
 
 
+class VideoPreprocessor:
+    """The model's own video processor alone (no weights): what media-fetch runs on sampled
+    frames (``uint8 [frames, h, w, 3]``). Output as :class:`ImagePixels` (``pixel_values`` are
+    ``pixel_values_videos``, ``grid_thw`` is ``video_grid_thw``), exactly what ``AutoProcessor``
+    gives for ``videos=[frames]``."""
+
+    def __init__(self, model_dir: Path | str, *, processor=None) -> None:
+        if processor is None:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(str(model_dir))
+        self._video_processor = processor.video_processor
+        self._merge = int(self._video_processor.merge_size)
+
+    @torch.inference_mode()
+    def __call__(self, frames) -> ImagePixels:
+        out = self._video_processor(videos=[frames], return_tensors="pt")
+        grid = tuple(int(x) for x in out["video_grid_thw"][0].tolist())
+        n_tokens = grid[0] * grid[1] * grid[2] // (self._merge**2)
+        return ImagePixels(out["pixel_values_videos"].to(torch.float32).contiguous(), grid, n_tokens)
+
+
+def _kind(item) -> str:
+    """An item's modality: ``MediaEmbeds`` / ``ImagePixels`` carry one; plain tuples are images."""
+    return getattr(item, "kind", "image")
+
+
 class Qwen2VLCompute:
     """Loads a Qwen2-VL model dir once; methods are safe to call from one thread at a time
     per state object (the model itself is only read)."""
+
+    supports_prefix_kv = True  # prefill(prefix_kv=...) computes only the rest of the prompt
 
     def __init__(self, model_dir: Path | str) -> None:
         from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
@@ -100,6 +131,9 @@ class Qwen2VLCompute:
         ).eval()
         cfg = self.model.config
         self.placeholder_token_id: int = int(cfg.image_token_id)
+        self.video_token_id: int = int(cfg.video_token_id)
+        # modality -> (placeholder token id, mm_token_type id get_rope_index expects)
+        self._placeholder = {"image": (self.placeholder_token_id, 1), "video": (self.video_token_id, 2)}
         self.hidden_size: int = int(cfg.text_config.hidden_size)
         self.merge_size: int = int(cfg.vision_config.spatial_merge_size)
         text_cfg = cfg.text_config
@@ -109,6 +143,7 @@ class Qwen2VLCompute:
         self.eos_token_ids: frozenset[int] = self._eos_ids()
         self.max_model_len: int = int(text_cfg.max_position_embeddings)
         self.preprocess_image = ImagePreprocessor(self.model_dir, processor=self.processor)
+        self.preprocess_video = VideoPreprocessor(self.model_dir, processor=self.processor)
 
     @property
     def tokenizer(self):
@@ -133,16 +168,24 @@ class Qwen2VLCompute:
 
     @torch.inference_mode()
     def encode_images(self, items: list[ImagePixels]) -> list[torch.Tensor]:
-        """One vision forward over all items; returns float32 [n_tokens, hidden] per item."""
-        if not items:
-            return []
-        pixel_values = torch.cat([it.pixel_values for it in items], dim=0)
-        grid_thw = torch.tensor([it.grid_thw for it in items], dtype=torch.long)
-        out = self.model.model.get_image_features(pixel_values, grid_thw, return_dict=True)
-        feats = out.pooler_output  # tuple split per image by get_image_features
-        # clone: the splits are views of one batch tensor; an item shipped or cached on
-        # its own must not keep the whole batch's storage alive.
-        result = [f.to(torch.float32).contiguous().clone() for f in feats]
+        """One vision forward per modality present (images, videos) over all items; returns
+        float32 [n_tokens, hidden] per item, in the order given."""
+        result: list[torch.Tensor | None] = [None] * len(items)
+        for kind in ("image", "video"):
+            idx = [i for i, it in enumerate(items) if _kind(it) == kind]
+            if not idx:
+                continue
+            pixel_values = torch.cat([items[i].pixel_values for i in idx], dim=0)
+            grid_thw = torch.tensor([items[i].grid_thw for i in idx], dtype=torch.long)
+            features = self.model.model.get_image_features if kind == "image" else self.model.model.get_video_features
+            feats = features(pixel_values, grid_thw, return_dict=True).pooler_output  # split per item
+            # clone: the splits are views of one batch tensor; an item shipped or cached on
+            # its own must not keep the whole batch's storage alive.
+            for i, f in zip(idx, feats, strict=True):
+                result[i] = f.to(torch.float32).contiguous().clone()
+        unknown = sorted({_kind(it) for it in items} - {"image", "video"})
+        if unknown:
+            raise ValueError(f"Qwen2-VL encodes images and videos, not {', '.join(unknown)}")
         for it, f in zip(items, result):
             if f.shape != (it.n_tokens, self.hidden_size):
                 raise RuntimeError(f"encoder output {tuple(f.shape)} != ({it.n_tokens}, {self.hidden_size})")
@@ -150,55 +193,58 @@ class Qwen2VLCompute:
 
     # ---- prefill --------------------------------------------------------------
 
-    def expand_prompt(
-        self, prompt_ids: list[int], images: list[tuple[torch.Tensor, tuple[int, int, int]]]
-    ) -> list[int]:
-        """Replace the i-th placeholder by images[i]'s token count of placeholders.
+    def expand_prompt(self, prompt_ids: list[int], images: list) -> list[int]:
+        """Replace the i-th placeholder (image or video token) by items[i]'s token count of it.
 
-        Raises ValueError when the placeholder count differs from len(images) or an
-        embedding's row count disagrees with t·h·w/merge².
+        ``images``: ``(embeds, grid_thw[, kind])`` per item in prompt order (``MediaEmbeds``).
+        Raises ValueError when the placeholders differ from the items (count or modality, in
+        order) or an embedding's row count disagrees with t·h·w/merge².
         """
-        n_placeholders = sum(1 for t in prompt_ids if t == self.placeholder_token_id)
-        if n_placeholders != len(images):
-            raise ValueError(f"prompt has {n_placeholders} image placeholders but {len(images)} images given")
+        ids_of = {tok: kind for kind, (tok, _) in self._placeholder.items()}
+        found = [ids_of[t] for t in prompt_ids if t in ids_of]
+        kinds = [_kind(it) for it in images]
+        if found != kinds:
+            raise ValueError(f"prompt has placeholders {found} but items {kinds} given")
         expanded: list[int] = []
         it = iter(images)
         for tok in prompt_ids:
-            if tok != self.placeholder_token_id:
+            if tok not in ids_of:
                 expanded.append(tok)
                 continue
-            embeds, (t, h, w) = next(it)
+            item = next(it)
+            embeds, (t, h, w) = item[0], item[1]
             n = t * h * w // (self.merge_size**2)
             if embeds.shape[0] != n:
-                raise ValueError(f"image embedding has {embeds.shape[0]} rows, grid {(t, h, w)} needs {n}")
-            expanded.extend([self.placeholder_token_id] * n)
+                raise ValueError(f"{ids_of[tok]} embedding has {embeds.shape[0]} rows, grid {(t, h, w)} needs {n}")
+            expanded.extend([tok] * n)
         return expanded
 
     @torch.inference_mode()
-    def prefill(
-        self, prompt_ids: list[int], images: list[tuple[torch.Tensor, tuple[int, int, int]]],
-        prefix_kv: torch.Tensor | None = None,
-    ) -> PrefillResult:
-        """Run the LM over the prompt with image embeddings merged at the placeholders.
+    def prefill(self, prompt_ids: list[int], images: list, prefix_kv: torch.Tensor | None = None) -> PrefillResult:
+        """Run the LM over the prompt with image / video embeddings merged at the placeholders.
 
         ``prefix_kv``: packed KV of the prompt's first ``P < prompt_len`` expanded positions
         (from an earlier prompt with the same prefix, see :mod:`shared.kv`); only positions
-        ``P..`` are computed, with their M-RoPE positions taken from the whole prompt (an
-        image's positions depend only on what precedes it and on its grid), and the returned
+        ``P..`` are computed, with their M-RoPE positions taken from the whole prompt (a media
+        item's positions depend only on what precedes it and on its grid), and the returned
         KV covers the whole prompt.
         """
         from transformers import DynamicCache
 
         expanded = self.expand_prompt(prompt_ids, images)
         input_ids = torch.tensor([expanded], dtype=torch.long)
-        is_image = input_ids == self.placeholder_token_id
         seq_len = input_ids.shape[1]
+        token_type = torch.zeros_like(input_ids, dtype=torch.int)
+        for tok, type_id in self._placeholder.values():
+            token_type[input_ids == tok] = type_id
+        is_media = token_type > 0
 
         if images:
-            grid_thw = torch.tensor([g for _, g in images], dtype=torch.long)
-            mm_token_type_ids = is_image.to(torch.int)
+            grids = {kind: [it[1] for it in images if _kind(it) == kind] for kind in ("image", "video")}
             vision_pos, deltas = self.model.model.get_rope_index(
-                input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grid_thw
+                input_ids, mm_token_type_ids=token_type,
+                image_grid_thw=torch.tensor(grids["image"], dtype=torch.long) if grids["image"] else None,
+                video_grid_thw=torch.tensor(grids["video"], dtype=torch.long) if grids["video"] else None,
             )
             rope_delta = int(deltas.reshape(-1)[0].item())
         else:
@@ -210,9 +256,9 @@ class Qwen2VLCompute:
         position_ids = torch.cat([text_pos, vision_pos], dim=0)
 
         embeds = self.model.get_input_embeddings()(input_ids)
-        if images:
-            image_embeds = torch.cat([e.to(embeds.dtype) for e, _ in images], dim=0)
-            embeds = embeds.masked_scatter(is_image.unsqueeze(-1), image_embeds)
+        if images:  # items are in prompt order, so one scatter over every media position
+            media_embeds = torch.cat([it[0].to(embeds.dtype) for it in images], dim=0)
+            embeds = embeds.masked_scatter(is_media.unsqueeze(-1), media_embeds)
 
         start = 0
         if prefix_kv is not None and prefix_kv.shape[3] > 0:

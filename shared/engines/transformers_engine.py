@@ -1,5 +1,6 @@
 """The transformers engine: the CPU reference, every capability (encode, generate, KV export
-and import), on the split compute path of :mod:`shared.engines.qwen2_vl`.
+and import), on the family's split compute path (:mod:`shared.engines.qwen2_vl`,
+:mod:`shared.engines.qwen2_audio`).
 
 All model work runs on one ``ComputeLane`` thread (torch releases the GIL in kernels, so the
 event loop keeps serving Kafka, Redis and NIXL). Encoder calls from concurrent requests meet in
@@ -7,6 +8,8 @@ a ``MicroBatcher`` and run as one forward. Token loops check for an abort betwee
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +20,29 @@ from shared import protocol
 from shared.compute import ComputeLane, MicroBatcher
 from shared.engines.base import Capabilities, ImageEmbeds, PrefillOutput
 from shared.engines.sampling import sample_at
+
+
+def compute_class(model_dir: str | Path):
+    """The family's split compute path (one interface: encode_images, prefill, start_decode,
+    decode_step, and the model facts)."""
+    from shared.models.registry import family_of
+
+    name = family_of(model_dir).name
+    if name == "qwen2_audio":
+        from shared.engines.qwen2_audio import Qwen2AudioCompute
+
+        return Qwen2AudioCompute
+    if name == "llava":
+        from shared.engines.llava import LlavaCompute
+
+        return LlavaCompute
+    if name == "llava_next_video":
+        from shared.engines.llava import LlavaNextVideoCompute
+
+        return LlavaNextVideoCompute
+    from shared.engines.qwen2_vl import Qwen2VLCompute
+
+    return Qwen2VLCompute
 
 
 class TransformersEngine:
@@ -37,14 +63,16 @@ class TransformersEngine:
     async def start(self) -> None:
         if self.compute is not None:
             return
-        from shared.engines.qwen2_vl import ImagePixels, Qwen2VLCompute
+        from shared.engines.qwen2_vl import ImagePixels
 
         self._lane = ComputeLane(f"transformers-{self._model_dir.name}")
-        self.compute = await self._lane.run(Qwen2VLCompute, self._model_dir)
+        self.compute = await self._lane.run(compute_class(self._model_dir), self._model_dir)
+        if not getattr(self.compute, "supports_prefix_kv", False):  # only the M-RoPE path reuses a prefix
+            self.capabilities = dataclasses.replace(self.capabilities, prefix_kv=False)
         compute = self.compute
 
         def encode_batch(items):
-            return compute.encode_images([ImagePixels(px, grid, n) for px, grid, n in items])
+            return compute.encode_images([ImagePixels(*item) for item in items])
 
         self._batcher = MicroBatcher(encode_batch, self._lane, max_items=self._batch_items,
                                      max_wait_ms=self._batch_wait_ms)
@@ -80,12 +108,14 @@ class TransformersEngine:
         return (self._batcher.batches, self._batcher.items) if self._batcher else (0, 0)
 
     # ------------------------------------------------------------------ work
-    async def encode(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int], n_tokens: int) -> torch.Tensor:
-        return await self._batcher.submit((pixels, grid_thw, n_tokens))
+    async def encode(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int], n_tokens: int,
+                     kind: str = "image", meta: tuple[int, ...] = ()) -> torch.Tensor:
+        return await self._batcher.submit((pixels, grid_thw, n_tokens, kind, tuple(meta)))
 
     async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
                       sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
-        result = await self._lane.run(self.compute.prefill, prompt_ids, images, prefix_kv)
+        args = (prompt_ids, images) if prefix_kv is None else (prompt_ids, images, prefix_kv)
+        result = await self._lane.run(self.compute.prefill, *args)
         first = sample_at(result.last_logits, sampling, step=0)
         return PrefillOutput(first_token=first, kv=result.kv, rope_delta=result.rope_delta,
                              prompt_len=result.prompt_len)

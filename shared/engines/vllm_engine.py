@@ -158,6 +158,10 @@ class VllmEngine:
         if self._llm is not None:
             return
         self._stopping = False
+        from shared.models.registry import family_of, served_modalities
+
+        # refuse, before any traffic, a family this adapter cannot serve (ValueError names it)
+        self.modalities = served_modalities(family_of(self._model_dir), self.name)
         t0 = time.monotonic()
         # Building the engine blocks (spawns the engine core and waits for it to load the
         # model): run it off the event loop. AsyncLLM binds to the running loop only when a
@@ -303,6 +307,9 @@ class VllmEngine:
                 await stream.aclose()
 
     def _prompt(self, prompt_ids: list[int], images: list[ImageEmbeds]) -> dict:
+        other = sorted({getattr(it, "kind", "image") for it in images} - {"image"})
+        if other:
+            raise EngineError(f"the vllm engine serves image embeddings only, not {', '.join(other)}")
         n_placeholders = sum(1 for t in prompt_ids if t == self.placeholder_token_id)
         if n_placeholders != len(images):
             raise EngineError(f"prompt has {n_placeholders} image placeholders but {len(images)} images given")
@@ -312,7 +319,7 @@ class VllmEngine:
         if len(images) > self._max_images:
             raise EngineError(f"{len(images)} images exceed this engine's limit of {self._max_images} per prompt")
         embeds, grids = [], []
-        for emb, (t, h, w) in images:
+        for emb, (t, h, w), *_ in images:
             n = t * h * w // (self.merge_size**2)
             if emb.dim() != 2 or emb.shape[0] != n:
                 raise EngineError(f"image embedding of shape {tuple(emb.shape)} does not fit grid {(t, h, w)} "

@@ -16,7 +16,7 @@ this one function from the same message, so they always agree.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import blake3
@@ -31,29 +31,32 @@ class MediaSpan(Protocol):
     n_tokens: int
 
 
-def expand(prompt_ids: Sequence[int], items: Sequence[MediaSpan], placeholder_id: int
+def expand(prompt_ids: Sequence[int], items: Sequence[MediaSpan], placeholder_id: int | Collection[int]
            ) -> tuple[list[int], list[tuple[int, int, str]]]:
     """(expanded token ids, [(start, end, mm_hash)] of each item's positions).
 
-    The i-th placeholder (in prompt order) takes the item of i-th lowest ``index``; placeholders
-    beyond the items (e.g. a text-only prompt that spells the placeholder) stay single tokens.
+    ``placeholder_id``: the media placeholder token(s) of the model (image, video, audio: one
+    per modality it takes). The i-th placeholder (in prompt order) takes the item of i-th lowest
+    ``index``, whatever its modality; placeholders beyond the items (e.g. a text-only prompt
+    that spells one) stay single tokens.
     """
+    ids = {placeholder_id} if isinstance(placeholder_id, int) else set(placeholder_id)
     ordered = sorted(items, key=lambda it: it.index)
     out: list[int] = []
     spans: list[tuple[int, int, str]] = []
     k = 0
     for tok in prompt_ids:
-        if tok == placeholder_id and k < len(ordered):
+        if tok in ids and k < len(ordered):
             item = ordered[k]
             k += 1
             spans.append((len(out), len(out) + item.n_tokens, item.mm_hash))
-            out.extend([placeholder_id] * item.n_tokens)
+            out.extend([tok] * item.n_tokens)
         else:
             out.append(tok)
     return out, spans
 
 
-def block_hashes(prompt_ids: Sequence[int], items: Sequence[MediaSpan], *, placeholder_id: int,
+def block_hashes(prompt_ids: Sequence[int], items: Sequence[MediaSpan], *, placeholder_id: int | Collection[int],
                  block_size: int) -> list[int]:
     """One u64 hash per whole block of the expanded prompt, in order (see the module contract)."""
     if block_size <= 0:

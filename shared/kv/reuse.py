@@ -34,7 +34,7 @@ class Lookup:
 
 
 class PrefixReuse:
-    def __init__(self, cache: PrefixCache, placeholder_id: int) -> None:
+    def __init__(self, cache: PrefixCache, placeholder_id: "int | frozenset[int]") -> None:
         self.cache = cache
         self._placeholder = placeholder_id
 

@@ -22,7 +22,13 @@ from shared.media.netguard import AllowList, a_reason, parse_ip, refusal_reason
 IMAGE_MIME_TYPES = frozenset({"image/jpeg", "image/png", "image/webp"})
 # What each media kind accepts in a data: URL, and which request part carries it. A new kind
 # (video, audio) adds its line here and a decoder in media-fetch.
-MIME_TYPES_BY_KIND: dict[str, frozenset[str]] = {"image": IMAGE_MIME_TYPES}
+VIDEO_MIME_TYPES = frozenset({"video/mp4", "video/webm", "video/quicktime", "video/x-matroska"})
+AUDIO_MIME_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/mpeg", "audio/flac", "audio/ogg",
+                              "audio/webm", "audio/mp4"})
+MIME_TYPES_BY_KIND: dict[str, frozenset[str]] = {"image": IMAGE_MIME_TYPES, "video": VIDEO_MIME_TYPES,
+                                                 "audio": AUDIO_MIME_TYPES,
+                                                 "image_embeds": frozenset({"application/x-npy",
+                                                                            "application/x-safetensors"})}
 PART_BY_KIND = {"image": "image_url", "video": "video_url", "audio": "audio_url"}
 _MIME_ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg"}  # common in the wild
 
@@ -81,7 +87,8 @@ def decode_data_url(url: str, *, allowed_mime: frozenset[str], max_bytes: int, p
                          code="unsupported_media_type")
     if mime not in allowed_mime:
         if not mime.startswith(kind + "/"):
-            raise MediaError(f"{param}: data URL has MIME type {mime!r}, which does not match an {part} part; "
+            article = "an" if part[:1] in "aeiou" else "a"
+            raise MediaError(f"{param}: data URL has MIME type {mime!r}, which does not match {article} {part} part; "
                              f"use one of {accepted}", code="unsupported_media_type")
         raise MediaError(f"{param}: {kind} type {mime!r} is not accepted; use one of {accepted}",
                          code="unsupported_media_type")

@@ -15,12 +15,22 @@ from PIL import Image
 
 
 def load_reference(model_dir: Path):
-    """Return ``(processor, model)`` loaded from ``model_dir`` (float32, eval)."""
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+    """Return ``(processor, model)`` loaded from ``model_dir`` (float32, eval); the model class
+    follows the family (``config.json`` ``model_type``)."""
+    import transformers
+    from transformers import AutoProcessor
 
+    from shared.models.registry import family_of
+
+    cls = getattr(transformers, _MODEL_CLASS[family_of(model_dir).name])
     processor = AutoProcessor.from_pretrained(str(model_dir))
-    model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = cls.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     return processor, model
+
+
+_MODEL_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_audio": "Qwen2AudioForConditionalGeneration",
+                "llava": "LlavaForConditionalGeneration",
+                "llava_next_video": "LlavaNextVideoForConditionalGeneration"}
 
 
 def reference_generate(
@@ -30,17 +40,26 @@ def reference_generate(
     max_new_tokens: int,
     *,
     loaded: tuple | None = None,
+    videos: list | None = None,
+    audios: list | None = None,
 ) -> list[int]:
     """Greedy-generate with ``model.generate`` and return only the new token ids.
 
     ``images`` are in the order their placeholders appear in ``messages``.  The
     output stops after the first eos (included, as ``generate`` returns it) or after
     ``max_new_tokens``.  ``loaded`` may pass a cached ``load_reference`` result to
-    skip reloading; it does not change the result.
+    skip reloading; it does not change the result. ``videos``: sampled frames
+    (``uint8 [frames, h, w, 3]``) per video placeholder, in order. ``audios``: float32
+    mono samples at the feature extractor's rate per audio placeholder.
     """
     processor, model = loaded if loaded is not None else load_reference(Path(model_dir))
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=[text], images=images or None, return_tensors="pt")
+    extra = {}
+    if videos:
+        extra["videos"] = videos
+    if audios:
+        extra.update(audio=audios, sampling_rate=processor.feature_extractor.sampling_rate)
+    inputs = processor(text=[text], images=images or None, return_tensors="pt", **extra)
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     prompt_len = inputs["input_ids"].shape[1]

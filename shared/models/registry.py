@@ -1,23 +1,52 @@
-"""Which model families mmfleet serves, what each takes, and where the model lives."""
+"""Which model families mmfleet serves, what each takes, and where the model lives.
+
+One place says which modalities each family takes (``Family.placeholders``: modality → the
+token its chat template emits once per item, expanded by prefill to the item's token count),
+and which of them each engine can serve (``ENGINE_SUPPORT``). The gateway refuses a request
+whose modality the served model does not take (400); a worker refuses at start-up an engine
+that cannot serve the family at all.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.settings import Settings
+
+MODALITIES = ("image", "video", "audio")
+# the request part(s) that carry each modality, for messages
+PARTS_BY_MODALITY = {"image": "image_url", "video": "video_url", "audio": "audio_url / input_audio"}
 
 
 @dataclass(frozen=True)
 class Family:
     name: str
-    image_placeholder: str  # the token the chat template emits once per image
-    modalities: frozenset[str]
+    # modality -> placeholder token, in a fixed order; the keys are the modalities it takes
+    placeholders: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def modalities(self) -> frozenset[str]:
+        return frozenset(self.placeholders)
+
+    @property
+    def image_placeholder(self) -> str:
+        return self.placeholders.get("image", "")
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen2_vl": Family("qwen2_vl", "<|image_pad|>", frozenset({"image"})),
+    "qwen2_vl": Family("qwen2_vl", {"image": "<|image_pad|>", "video": "<|video_pad|>"}),
+    "qwen2_audio": Family("qwen2_audio", {"audio": "<|AUDIO|>"}),
+    "llava": Family("llava", {"image": "<image>"}),
+    "llava_next_video": Family("llava_next_video", {"video": "<video>"}),  # its anyres image path: not served
+}
+
+# engine -> family -> the modalities it serves (None: every family, every modality of it)
+ENGINE_SUPPORT: dict[str, dict[str, frozenset[str]] | None] = {
+    "transformers": None,
+    "vllm": {"qwen2_vl": frozenset({"image"})},  # image embeddings only (see vllm_engine)
 }
 
 
@@ -32,23 +61,80 @@ def family_of(model_dir: str | Path) -> Family:
                          f"supported: {', '.join(sorted(FAMILIES))}") from None
 
 
+def served_modalities(family: Family, engine: str) -> frozenset[str]:
+    """What a fleet serving ``family`` with language-model engine ``engine`` accepts.
+
+    Raises ``ValueError`` when the engine cannot serve the family at all (a start-up error)."""
+    support = ENGINE_SUPPORT.get(engine)
+    if engine not in ENGINE_SUPPORT:
+        raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ENGINE_SUPPORT)}")
+    if support is None:
+        return family.modalities
+    if family.name not in support:
+        raise ValueError(f"engine {engine!r} does not serve {family.name} models; it serves "
+                         f"{', '.join(sorted(support))} (use --engine transformers for {family.name})")
+    return family.modalities & support[family.name]
+
+
+def _demo_qwen2_vl(cache_root: Path) -> Path:
+    from shared.models.qwen2_vl_tiny import ensure_tiny_qwen2_vl
+
+    return ensure_tiny_qwen2_vl(cache_root)
+
+
+def _demo_qwen2_audio(cache_root: Path) -> Path:
+    from shared.models.qwen2_audio_tiny import ensure_tiny_qwen2_audio
+
+    return ensure_tiny_qwen2_audio(cache_root)
+
+
+def _demo_llava(cache_root: Path) -> Path:
+    from shared.models.llava_tiny import ensure_tiny_llava
+
+    return ensure_tiny_llava(cache_root)
+
+
+def _demo_llava_next_video(cache_root: Path) -> Path:
+    from shared.models.llava_next_video_tiny import ensure_tiny_llava_next_video
+
+    return ensure_tiny_llava_next_video(cache_root)
+
+
+# settings.demo_model -> builder of the tiny offline demo (built once under cache_dir, cached)
+DEMOS: dict[str, Callable[[Path], Path]] = {
+    "qwen2-vl": _demo_qwen2_vl,
+    "qwen2-audio": _demo_qwen2_audio,
+    "llava": _demo_llava,
+    "llava-next-video": _demo_llava_next_video,
+}
+
+
 def resolve_model_path(settings: Settings) -> Path:
-    """``settings.model_path`` if given, else the tiny offline demo model (built once, cached)."""
+    """``settings.model_path`` if given, else the tiny offline demo model named by
+    ``settings.demo_model`` (built once, cached)."""
     if settings.model_path:
         path = Path(settings.model_path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model_path {path} has no config.json")
         return path
-    from shared.models.qwen2_vl_tiny import ensure_tiny_qwen2_vl
+    build = DEMOS.get(settings.demo_model)
+    if build is None:
+        raise ValueError(f"unknown demo_model {settings.demo_model!r}; choose from {', '.join(DEMOS)}")
+    return build(Path(settings.cache_dir) / "models")
 
-    return ensure_tiny_qwen2_vl(Path(settings.cache_dir) / "models")
+
+_PLACEHOLDER_KEYS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
+                     "audio_token_id", "audio_token_index")
 
 
-def placeholder_token_id(model_dir: str | Path) -> int:
-    """The token id that stands for one image position in the language model's prompt
-    (``image_token_id`` of the saved ``config.json``): what KV block hashes expand."""
+def placeholder_token_id(model_dir: str | Path) -> frozenset[int]:
+    """The token ids that stand for one media position in the language model's prompt (image,
+    video, audio: whichever the saved ``config.json`` names, top level or ``text_config``):
+    what KV block hashes expand."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    token = config.get("image_token_id", config.get("text_config", {}).get("image_token_id"))
-    if token is None:
-        raise ValueError(f"config.json at {model_dir} names no image_token_id")
-    return int(token)
+    found = set()
+    for where in (config, config.get("text_config") or {}):
+        found.update(int(where[k]) for k in _PLACEHOLDER_KEYS if where.get(k) is not None)
+    if not found:
+        raise ValueError(f"config.json at {model_dir} names no media placeholder token")
+    return frozenset(found)

@@ -11,6 +11,7 @@ Network: only 127.0.0.1. The allowlist names the local media server's exact port
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import urllib.error
@@ -18,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests import procs
@@ -27,8 +29,16 @@ from tests.media.server import MediaServer
 MiB = 1024 * 1024
 MAX_REQUEST_BYTES = 8 * MiB
 MAX_IMAGE_BYTES = 2 * MiB
+MAX_VIDEO_BYTES = 2 * MiB
+MAX_VIDEO_DURATION_S = 5
+MAX_VIDEO_SIDE = 512
+MAX_VIDEO_DECODED_FRAMES = 150
 P0 = "messages[0].content[0]"
+MP4 = samples.video(samples.video_frames(12, size=(64, 48)), fps=6)  # 2 s, a good video
 FILES = {
+    "/ok.mp4": MP4,
+    "/corrupt.mp4": MP4[: len(MP4) // 2],
+    "/long.mp4": samples.video(samples.video_frames(14, size=(32, 32)), fps=2),  # 7 s
     "/ok.png": samples.png((64, 48), seed=1),
     "/corrupt.png": samples.truncated(samples.png((64, 64), seed=2)),
     "/bomb.png": samples.png_claiming(100_000, 100_000),
@@ -71,6 +81,9 @@ def media_root(tmp_path_factory) -> Path:
     (root / "escape.png").symlink_to(base / "secret.png")
     (root / "escape-dir").symlink_to(base)
     (root / "inside.png").symlink_to(root / "ok.png")
+    (root / "ok.mp4").write_bytes(MP4)
+    (base / "secret.mp4").write_bytes(MP4)
+    (root / "escape.mp4").symlink_to(base / "secret.mp4")
     os.mkfifo(root / "fifo.png")
     return root
 
@@ -83,7 +96,9 @@ def fleet(kafka_bootstrap, redis_url, model_dir, logs_dir, media_server, media_r
            "MMFLEET_MEDIA_FILE_ROOT": str(media_root),
            "MMFLEET_MAX_REQUEST_BYTES": str(MAX_REQUEST_BYTES), "MMFLEET_MAX_IMAGE_BYTES": str(MAX_IMAGE_BYTES),
            "MMFLEET_MEDIA_FETCH_TIMEOUT_MS": "3000", "MMFLEET_MEDIA_READ_TIMEOUT_MS": "1000",
-           "MMFLEET_MEDIA_MAX_REDIRECTS": "3"}
+           "MMFLEET_MEDIA_MAX_REDIRECTS": "3", "MMFLEET_MAX_VIDEO_BYTES": str(MAX_VIDEO_BYTES),
+           "MMFLEET_MAX_VIDEO_DURATION_S": str(MAX_VIDEO_DURATION_S), "MMFLEET_MAX_VIDEO_SIDE": str(MAX_VIDEO_SIDE),
+           "MMFLEET_MAX_VIDEO_DECODED_FRAMES": str(MAX_VIDEO_DECODED_FRAMES)}
     with procs.fleet(env, logs_dir) as (base, proc):
         kids = sorted(procs.children_of(proc.pid))
         mf = [k for k in kids if "media-fetch" in _cmdline(k)]
@@ -126,6 +141,22 @@ def chat(*parts, role: str = "user", stream: bool = False) -> bytes:
 
 def img(url: str, **extra) -> dict:
     return {"type": "image_url", "image_url": {"url": url, **extra}}
+
+
+def vid(url: str, **extra) -> dict:
+    return {"type": "video_url", "video_url": {"url": url, **extra}}
+
+
+def vpart(url: str, **extra):
+    """A case body: one video part whose URL may name {media} {root}."""
+    return lambda f: chat(vid(url.format(**f.ctx), **extra))
+
+
+def _embeds(arr, fmt: str = "npy") -> dict:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=True)
+    return {"type": "image_embeds", "image_embeds": {"data": b64(buf.getvalue()), "format": fmt,
+                                                     "grid_thw": [1, 4, 4]}}
 
 
 def b64(raw: bytes) -> str:
@@ -191,10 +222,15 @@ CASES = [
                                                                                  detail="max")),
     Case("part: image in a system message", 400, "user messages only",
          chat(img("https://example.com/a.png"), role="system")),
-    Case("part: video_url", 422, "does not accept video_url content",
-         chat({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}})),
-    Case("part: input_audio", 422, "does not accept input_audio content",
+    # --- modalities the served model (Qwen2-VL: text, image, video) does not take
+    Case("modality: input_audio", 400, "model 'mmfleet-demo' does not accept audio input",
          chat({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})),
+    Case("modality: audio_url", 400, "does not accept audio input (audio_url parts); it accepts text, image, video",
+         chat({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}})),
+    Case("modality: silent WAV as input_audio", 400, "does not accept audio input",
+         chat({"type": "input_audio", "input_audio": {"data": b64(samples.wav(freq=0.0)), "format": "wav"}})),
+    Case("modality: garbage input_audio", 400, "does not accept audio input",
+         chat({"type": "input_audio", "input_audio": {"data": b64(b"\x00garbage" * 50), "format": "mp3"}})),
     Case("url: empty", 400, "URL is empty", part("")),
     Case("url: no scheme", 400, "unsupported URL scheme (none)", part("example.com/cat.png")),
     Case("url: ftp", 400, "unsupported URL scheme 'ftp'", part("ftp://example.com/cat.png")),
@@ -308,9 +344,55 @@ CASES = [
     Case("file: a FIFO", 400, "does not name a regular file", part("file://{root}/fifo.png")),
     Case("file: other host", 400, "is not allowed; use file:///absolute/path", part("file://example.com{root}/ok.png")),
     Case("file: over the byte cap", 413, f"above the {MAX_IMAGE_BYTES} byte limit", part("file://{root}/big.png")),
+    # --- video
+    Case("video: over the byte cap (data:)", 413, f"{MAX_VIDEO_BYTES} byte limit",
+         chat(vid(samples.data_url(b"\x00" * (3 * MiB), "video/mp4")))),
+    Case("video: longer than the duration cap", 413, f"7.0 s long, above the limit of {MAX_VIDEO_DURATION_S} s",
+         vpart("http://127.0.0.1:{media}/long.mp4")),
+    Case("video: frames wider than the side cap", 413, f"640x32, above the limit of {MAX_VIDEO_SIDE} pixels",
+         chat(vid(samples.data_url(samples.video(samples.video_frames(2, size=(640, 32))), "video/mp4")))),
+    Case("video: too many frames to decode", 413, f"more than {MAX_VIDEO_DECODED_FRAMES} frames to decode",
+         chat(vid(samples.data_url(samples.video(samples.video_frames(240, size=(16, 16)), fps=60), "video/mp4")))),
+    Case("video: corrupt container", 400, "not a readable video container",
+         chat(vid(samples.data_url(b"\x00\x00\x00\x18ftypmp42" + b"\x13" * 400, "video/mp4")))),
+    Case("video: truncated mp4 (remote)", 400, "video", vpart("http://127.0.0.1:{media}/corrupt.mp4")),
+    Case("video: garbage labelled webm", 400, "not a readable video container",
+         chat(vid(samples.data_url(b"not a video at all" * 20, "video/webm")))),
+    Case("video: PNG labelled mp4", 400, "container, which is not accepted",
+         chat(vid(samples.data_url(PNG, "video/mp4")))),
+    Case("video: WAV labelled mp4", 400, "container, which is not accepted",
+         chat(vid(samples.data_url(samples.wav(), "video/mp4")))),
+    Case("video: image MIME in a video part", 400, "does not match a video_url part",
+         chat(vid(samples.data_url(PNG)))),
+    Case("video: video/avi", 400, "video type 'video/avi' is not accepted",
+         chat(vid(samples.data_url(b"RIFF....AVI ", "video/avi")))),
+    Case("video: empty data URL", 400, "data URL is empty", vpart("data:video/mp4;base64,")),
+    Case("video: num_frames 0", 400, "num_frames must be between 1 and 32", vpart("https://example.com/v.mp4",
+                                                                                 num_frames=0)),
+    Case("video: num_frames 1000", 400, "num_frames must be between 1 and 32", vpart("https://example.com/v.mp4",
+                                                                                    num_frames=1000)),
+    Case("video: num_frames and fps", 400, "not both", vpart("https://example.com/v.mp4", num_frames=2, fps=1.0)),
+    Case("video: fps 0", 400, "fps must be above 0", vpart("https://example.com/v.mp4", fps=0)),
+    Case("video: fps giving too many frames", 400, "above the limit of 32; ask for a lower fps",
+         vpart("http://127.0.0.1:{media}/ok.mp4", fps=30)),
+    Case("video: num_frames is a string", 400, "$.messages[0].content[0].video_url.num_frames",
+         chat(vid("https://example.com/v.mp4", num_frames="all")), None),
+    Case("video: in a system message", 400, "user messages only",
+         chat(vid("https://example.com/v.mp4"), role="system")),
+    Case("video: remote 404", 400, "returned HTTP 404", vpart("http://127.0.0.1:{media}/missing.mp4")),
+    Case("video: ssrf to the gateway", 400, "loopback address", vpart("http://127.0.0.1:{gw}/v1/models")),
+    Case("video: file symlink escape", 400, "outside the directory", vpart("file://{root}/escape.mp4")),
+    # --- precomputed embeddings
+    Case("embeds: wrong hidden size", 400, "its hidden size is 128", chat(_embeds(np.zeros((4, 64), np.float32)))),
+    Case("embeds: pickled object array", 400, "without pickle", chat(_embeds(np.array([{"x": 1}], dtype=object)))),
+    Case("embeds: rows do not fit grid_thw", 400, "needs 4", chat(_embeds(np.zeros((5, 128), np.float32)))),
+    Case("embeds: torch.save format", 400, "format must be one of npy, safetensors",
+         chat(_embeds(np.zeros((4, 128), np.float32), fmt="pt"))),
     # --- streaming requests get the same status before any SSE
     Case("stream: bad image", 400, "not a recognised image", stream_part("data:image/png;base64," + b64(b"nope"))),
     Case("stream: ssrf by name", 400, "resolves to 127.0.0.1", stream_part("http://localhost:{gw}/v1/models")),
+    Case("stream: corrupt video", 400, "not a readable video container",
+         lambda f: chat(vid(samples.data_url(b"garbage" * 30, "video/mp4")), stream=True)),
 ]
 
 
@@ -348,6 +430,11 @@ def test_allowed_sources_are_served(fleet):
                 f"file://{fleet.root}/inside.png", samples.data_url(FILES["/ok.png"]),
                 f"http://127.0.0.1:{fleet.media.port}/redirect?to=/ok.png"):
         status, resp = post(fleet.base, chat(img(url)))
+        assert status == 200, (url, resp)
+        assert resp["choices"][0]["message"]["content"] is not None
+    for url in (f"http://127.0.0.1:{fleet.media.port}/ok.mp4", f"file://{fleet.root}/ok.mp4",
+                samples.data_url(MP4, "video/mp4")):
+        status, resp = post(fleet.base, chat(vid(url, num_frames=4)))
         assert status == 200, (url, resp)
         assert resp["choices"][0]["message"]["content"] is not None
 

@@ -289,3 +289,58 @@ def test_admission_at_twice_the_bound_gives_429_with_retry_after(fleet):
     assert all(v == "1" for k, v in results if k == "429")
     texts = {v for k, v in results if k == "ok"}
     assert len(texts) == 1  # the admitted ones all completed with the same (greedy) answer
+
+
+def test_video_matches_reference_generate(client, model_dir):
+    """A video_url (an mp4 made here with PyAV) through media-fetch → encode → prefill → decode:
+    at temperature 0 the fleet's text equals generate() on the same sampled frames; asking for
+    a different number of frames is a different input."""
+    from shared.media.video import VideoLimits, decode_video
+    from shared.settings import Settings
+    from tests.media import samples
+
+    s = Settings()
+    limits = VideoLimits(s.max_video_duration_s, s.max_video_frames, s.max_video_side, s.max_video_decoded_frames)
+    raw = samples.video(samples.video_frames(16, size=(96, 64), seed=4), fps=8)
+    url = "data:video/mp4;base64," + base64.b64encode(raw).decode()
+    text = "What happens in this video?"
+    answers = {}
+    for num_frames in (4, 6):
+        content = [{"type": "video_url", "video_url": {"url": url, "num_frames": num_frames}},
+                   {"type": "text", "text": text}]
+        frames = decode_video(raw, num_frames=num_frames, fps=0, limits=limits, param="p")
+        from transformers import AutoTokenizer
+
+        ids = reference_generate(model_dir, [{"role": "user", "content": [{"type": "video"},
+                                                                           {"type": "text", "text": text}]}],
+                                 [], MAX_TOKENS, videos=[frames])
+        expected = AutoTokenizer.from_pretrained(model_dir).decode(ids, skip_special_tokens=True)
+        whole = chat(client, content)
+        assert whole.choices[0].message.content == expected
+        assert streamed(client, content)[0] == expected
+        answers[num_frames] = expected
+    assert answers[4] != answers[6]
+
+
+def test_precomputed_image_embeds_answer_like_the_image(client, model_dir):
+    """An image_embeds part (.npy of the encoder's output for an image, with its grid) skips the
+    encoder and gets exactly the answer the image itself gets; a wrong hidden size is a 400."""
+    import numpy as np
+
+    from shared.engines.qwen2_vl import Qwen2VLCompute
+
+    compute = Qwen2VLCompute(model_dir)
+    img = noise_image(11)
+    px = compute.preprocess_image(img)
+    (emb,) = compute.encode_images([px])
+    buf = io.BytesIO()
+    np.save(buf, emb.numpy())
+    part = {"type": "image_embeds", "image_embeds": {"data": base64.b64encode(buf.getvalue()).decode(),
+                                                     "format": "npy", "grid_thw": list(px.grid_thw)}}
+    by_image = chat(client, image_parts([png_data_url(img)], "What is this?")).choices[0].message.content
+    assert chat(client, [part, {"type": "text", "text": "What is this?"}]).choices[0].message.content == by_image
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((px.n_tokens, 64), np.float32))
+    part["image_embeds"]["data"] = base64.b64encode(buf.getvalue()).decode()
+    with pytest.raises(openai.BadRequestError, match="its hidden size is 128"):
+        chat(client, [part, {"type": "text", "text": "What is this?"}])

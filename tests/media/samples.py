@@ -157,3 +157,51 @@ def rgba_png() -> bytes:
 
 def palette_png() -> bytes:
     return encode(noise((16, 16)).convert("P"), "PNG")
+
+
+# ---------------------------------------------------------------------------- video
+def video_frames(n: int, size: tuple[int, int] = (64, 48), seed: int = 0) -> np.ndarray:
+    """``uint8 [n, h, w, 3]``: each frame different (a moving bar over seeded noise)."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    base = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    frames = np.repeat(base[None], n, axis=0)
+    for i in range(n):
+        x = (i * 7) % w
+        frames[i, :, x:x + 6] = (255, 255 - 20 * (i % 10), 40)
+    return frames
+
+
+def video(frames: np.ndarray, *, container: str = "mp4", fps: int = 10) -> bytes:
+    """Encode frames with PyAV: ``mp4`` (MPEG-4 part 2, lossless enough and fast) or ``webm``
+    (VP8). Deterministic for the same frames."""
+    import av
+
+    buf = io.BytesIO()
+    codec = {"mp4": "mpeg4", "webm": "libvpx", "mkv": "mpeg4", "mov": "mpeg4"}[container]
+    fmt = {"mkv": "matroska"}.get(container, container)
+    with av.open(buf, mode="w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"qscale": "2"} if codec == "mpeg4" else {}
+        for arr in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def wav(seconds: float = 0.5, rate: int = 16_000, freq: float = 440.0) -> bytes:
+    """A mono 16-bit PCM WAV (a sine): audio that is not a video."""
+    import soundfile
+
+    t = np.arange(int(seconds * rate)) / rate
+    buf = io.BytesIO()
+    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate, format="WAV")
+    return buf.getvalue()
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()

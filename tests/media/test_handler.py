@@ -148,3 +148,74 @@ async def test_inline_media_over_the_cap_is_refused_before_reading_it(world):
     ev = await _fail(w, msg)
     assert ev.status == 413
     assert big.lease in gw.slots  # the gateway owns its inline bytes until the request ends
+
+
+async def test_video_items(world, model_dir):
+    """Video: decoded and sampled on the lane, preprocessed by the model's video processor, its
+    mm_hash covering the sampling; a bad video is a 4xx naming the item."""
+    from shared.engines.qwen2_vl import VideoPreprocessor
+
+    w = world
+    settings = Settings(media_file_root=str(w["root"]), max_video_bytes=1 << 20, max_video_duration_s=5.0,
+                        video_num_frames=4)
+    handler = MediaFetchHandler(settings, w["handler"]._fetcher, w["handler"]._preprocess, w["handler"]._lane,
+                                preprocess_video=VideoPreprocessor(model_dir))
+    (w["root"] / "v.mp4").write_bytes(samples.video(samples.video_frames(12), fps=6))
+    (w["root"] / "long.mp4").write_bytes(samples.video(samples.video_frames(70), fps=10))
+    (w["root"] / "cut.mp4").write_bytes(samples.video(samples.video_frames(12), fps=6)[:500])
+    url = f"file://{w['root']}/v.mp4"
+
+    def req(rid, **sampling):
+        msg = _request(rid, [url], kind="video")
+        items = tuple(protocol.MediaSource(kind="video", param=it.param, url=it.url, **sampling) for it in msg.items)
+        return protocol.MediaFetchRequest(meta=msg.meta, items=items)
+
+    default = (await handler.handle(req("v1"), w["ctx"])).produce[0].value.items[0]
+    assert default.kind == "video" and default.grid_thw[0] == 2  # 4 frames -> 2 temporal patches
+    assert default.pixels.shape[0] == default.grid_thw[0] * default.grid_thw[1] * default.grid_thw[2]
+    same = (await handler.handle(req("v2", num_frames=4), w["ctx"])).produce[0].value.items[0]
+    more = (await handler.handle(req("v3", num_frames=8), w["ctx"])).produce[0].value.items[0]
+    by_fps = (await handler.handle(req("v4", fps=1.0), w["ctx"])).produce[0].value.items[0]
+    assert default.mm_hash == same.mm_hash  # the default is 4 frames: the same model input
+    assert more.grid_thw[0] == 4 and by_fps.grid_thw[0] == 1 and len({default.mm_hash, more.mm_hash,
+                                                                        by_fps.mm_hash}) == 3
+    for name, status, fragment in (("long.mp4", 413, "7.0 s long, above the limit of 5 s"),
+                                   ("cut.mp4", 400, "video")):
+        msg = req("bad")
+        items = (protocol.MediaSource(kind="video", param="messages[0].content[0]",
+                                      url=f"file://{w['root']}/{name}"),)
+        with pytest.raises(RequestFailed) as info:
+            await handler.handle(protocol.MediaFetchRequest(meta=msg.meta, items=items), w["ctx"])
+        ev = info.value.event
+        assert ev.status == status and fragment in ev.message and ev.param == "messages[0].content[0]", ev
+
+
+class Features:
+    """A stand-in feature extractor: what media-fetch needs from one (rate in, features out)."""
+
+    sampling_rate = 16_000
+
+    def __call__(self, samples):
+        self.last = samples
+        return type("F", (), {"pixel_values": torch.zeros((8, 4), dtype=torch.float32), "grid_thw": (0, 0, 0),
+                              "n_tokens": 3, "meta": (len(samples),)})()
+
+
+async def test_audio_items(world):
+    w = world
+    settings = Settings(media_file_root=str(w["root"]), max_audio_duration_s=2.0)
+    feats = Features()
+    handler = MediaFetchHandler(settings, w["handler"]._fetcher, w["handler"]._preprocess, w["handler"]._lane,
+                                preprocess_audio=feats)
+    (w["root"] / "a.wav").write_bytes(samples.wav(0.5, rate=44_100))
+    (w["root"] / "long.wav").write_bytes(samples.wav(3.0, rate=8_000))
+    (w["root"] / "silent.wav").write_bytes(samples.wav(0.5, freq=0.0))
+    out = await handler.handle(_request("a", [f"file://{w['root']}/a.wav"], kind="audio"), w["ctx"])
+    (item,) = out.produce[0].value.items
+    assert item.kind == "audio" and item.meta == (8_000,) and feats.last.dtype.name == "float32"  # 0.5 s at 16 kHz
+    for name, status, fragment in (("long.wav", 413, "3.0 s long, above the limit of 2 s"),
+                                   ("silent.wav", 400, "silent")):
+        handler_req = _request("bad", [f"file://{w['root']}/{name}"], kind="audio")
+        with pytest.raises(RequestFailed) as info:
+            await handler.handle(handler_req, w["ctx"])
+        assert info.value.event.status == status and fragment in info.value.event.message

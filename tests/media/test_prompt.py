@@ -25,8 +25,7 @@ def builder(model_dir):
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     s = Settings(media_allow_hosts=("127.0.0.1:8123",), max_image_bytes=50_000, media_file_root="/srv/media")
-    return PromptBuilder(tok, placeholder_token=family_of(model_dir).image_placeholder, max_model_len=4096,
-                         settings=s)
+    return PromptBuilder(tok, placeholders=family_of(model_dir).placeholders, max_model_len=4096, settings=s)
 
 
 def body(*parts, role="user") -> bytes:
@@ -84,7 +83,7 @@ def test_bad_parts(builder, part, status, fragment):
 
 def test_file_urls_are_refused_when_not_enabled(builder, model_dir):
     s = Settings()
-    off = PromptBuilder(builder._tok, placeholder_token=builder._placeholder, max_model_len=4096, settings=s)
+    off = PromptBuilder(builder._tok, placeholders=builder._placeholders, max_model_len=4096, settings=s)
     assert "file:// URLs are not enabled" in failed(off, body(img("file:///srv/media/a.png"))).event.message
 
 
@@ -92,9 +91,51 @@ def test_images_outside_user_messages(builder):
     assert "user messages only" in failed(builder, body(img("https://example.com/a.png"), role="system")).event.message
 
 
-def test_other_modalities_are_422(builder):
-    err = failed(builder, body({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}))
-    assert err.event.status == 422 and "does not accept video_url content" in err.event.message
+def video(url: str, **extra) -> dict:
+    return {"type": "video_url", "video_url": {"url": url, **extra}}
+
+
+def test_modality_the_model_does_not_take_is_400(builder):
+    for part, modality in (({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "audio"),
+                           ({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, "audio")):
+        ev = failed(builder, body(part)).event
+        assert ev.status == 400 and ev.code == "unsupported_modality", ev
+        assert f"model 'mmfleet-demo' does not accept {modality} input" in ev.message, ev.message
+        assert ev.message.startswith("messages[0].content[0]: ") and "it accepts text, image, video" in ev.message
+    images_only = PromptBuilder(builder._tok, placeholders={"image": "<|image_pad|>"}, max_model_len=4096,
+                                settings=builder._s)
+    ev = failed(images_only, body(video("https://example.com/v.mp4"))).event
+    assert ev.status == 400 and "does not accept video input (video_url parts); it accepts text, image" in ev.message
+
+
+def test_video_parts(builder):
+    p = build(builder, body(video("https://example.com/v.mp4", num_frames=4), img("https://example.com/a.png"),
+                            video("https://example.com/w.webm", fps=2.0)))
+    assert [(m.kind, m.num_frames, m.fps) for m in p.media] == [("video", 4, 0.0), ("image", 0, 0.0),
+                                                                  ("video", 0, 2.0)]
+    video_id = builder._tok.convert_tokens_to_ids("<|video_pad|>")
+    image_id = builder._tok.convert_tokens_to_ids("<|image_pad|>")
+    assert [t for t in p.prompt_token_ids if t in (video_id, image_id)] == [video_id, image_id, video_id]
+    inline = build(builder, body(video(samples.data_url(b"\x1aE\xdf\xa3webm", "video/webm"))))
+    assert inline.media[0].data == b"\x1aE\xdf\xa3webm" and inline.media[0].mime == "video/webm"
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"num_frames": 0}, "num_frames must be between 1 and 32"),
+    ({"num_frames": 33}, "num_frames must be between 1 and 32"),
+    ({"fps": 0}, "fps must be above 0"),
+    ({"num_frames": 2, "fps": 1.0}, "not both"),
+])
+def test_bad_video_sampling(builder, extra, fragment):
+    ev = failed(builder, body(video("https://example.com/v.mp4", **extra))).event
+    assert ev.status == 400 and fragment in ev.message, ev.message
+
+
+def test_video_data_url_mime(builder):
+    ev = failed(builder, body(video("data:image/png;base64,AAAA"))).event
+    assert ev.status == 400 and "does not match a video_url part" in ev.message, ev.message
+    ev = failed(builder, body(video("data:video/avi;base64,AAAA"))).event
+    assert "video type 'video/avi' is not accepted" in ev.message, ev.message
 
 
 def test_too_many_items_is_413(builder):
@@ -130,3 +171,46 @@ def test_property_parts_never_fail_with_a_5xx(builder, parts, role):
         pass  # the gateway answers these with a 400
     except RequestFailed as err:
         assert 400 <= err.event.status < 500, err.event
+
+
+@pytest.fixture(scope="module")
+def audio_builder(model_dir):
+    """A builder for a model that takes audio: the tiny tokenizer plus an audio placeholder and
+    a chat template that renders audio parts (what an audio family's template does)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|AUDIO|>"]})
+    tok.chat_template = ("{%- for m in messages -%}{{- m['role'] + ': ' -}}{%- if m['content'] is string -%}"
+                         "{{- m['content'] -}}{%- else -%}{%- for p in m['content'] -%}"
+                         "{%- if p['type'] == 'text' -%}{{- p['text'] -}}{%- elif p['type'] == 'audio' -%}"
+                         "{{- '<|AUDIO|>' -}}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endfor -%}")
+    s = Settings(max_audio_bytes=50_000)
+    return PromptBuilder(tok, placeholders={"audio": "<|AUDIO|>"}, max_model_len=4096, settings=s)
+
+
+def test_audio_parts(audio_builder):
+    wav = samples.wav(0.1)
+    p = build(audio_builder, body({"type": "input_audio", "input_audio": {"data": samples.b64(wav), "format": "wav"}},
+                                  {"type": "audio_url", "audio_url": {"url": "https://example.com/a.mp3"}},
+                                  {"type": "text", "text": "what is said?"}))
+    assert [(m.kind, m.mime, m.data == wav, m.url) for m in p.media] == [
+        ("audio", "audio/wav", True, ""), ("audio", "", False, "https://example.com/a.mp3")]
+    audio_id = audio_builder._tok.convert_tokens_to_ids("<|AUDIO|>")
+    assert p.prompt_token_ids.count(audio_id) == 2
+    ev = failed(audio_builder, body(img("https://example.com/a.png"))).event
+    assert ev.status == 400 and "does not accept image input (image_url parts); it accepts text, audio" in ev.message
+
+
+@pytest.mark.parametrize("part, status, fragment", [
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "flac"}}, 400,
+     "input_audio.format must be one of wav, mp3"),
+    ({"type": "input_audio", "input_audio": {"data": "!!!!", "format": "wav"}}, 400, "invalid base64"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "mp3"}}, 400, "data URL is empty"),
+    ({"type": "input_audio", "input_audio": {"data": "A" * 80_000, "format": "wav"}}, 413, "50000 byte limit"),
+    ({"type": "audio_url", "audio_url": {"url": "data:video/mp4;base64,AAAA"}}, 400,
+     "does not match an audio_url part"),
+])
+def test_bad_audio_parts(audio_builder, part, status, fragment):
+    ev = failed(audio_builder, body(part)).event
+    assert ev.status == status and fragment in ev.message, ev.message

@@ -1,0 +1,133 @@
+"""LLaVA split compute path (CLIP vision tower + projector, plain-position LM), with the same
+interface as the other families' compute classes.
+
+- ``preprocess_image`` (:class:`LlavaImagePreprocessor`): a PIL image → the processor's
+  ``pixel_values`` ``[3, S, S]`` and the LM token count ``(S / patch)²`` (the CLS row is dropped
+  by the "default" feature strategy; "full" keeps it: + 1).
+- ``encode_images`` runs ONE vision forward over any number of images (any requests) through
+  ``get_image_features`` — the very features ``forward`` merges at ``<image>`` positions.
+- Prefill and decode come from :class:`shared.engines.plain_lm.PlainLMCompute`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from shared.engines.plain_lm import PlainLMCompute
+from shared.engines.qwen2_vl import ImagePixels, _kind
+
+
+def llava_image_tokens(config) -> int:
+    vision = config.vision_config
+    n = (int(vision.image_size) // int(vision.patch_size)) ** 2
+    return n + (1 if config.vision_feature_select_strategy == "full" else 0)
+
+
+class LlavaImagePreprocessor:
+    """The model's own image processor alone (no weights): what media-fetch runs."""
+
+    def __init__(self, model_dir: Path | str, *, processor=None, config=None) -> None:
+        from transformers import AutoConfig, AutoProcessor
+
+        processor = processor or AutoProcessor.from_pretrained(str(model_dir))
+        self._image_processor = processor.image_processor
+        self._n_tokens = llava_image_tokens(config or AutoConfig.from_pretrained(str(model_dir)))
+
+    @torch.inference_mode()
+    def __call__(self, img: Image.Image) -> ImagePixels:
+        out = self._image_processor(images=[img], return_tensors="pt")
+        return ImagePixels(out["pixel_values"][0].to(torch.float32).contiguous(), (0, 0, 0), self._n_tokens)
+
+
+class LlavaCompute(PlainLMCompute):
+    kind = "image"
+
+    def __init__(self, model_dir: Path | str) -> None:
+        from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+        self.model_dir = Path(model_dir)
+        self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
+        self.model = LlavaForConditionalGeneration.from_pretrained(str(self.model_dir), dtype=torch.float32).eval()
+        self.placeholder_token_id: int = int(self.model.config.image_token_id)
+        self._init_lm()
+        self.preprocess_image = LlavaImagePreprocessor(self.model_dir, processor=self.processor,
+                                                       config=self.model.config)
+
+    @torch.inference_mode()
+    def encode_images(self, items: list[ImagePixels]) -> list[torch.Tensor]:
+        """One vision forward over every image; float32 ``[n_tokens, hidden]`` each."""
+        if not items:
+            return []
+        if any(_kind(it) != "image" for it in items):
+            raise ValueError(f"LLaVA encodes images, not {sorted({_kind(it) for it in items} - {'image'})}")
+        cfg = self.model.config
+        out = self.model.model.get_image_features(
+            pixel_values=torch.stack([it.pixel_values for it in items]),
+            vision_feature_layer=cfg.vision_feature_layer,
+            vision_feature_select_strategy=cfg.vision_feature_select_strategy, return_dict=True)
+        result = [f.to(torch.float32).contiguous().clone() for f in out.pooler_output]
+        for it, f in zip(items, result):
+            if f.shape != (it.n_tokens, self.hidden_size):
+                raise RuntimeError(f"encoder output {tuple(f.shape)} != ({it.n_tokens}, {self.hidden_size})")
+        return result
+
+
+class NextVideoPreprocessor:
+    """LLaVA-NeXT-Video's own video processor alone (no weights): sampled frames
+    (``uint8 [frames, h, w, 3]``) → ``pixel_values_videos`` ``[frames, 3, S, S]`` and the LM
+    token count (frames · (S / patch)² / pool²)."""
+
+    def __init__(self, model_dir: Path | str, *, processor=None, config=None) -> None:
+        from transformers import AutoConfig, AutoProcessor
+
+        processor = processor or AutoProcessor.from_pretrained(str(model_dir))
+        config = config or AutoConfig.from_pretrained(str(model_dir))
+        self._video_processor = processor.video_processor
+        vision = config.vision_config
+        self._per_frame = (int(vision.image_size) // int(vision.patch_size) // int(config.spatial_pool_stride)) ** 2
+
+    @torch.inference_mode()
+    def __call__(self, frames) -> ImagePixels:
+        px = self._video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"][0]
+        return ImagePixels(px.to(torch.float32).contiguous(), (0, 0, 0), px.shape[0] * self._per_frame, "video")
+
+
+class LlavaNextVideoCompute(PlainLMCompute):
+    """Videos only (the family's anyres image path is not served)."""
+
+    kind = "video"
+
+    def __init__(self, model_dir: Path | str) -> None:
+        from transformers import AutoProcessor, LlavaNextVideoForConditionalGeneration
+
+        self.model_dir = Path(model_dir)
+        self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
+        self.model = LlavaNextVideoForConditionalGeneration.from_pretrained(str(self.model_dir),
+                                                                            dtype=torch.float32).eval()
+        self.placeholder_token_id: int = int(self.model.config.video_token_id)
+        self._init_lm()
+        self.preprocess_video = NextVideoPreprocessor(self.model_dir, processor=self.processor,
+                                                      config=self.model.config)
+
+    @torch.inference_mode()
+    def encode_images(self, items: list[ImagePixels]) -> list[torch.Tensor]:
+        """One vision forward over every frame of every video; float32 ``[n_tokens, hidden]``
+        each, frame-major (the order ``forward`` scatters them in)."""
+        if not items:
+            return []
+        if any(_kind(it) != "video" for it in items):
+            raise ValueError(f"LLaVA-NeXT-Video encodes videos, not {sorted({_kind(it) for it in items} - {'video'})}")
+        cfg = self.model.config
+        frames = torch.cat([it.pixel_values for it in items])[None]  # [1, all frames, 3, S, S]
+        (feats,) = self.model.model.get_video_features(
+            pixel_values_videos=frames, vision_feature_layer=cfg.vision_feature_layer,
+            vision_feature_select_strategy=cfg.vision_feature_select_strategy, return_dict=True).pooler_output
+        per_item = torch.split(feats, [it.pixel_values.shape[0] for it in items])
+        result = [f.flatten(0, 1).to(torch.float32).contiguous().clone() for f in per_item]
+        for it, f in zip(items, result):
+            if f.shape != (it.n_tokens, self.hidden_size):
+                raise RuntimeError(f"encoder output {tuple(f.shape)} != ({it.n_tokens}, {self.hidden_size})")
+        return result

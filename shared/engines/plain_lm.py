@@ -1,0 +1,94 @@
+"""The language-model half shared by families with plain (1-D) RoPE positions — Qwen2-Audio
+and LLaVA: each placeholder token expands to its item's embedding rows, embeddings are merged
+at those positions, positions are ``0..seq-1`` (``rope_delta`` is always 0), and the KV cache
+is packed as ``[n_layers, 2, n_kv_heads, seq, head_dim]`` so decode continues on any instance.
+
+A family subclass sets ``model``, ``processor``, ``placeholder_token_id`` and ``kind`` (the
+modality its placeholder holds), calls :meth:`_init_lm`, and adds its preprocessor and
+``encode_images``. Pure and synchronous, like :mod:`shared.engines.qwen2_vl`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engines.qwen2_vl import DecodeState, PrefillResult, _kind
+
+
+class PlainLMCompute:
+    kind = "image"
+
+    def _init_lm(self) -> None:
+        text_cfg = self.model.config.text_config
+        self.hidden_size: int = int(text_cfg.hidden_size)
+        self.n_layers: int = int(text_cfg.num_hidden_layers)
+        self.n_kv_heads: int = int(text_cfg.num_key_value_heads)
+        self.head_dim: int = int(getattr(text_cfg, "head_dim", None)
+                                 or text_cfg.hidden_size // text_cfg.num_attention_heads)
+        self.max_model_len: int = int(text_cfg.max_position_embeddings)
+        eos = self.model.generation_config.eos_token_id  # generate() stops on these: mirror them
+        eos = text_cfg.eos_token_id if eos is None else eos
+        self.eos_token_ids = frozenset(int(i) for i in ([eos] if isinstance(eos, int) else list(eos or [])))
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+    def render_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Chat template → token ids with ONE placeholder per item (unexpanded)."""
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def expand_prompt(self, prompt_ids: list[int], items: list) -> list[int]:
+        """Each placeholder → its item's row count of placeholders (ValueError on a mismatch)."""
+        found = sum(1 for t in prompt_ids if t == self.placeholder_token_id)
+        kinds = [_kind(it) for it in items]
+        if found != len(items) or any(k != self.kind for k in kinds):
+            raise ValueError(f"prompt has {found} {self.kind} placeholders but items {kinds} given")
+        expanded: list[int] = []
+        it = iter(items)
+        for tok in prompt_ids:
+            expanded.extend([tok] * (next(it)[0].shape[0] if tok == self.placeholder_token_id else 1))
+        return expanded
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], items: list) -> PrefillResult:
+        from transformers import DynamicCache
+
+        input_ids = torch.tensor([self.expand_prompt(prompt_ids, items)], dtype=torch.long)
+        embeds = self.model.get_input_embeddings()(input_ids)
+        if items:
+            at = (input_ids == self.placeholder_token_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(at, torch.cat([it[0].to(embeds.dtype) for it in items]))
+        seq_len = input_ids.shape[1]
+        out = self.model(inputs_embeds=embeds, position_ids=torch.arange(seq_len)[None, :],
+                         past_key_values=DynamicCache(config=self.model.config.text_config), use_cache=True,
+                         logits_to_keep=1)
+        return PrefillResult(last_logits=out.logits[0, -1].to(torch.float32).clone(),
+                             kv=self.pack_kv(out.past_key_values), rope_delta=0, prompt_len=seq_len)
+
+    @staticmethod
+    def pack_kv(cache) -> torch.Tensor:
+        per_layer = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
+        return torch.stack(per_layer).to(torch.float32).contiguous()
+
+    @torch.inference_mode()
+    def start_decode(self, kv_packed: torch.Tensor, rope_delta: int, seq_len: int) -> DecodeState:
+        from transformers import DynamicCache
+
+        expected = (self.n_layers, 2, self.n_kv_heads, seq_len, self.head_dim)
+        if tuple(kv_packed.shape) != expected:
+            raise ValueError(f"packed KV shape {tuple(kv_packed.shape)} != {expected}")
+        kv = kv_packed.to(torch.float32)
+        layers = [(kv[i, 0].unsqueeze(0).clone(), kv[i, 1].unsqueeze(0).clone()) for i in range(self.n_layers)]
+        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config.text_config)
+        return DecodeState(cache=cache, rope_delta=0, seq_len=seq_len)
+
+    @torch.inference_mode()
+    def decode_step(self, state: DecodeState, token_id: int) -> torch.Tensor:
+        cache_len = state.cache.get_seq_length()
+        out = self.model(input_ids=torch.tensor([[token_id]], dtype=torch.long),
+                         position_ids=torch.tensor([[cache_len]], dtype=torch.long),
+                         past_key_values=state.cache, use_cache=True)
+        state.seq_len = cache_len + 1
+        return out.logits[0, -1].to(torch.float32).clone()

@@ -1,0 +1,92 @@
+"""Qwen2-Audio split compute path: encode, prefill and decode as separate pure steps, with the
+same interface as :class:`shared.engines.qwen2_vl.Qwen2VLCompute` so the transformers engine
+drives either.
+
+Contract per step:
+- ``preprocess_audio`` (an :class:`AudioPreprocessor`): float32 mono samples at
+  ``sampling_rate`` → the processor's ``input_features`` ``[n_mels, 3000]`` (every clip padded
+  to 30 s), ``meta = (valid feature frames,)`` and the clip's LM token count.
+- ``encode_images(items)`` (name shared with Qwen2-VL) runs ONE audio-tower + projector forward
+  over any number of clips and returns each clip's first ``n_tokens`` rows ``[n_tokens, hidden]``
+  — exactly the features ``forward`` merges at the ``<|AUDIO|>`` positions.
+- ``prefill`` expands each ``<|AUDIO|>`` placeholder to its clip's token count, merges the
+  embeddings and runs the LM with plain positions (``rope_delta`` is always 0).
+- ``start_decode`` / ``decode_step`` continue from a packed KV on any instance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.engines.plain_lm import PlainLMCompute
+from shared.engines.qwen2_vl import ImagePixels, _kind
+
+
+def n_audio_tokens(valid_frames: int) -> int:
+    """LM tokens of a clip with ``valid_frames`` feature frames (the processor's formula)."""
+    return ((valid_frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+class AudioPreprocessor:
+    """The model's own feature extractor alone (no weights): what media-fetch runs."""
+
+    def __init__(self, model_dir: Path | str, *, processor=None) -> None:
+        if processor is None:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(str(model_dir))
+        self._fe = processor.feature_extractor
+        self.sampling_rate = int(self._fe.sampling_rate)
+
+    def __call__(self, samples: np.ndarray) -> ImagePixels:
+        out = self._fe([samples], sampling_rate=self.sampling_rate, return_attention_mask=True,
+                       padding="max_length", return_tensors="pt")
+        valid = int(out["attention_mask"][0].sum())
+        return ImagePixels(out["input_features"][0].to(torch.float32).contiguous(), (0, 0, 0),
+                           n_audio_tokens(valid), "audio", (valid,))
+
+
+class Qwen2AudioCompute(PlainLMCompute):
+    """Prefill and decode (plain positions) come from :class:`PlainLMCompute`."""
+
+    kind = "audio"
+
+    def __init__(self, model_dir: Path | str) -> None:
+        from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+        self.model_dir = Path(model_dir)
+        self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
+        self.model = Qwen2AudioForConditionalGeneration.from_pretrained(str(self.model_dir),
+                                                                        dtype=torch.float32).eval()
+        self.placeholder_token_id: int = int(self.model.config.audio_token_id)
+        self._init_lm()
+        self.preprocess_audio = AudioPreprocessor(self.model_dir, processor=self.processor)
+
+    # ---- encode ---------------------------------------------------------------
+    @torch.inference_mode()
+    def encode_images(self, items: list[ImagePixels]) -> list[torch.Tensor]:
+        """One audio-tower forward over every clip; float32 ``[n_tokens, hidden]`` each."""
+        from transformers.masking_utils import create_bidirectional_mask
+
+        if not items:
+            return []
+        if any(_kind(it) != "audio" for it in items):
+            raise ValueError(f"Qwen2-Audio encodes audio, not {sorted({_kind(it) for it in items} - {'audio'})}")
+        tower = self.model.model.audio_tower
+        features = torch.stack([it.pixel_values for it in items])  # [n, mels, 3000]
+        valid = torch.tensor([it.meta[0] for it in items], dtype=torch.long)
+        feat_lengths, _ = tower._get_feat_extract_output_lengths(valid)
+        max_len = (features.shape[-1] - 2) // 2 + 1
+        mask_2d = (torch.arange(max_len)[None, :] < feat_lengths[:, None]).to(torch.long)
+        mask = create_bidirectional_mask(config=tower.config, inputs_embeds=torch.zeros(len(items), max_len, 1),
+                                         attention_mask=mask_2d)
+        hidden = tower(features, attention_mask=mask).last_hidden_state
+        projected = self.model.model.multi_modal_projector(hidden)
+        out = [projected[i, : it.n_tokens].to(torch.float32).contiguous().clone() for i, it in enumerate(items)]
+        for it, f in zip(items, out):
+            if f.shape != (it.n_tokens, self.hidden_size):
+                raise RuntimeError(f"encoder output {tuple(f.shape)} != ({it.n_tokens}, {self.hidden_size})")
+        return out

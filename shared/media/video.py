@@ -1,0 +1,153 @@
+"""Video decoding under the media policy (PyAV), run on media-fetch's compute lane.
+
+Contract of :func:`decode_video`: raw container bytes → ``uint8 [frames, height, width, 3]``
+RGB frames sampled from the first video stream, or ``MediaError``:
+- Containers: MP4/MOV, WebM/Matroska (decided by PyAV's probe, then checked against the
+  allowlist); anything else — including audio-only files, images and garbage — is a 400.
+- Caps checked from the container header before any frame is decoded: duration
+  (``max_duration_s``, 413) and frame side (``max_side``, 413). ``max_decoded_frames`` bounds the
+  frames decoded while looking for the sampled ones (a 1000 fps clip cannot burn a core).
+- Sampling: ``fps > 0`` takes one frame every ``1/fps`` seconds (at most ``max_frames``; more
+  is a 400 that says how to ask for fewer); otherwise ``num_frames`` frames at evenly spaced
+  times over the duration (t_i = (i + 0.5) · duration / n). For each sample time the frame on
+  screen at that time is kept (the last frame whose timestamp is at or before it; the last
+  frame when the video ends first), so the result is deterministic for the same bytes and
+  parameters.
+- Corrupt or truncated streams are a 400; every exception PyAV raises on untrusted bytes is a
+  ``MediaError`` here, never a worker fault.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.media.sources import MediaError
+
+# PyAV/FFmpeg demuxer names -> what to call them in messages
+_ALLOWED_CONTAINERS = {"mov,mp4,m4a,3gp,3g2,mj2": "MP4/MOV", "matroska,webm": "WebM/Matroska"}
+_ACCEPT = "send MP4, MOV, WebM or MKV video"
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    max_duration_s: float
+    max_frames: int
+    max_side: int
+    max_decoded_frames: int
+
+
+def sample_times(duration_s: float, *, num_frames: int, fps: float, max_frames: int, param: str) -> list[float]:
+    """Timestamps (s) to sample; see the module contract."""
+    if fps > 0:
+        n = max(1, math.floor(duration_s * fps + 1e-9))
+        if n > max_frames:
+            raise MediaError(f"{param}: sampling {duration_s:.1f} s of video at {fps:g} fps gives {n} frames, above "
+                             f"the limit of {max_frames}; ask for a lower fps or set num_frames")
+        return [(i + 0.5) / fps for i in range(n)]
+    if not 1 <= num_frames <= max_frames:
+        raise MediaError(f"{param}: num_frames must be between 1 and {max_frames}")
+    return [(i + 0.5) * duration_s / num_frames for i in range(num_frames)]
+
+
+def decode_video(raw: bytes, *, num_frames: int, fps: float, limits: VideoLimits, param: str) -> np.ndarray:
+    import av
+
+    try:
+        container = av.open(io.BytesIO(raw), mode="r", metadata_errors="ignore")
+    except Exception as exc:  # noqa: BLE001 - FFmpeg's errors on untrusted bytes come in many types
+        raise MediaError(f"{param}: the data is not a readable video container ({_short(exc)}); {_ACCEPT}",
+                         code="unsupported_media_type") from None
+    try:
+        return _decode(container, num_frames=num_frames, fps=fps, limits=limits, param=param)
+    except MediaError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - corrupt streams surface as av.error.* or ValueError
+        raise MediaError(f"{param}: the video is corrupt or truncated ({_short(exc)})") from None
+    finally:
+        container.close()
+
+
+def _decode(container, *, num_frames: int, fps: float, limits: VideoLimits, param: str) -> np.ndarray:
+    fmt = container.format.name
+    if fmt not in _ALLOWED_CONTAINERS:
+        raise MediaError(f"{param}: the data is a {fmt!r} container, which is not accepted; {_ACCEPT}",
+                         code="unsupported_media_type")
+    if not container.streams.video:
+        raise MediaError(f"{param}: the {_ALLOWED_CONTAINERS[fmt]} file has no video stream; {_ACCEPT}")
+    stream = container.streams.video[0]
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width <= 0 or height <= 0:
+        raise MediaError(f"{param}: the video stream has no frame size (corrupt header)")
+    if max(width, height) > limits.max_side:
+        raise MediaError(f"{param}: video frames are {width}x{height}, above the limit of {limits.max_side} pixels "
+                         "per side; send a smaller video", status=413, code="media_too_large")
+    duration_s = _duration_s(container, stream, param)
+    if duration_s > limits.max_duration_s:
+        raise MediaError(f"{param}: video is {duration_s:.1f} s long, above the limit of {limits.max_duration_s:g} s; "
+                         "send a shorter clip", status=413, code="media_too_large")
+    times = sample_times(duration_s, num_frames=num_frames, fps=fps, max_frames=limits.max_frames, param=param)
+    picked: list[np.ndarray] = []
+    shown = None  # (frame, its rgb array or None) on screen before the frame being looked at
+    decoded = 0
+    for frame in container.decode(stream):
+        decoded += 1
+        if decoded > limits.max_decoded_frames:
+            raise MediaError(f"{param}: video has more than {limits.max_decoded_frames} frames to decode; send a "
+                             "shorter clip or a lower frame rate", status=413, code="media_too_large")
+        if max(frame.width, frame.height) > limits.max_side:
+            raise MediaError(f"{param}: a video frame is {frame.width}x{frame.height}, above the limit of "
+                             f"{limits.max_side} pixels per side", status=413, code="media_too_large")
+        t = _frame_time_s(frame, stream, decoded)
+        while len(picked) < len(times) and times[len(picked)] < t - 1e-6:
+            # the sample time falls before this frame: what was on screen then is the previous one
+            shown = shown if shown is not None else [frame, None]
+            if shown[1] is None:
+                shown[1] = shown[0].to_ndarray(format="rgb24")
+            picked.append(shown[1])
+        if len(picked) == len(times):
+            break
+        shown = [frame, None]
+    if len(picked) < len(times):  # the last frame stays on screen to the end
+        if shown is None:
+            raise MediaError(f"{param}: the video stream has no decodable frames (corrupt or truncated)")
+        last = shown[1] if shown[1] is not None else shown[0].to_ndarray(format="rgb24")
+        picked.extend([last] * (len(times) - len(picked)))
+    shapes = {p.shape for p in picked}
+    if len(shapes) != 1:
+        raise MediaError(f"{param}: the video changes frame size mid-stream ({sorted(shapes)[:2]}); "
+                         "send a video with one frame size")
+    return np.stack(picked)
+
+
+def _duration_s(container, stream, param: str = "") -> float:
+    """From the stream header, else the container's, else by demuxing packets (no decoding)."""
+    if stream.duration is not None and stream.time_base is not None and stream.duration > 0:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None and container.duration > 0:
+        return container.duration / 1_000_000  # av.time_base: microseconds
+    end = 0.0
+    for packet in container.demux(stream):
+        if packet.pts is not None and packet.time_base is not None:
+            end = max(end, float((packet.pts + (packet.duration or 0)) * packet.time_base))
+    container.seek(0)
+    if end <= 0:
+        raise MediaError(f"{param}: the video has no duration and no timestamps (corrupt or truncated)")
+    return end
+
+
+def _frame_time_s(frame, stream, index: int) -> float:
+    if frame.time is not None:
+        return float(frame.time)
+    rate = float(stream.average_rate or stream.guessed_rate or 25)
+    return (index - 1) / rate
+
+
+def _short(exc: BaseException) -> str:
+    # FFmpeg's messages name the (in-memory) file and an errno: neither helps the client
+    text = re.sub(r"^\[Errno -?\d+\] |: '<none>'$", "", str(exc))
+    return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__

@@ -1,0 +1,136 @@
+"""Tiny random-weight LLaVA (CLIP vision tower + MLP projector + Qwen2 LM), built offline.
+
+Contract as :mod:`shared.models.qwen2_vl_tiny`: ``build_tiny_llava(out_dir, seed=0)`` writes a
+directory ``AutoProcessor`` and ``LlavaForConditionalGeneration`` load under
+``HF_HUB_OFFLINE=1``; ``ensure_tiny_llava(cache_root)`` builds once into
+``cache_root/llava-tiny-<recipe hash>``.
+
+Model facts: ``<image>`` registered as a special token (id read back into ``image_token_id``);
+chat template Qwen style with ``<image>`` per image part; CLIP image processor resizing the
+shortest edge to 56 and centre-cropping 56x56; vision tower 2 layers, hidden 64, patch 14 →
+(56/14)² = 16 patches (+ CLS, dropped by the "default" feature strategy) → 16 LM tokens per
+image; text model as the other tiny builds (hidden 128, 2 layers, plain RoPE).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shared.models import qwen2_vl_tiny as vl
+from shared.models import tokenizer_build as tb
+
+MODEL_NAME = "llava-tiny"
+_MARKER = "mmfleet_build.json"
+IMAGE = "<image>"
+IMAGE_SIZE = 56
+PATCH = 14
+TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
+
+CHAT_TEMPLATE = tb.CHAT_TEMPLATE.replace("'<|vision_start|><|image_pad|><|vision_end|>'", "'<image>'")
+
+
+def recipe_hash(seed: int) -> str:
+    import tokenizers
+    import transformers
+
+    h = hashlib.sha256()
+    for module_file in (Path(__file__), Path(tb.__file__), Path(vl.__file__)):
+        h.update(module_file.read_bytes())
+    h.update(json.dumps({"seed": seed, "torch": torch.__version__, "transformers": transformers.__version__,
+                         "tokenizers": tokenizers.__version__}, sort_keys=True).encode())
+    return h.hexdigest()[:12]
+
+
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
+    """One seeded generator, sorted names, fan-in scaling (see qwen2_vl_tiny._init_weights)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            if "norm" in name:
+                p.fill_(1.0) if name.endswith(".weight") else p.zero_()
+                continue
+            if name.endswith(".bias"):
+                std = vl.BIAS_STD
+            elif "embed_tokens" in name or "position_embedding" in name or "class_embedding" in name:
+                std = vl.EMBED_STD
+            else:
+                gain = vl.LM_HEAD_GAIN if name.startswith("lm_head") else vl.TEXT_GAIN
+                std = gain / math.sqrt(math.prod(p.shape[1:]))
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+
+def build_tiny_llava(out_dir: Path, *, seed: int = 0) -> Path:
+    from transformers import (CLIPImageProcessor, GenerationConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = tb.build_qwen2_tokenizer(seed=seed)
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in (*tb.SPECIAL_TOKENS, IMAGE)}
+    if len(set(ids.values())) != len(ids):
+        raise RuntimeError(f"special tokens not registered distinctly: {ids}")
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                           crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+        tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
+    text = vl.text_config_dict(len(tokenizer), ids)
+    text.pop("rope_parameters")
+    text.update(model_type="qwen2", rope_theta=10000.0)
+    config = LlavaConfig(
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 64, "intermediate_size": 128,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": IMAGE_SIZE,
+                       "patch_size": PATCH, "projection_dim": 64},
+        text_config=text, image_token_id=ids[IMAGE], vision_feature_layer=-1,
+        vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
+    _init_weights(model, seed)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[tb.ENDOFTEXT], eos_token_id=[ids[tb.IM_END], ids[tb.ENDOFTEXT]],
+        pad_token_id=ids[tb.ENDOFTEXT], do_sample=False)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def ensure_tiny_llava(cache_root: Path, *, seed: int = 0) -> Path:
+    """``cache_root/llava-tiny-<hash>``, built once (race-safe as ensure_tiny_qwen2_vl)."""
+    return ensure_built(cache_root, MODEL_NAME, build_tiny_llava, [], seed=seed)
+
+
+def ensure_built(cache_root: Path, name: str, build, recipe_files: list[Path], *, seed: int = 0) -> Path:
+    """``cache_root/<name>-<hash of this recipe + recipe_files>``, built once by ``build(dir, seed=)``
+    in a temp dir and renamed into place (a process that loses the race uses the winner's)."""
+    cache_root = Path(cache_root)
+    h = hashlib.sha256(recipe_hash(seed).encode())
+    for f in recipe_files:
+        h.update(Path(f).read_bytes())
+    final = cache_root / f"{name}-{h.hexdigest()[:12]}"
+    if (final / _MARKER).is_file():
+        return final
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_root))
+    try:
+        build(tmp, seed=seed)
+        (tmp / _MARKER).write_text(json.dumps({"name": final.name, "seed": seed}))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / _MARKER).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,152 @@
+"""Tiny random-weight Qwen2-Audio, built fully offline, for tests and local fleets.
+
+Contract (as :mod:`shared.models.qwen2_vl_tiny`): ``build_tiny_qwen2_audio(out_dir, seed=0)``
+writes a directory that ``AutoProcessor`` and ``Qwen2AudioForConditionalGeneration`` load under
+``HF_HUB_OFFLINE=1``; ``ensure_tiny_qwen2_audio(cache_root)`` builds once into
+``cache_root/qwen2-audio-tiny-<recipe hash>`` (temp dir + atomic rename) and returns it.
+
+Model facts:
+- Tokenizer: the project's byte-level BPE (``tokenizer_build``) plus ``<|AUDIO|>``,
+  ``<|audio_bos|>``, ``<|audio_eos|>`` registered as special tokens; their ids are read back
+  from the tokenizer and written into the config (``audio_token_id``). Chat template: Qwen
+  style, an audio part renders ``<|audio_bos|><|AUDIO|><|audio_eos|>`` (one placeholder that
+  prefill expands to the clip's token count).
+- Feature extractor: Whisper, 128 mel bins at 16 kHz; the processor pads every clip to 30 s
+  (3000 frames), so ``input_features`` is always ``[128, 3000]``; a clip of ``L`` valid frames
+  gives ``((L - 1) // 2 + 1 - 2) // 2 + 1`` LM tokens.
+- Audio encoder: 2 layers, d_model 64, 2 heads; projector into the LM's 128 hidden size. Text
+  model as the Qwen2-VL tiny build (hidden 128, 2 layers, 4 heads × 32, 2 KV heads), plain
+  RoPE positions (no M-RoPE: ``rope_delta`` is always 0).
+- Weights: one seeded generator, fan-in scaling (see ``_init_weights``), not transformers'
+  init, so the output depends on the audio with usable argmax margins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shared.models import qwen2_vl_tiny as vl
+from shared.models import tokenizer_build as tb
+
+MODEL_NAME = "qwen2-audio-tiny"
+_MARKER = "mmfleet_build.json"
+AUDIO, AUDIO_BOS, AUDIO_EOS = "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"
+SAMPLING_RATE = 16_000
+N_MELS = 128
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}"
+    "{{- part['text'] -}}"
+    "{%- elif part['type'] in ['audio', 'audio_url', 'input_audio'] or 'audio' in part -%}"
+    "{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\n' -}}"
+    "{%- endif -%}"
+)
+
+
+def recipe_hash(seed: int) -> str:
+    import tokenizers
+    import transformers
+
+    h = hashlib.sha256()
+    for module_file in (Path(__file__), Path(tb.__file__), Path(vl.__file__)):
+        h.update(module_file.read_bytes())
+    h.update(json.dumps({"seed": seed, "torch": torch.__version__, "transformers": transformers.__version__,
+                         "tokenizers": tokenizers.__version__}, sort_keys=True).encode())
+    return h.hexdigest()[:12]
+
+
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter from one seeded generator in sorted-name order (see qwen2_vl_tiny): norms
+    1/0, biases N(0, 0.1), embeddings N(0, 1), matrices fan-in scaled (gain 2, lm_head 4)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            if "norm" in name:
+                p.fill_(1.0) if name.endswith(".weight") else p.zero_()
+                continue
+            if name.endswith(".bias"):
+                std = vl.BIAS_STD
+            elif "embed_tokens" in name or "embed_positions" in name:
+                std = vl.EMBED_STD
+            else:
+                gain = vl.LM_HEAD_GAIN if name.startswith("lm_head") else vl.TEXT_GAIN
+                std = gain / math.sqrt(math.prod(p.shape[1:]))
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+
+def build_tiny_qwen2_audio(out_dir: Path, *, seed: int = 0) -> Path:
+    from transformers import (GenerationConfig, Qwen2AudioConfig, Qwen2AudioForConditionalGeneration,
+                              Qwen2AudioProcessor, WhisperFeatureExtractor)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = tb.build_qwen2_tokenizer(seed=seed)
+    tokenizer.add_special_tokens({"additional_special_tokens": [AUDIO, AUDIO_BOS, AUDIO_EOS]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in (*tb.SPECIAL_TOKENS, AUDIO, AUDIO_BOS, AUDIO_EOS)}
+    if len(set(ids.values())) != len(ids):
+        raise RuntimeError(f"special tokens not registered distinctly: {ids}")
+    processor = Qwen2AudioProcessor(
+        feature_extractor=WhisperFeatureExtractor(feature_size=N_MELS, sampling_rate=SAMPLING_RATE),
+        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    text = vl.text_config_dict(len(tokenizer), ids)
+    text.pop("rope_parameters")
+    text.update(model_type="qwen2", rope_theta=10000.0)
+    config = Qwen2AudioConfig(
+        audio_config={"model_type": "qwen2_audio_encoder", "d_model": 64, "encoder_layers": 2,
+                      "encoder_attention_heads": 2, "encoder_ffn_dim": 128, "num_mel_bins": N_MELS,
+                      "max_source_positions": 1500},
+        text_config=text, audio_token_id=ids[AUDIO])
+    model = Qwen2AudioForConditionalGeneration(config).to(torch.float32).eval()
+    _init_weights(model, seed)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[tb.ENDOFTEXT], eos_token_id=[ids[tb.IM_END], ids[tb.ENDOFTEXT]],
+        pad_token_id=ids[tb.ENDOFTEXT], do_sample=False)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def ensure_tiny_qwen2_audio(cache_root: Path, *, seed: int = 0) -> Path:
+    """``cache_root/qwen2-audio-tiny-<hash>``, built once (race-safe as ensure_tiny_qwen2_vl)."""
+    cache_root = Path(cache_root)
+    final = cache_root / f"{MODEL_NAME}-{recipe_hash(seed)}"
+    if (final / _MARKER).is_file():
+        return final
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_root))
+    try:
+        build_tiny_qwen2_audio(tmp, seed=seed)
+        (tmp / _MARKER).write_text(json.dumps({"name": final.name, "seed": seed}))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / _MARKER).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
