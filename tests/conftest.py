@@ -30,9 +30,13 @@ def logs_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("logs")
 
 
-@pytest.fixture(scope="session")
-def kafka_bootstrap(logs_dir):
-    with procs.broker(logs_dir) as bootstrap:
+@pytest.fixture(scope="module")
+def kafka_bootstrap(tmp_path_factory):
+    """A broker per test module: fleets of different modules share consumer-group names, and the
+    embedded broker can keep a group rebalancing for good after members of an earlier fleet died
+    without leaving (seen after a SIGKILLed worker: the next fleet's prefill never got its
+    partitions). A broker starts in well under a second."""
+    with procs.broker(tmp_path_factory.mktemp("broker")) as bootstrap:
         yield bootstrap
 
 
