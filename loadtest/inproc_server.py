@@ -55,6 +55,10 @@ class QueueSink:
     async def append(self, request_id: str, event: protocol.StreamEvent) -> None:
         self.queue.put_nowait(event)
 
+    async def append_delta(self, request_id: str, delta: protocol.TokenDelta, position: int) -> bool:
+        self.queue.put_nowait(delta)  # one writer per request in-process: always its turn
+        return True
+
     async def events(self):
         """The events as they come, for the gateway's response builders."""
         while True:

@@ -50,6 +50,11 @@ class RedisKeys:
         """The request's token log (a Redis stream of ``StreamEvent`` entries)."""
         return f"{self.prefix}:stream:{request_id}"
 
+    def token_seq(self, request_id: str) -> str:
+        """Next delta sequence number of the request's token log: deltas are appended only at
+        it (compare-and-append), so two decodes of one request never both write a token."""
+        return f"{self.prefix}:seq:{request_id}"
+
     def lease(self, request_id: str, stage: str) -> str:
         """``SET NX PX`` claim on (request, stage) for idempotent redelivery."""
         return f"{self.prefix}:lease:{stage}:{request_id}"

@@ -82,6 +82,12 @@ class EventSink(Protocol):
         """Every event written for the request so far, in order."""
         ...
 
+    async def append_delta(self, request_id: str, delta: protocol.TokenDelta, position: int) -> bool:
+        """Append ``delta`` as the log's ``position``-th delta, only if that is the next one (or
+        the log's counter is gone, e.g. Redis was flushed); False: another decode of the request
+        wrote that position first."""
+        ...
+
 
 @dataclass
 class Context:

@@ -18,6 +18,16 @@ from shared.keys import RedisKeys
 
 _FIELD = b"e"
 
+# KEYS: stream, position counter; ARGV: position, encoded delta, maxlen, ttl_s
+_APPEND_AT_SEQ = """
+local nxt = redis.call('get', KEYS[2])
+if nxt and tonumber(nxt) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('xadd', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[2])
+redis.call('set', KEYS[2], tonumber(ARGV[1]) + 1, 'EX', ARGV[4])
+redis.call('expire', KEYS[1], ARGV[4])
+return 1
+"""
+
 
 class TokenStreams:
     """Append / read request streams. One instance per process, shared by all handlers."""
@@ -27,6 +37,7 @@ class TokenStreams:
         self._keys = keys
         self._maxlen = maxlen
         self._ttl_s = ttl_s
+        self._cas = redis.register_script(_APPEND_AT_SEQ)
 
     async def append(self, request_id: str, event: protocol.StreamEvent) -> None:
         """Write one event (XADD + refresh TTL in one round trip)."""
@@ -35,6 +46,14 @@ class TokenStreams:
             pipe.xadd(key, {_FIELD: protocol.encode(event)}, maxlen=self._maxlen, approximate=True)
             pipe.expire(key, self._ttl_s)
             await pipe.execute()
+
+    async def append_delta(self, request_id: str, delta: protocol.TokenDelta, position: int) -> bool:
+        """Compare-and-append (one round trip): XADD ``delta`` only if ``position`` is the
+        request's next delta position (``RedisKeys.token_seq``; a missing counter, after a
+        flush, accepts any). False: another decode of the request wrote that position first."""
+        ok = await self._cas(keys=[self._keys.token_stream(request_id), self._keys.token_seq(request_id)],
+                             args=[position, protocol.encode(delta), self._maxlen, self._ttl_s])
+        return bool(ok)
 
     async def read(
         self, request_id: str, *, after_id: str = "0-0", block_ms: int = 1000

@@ -66,5 +66,12 @@ class ListSink:
     async def history(self, request_id: str) -> list[protocol.StreamEvent]:
         return list(self.events.get(request_id, ()))
 
+    async def append_delta(self, request_id: str, delta: protocol.TokenDelta, position: int) -> bool:
+        written = sum(isinstance(e, protocol.TokenDelta) for e in self.events.get(request_id, ()))
+        if position != written:
+            return False
+        await self.append(request_id, delta)
+        return True
+
     def text(self, request_id: str) -> str:
         return "".join(e.text for e in self.events[request_id] if isinstance(e, protocol.TokenDelta))

@@ -52,7 +52,11 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
                             aborted: Callable[[], Awaitable[bool]] | None = None,
                             abort_check_every: int = 16) -> None:
     """``aborted``: polled every ``abort_check_every`` tokens; true ends the request with an
-    error event (the client went away; the engine stops when the iterator closes)."""
+    error event (the client went away; the engine stops when the iterator closes).
+
+    Deltas are compare-and-appended at their sequence number: when another decode of the same
+    request (a redelivery racing a live worker, a re-driven attempt) already wrote a position,
+    this one stops without writing anything more, so the log holds each token once."""
     sampling = meta.sampling
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopChecker(sampling.stop)
@@ -63,7 +67,9 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
         nonlocal sent
         sent += 1
         if sent > skip_deltas:  # the log already holds the first skip_deltas deltas
-            await events.append(meta.request_id, protocol.TokenDelta(seq=seq, token_ids=token_ids, text=text))
+            delta = protocol.TokenDelta(seq=seq, token_ids=token_ids, text=text)
+            if not await events.append_delta(meta.request_id, delta, position=sent - 1):
+                raise _Superseded(sent - 1)
 
     async def _all() -> AsyncIterator[int]:
         if first_token is not None:
@@ -92,14 +98,24 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
                     status=499, type="invalid_request_error", message="the client closed the request",
                     code="client_closed_request"))
                 return
+        if not stops.stopped:
+            res = stops.feed(detok.flush())
+            tail = res.emit + ("" if res.stopped else stops.flush())
+            reason = "stop" if res.stopped else reason
+            if tail:
+                await _send(generated, (), tail)
+    except _Superseded as sup:
+        log.info("request %s: another decode already wrote delta %d of its token log; this one stops",
+                 meta.request_id, sup.seq)
+        return
     finally:
         await stream.aclose()
         await tokens.aclose()
-    if not stops.stopped:
-        res = stops.feed(detok.flush())
-        tail = res.emit + ("" if res.stopped else stops.flush())
-        reason = "stop" if res.stopped else reason
-        if tail:
-            await _send(generated, (), tail)
     usage = protocol.Usage(prompt_tokens=prompt_len, completion_tokens=generated, cached_tokens=cached_tokens)
     await events.append(meta.request_id, protocol.Finish(reason=reason, usage=usage, spans=path_so_far(meta)))
+
+
+class _Superseded(Exception):
+    def __init__(self, seq: int) -> None:
+        super().__init__(seq)
+        self.seq = seq

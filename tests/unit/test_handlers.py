@@ -226,3 +226,30 @@ async def test_decode_resumes_from_the_log_without_loss_or_duplication(pipeline,
     assert sink.events["resumed"] == clean
     await handler.handle(msg, ctx)
     assert sink.events["resumed"] == clean
+
+
+async def test_two_decodes_of_one_request_write_each_token_once(pipeline, compute):
+    """The same DecodeRequest handled twice at once (a redelivery racing the live worker): the
+    log equals one uninterrupted decode's, whichever writer wins each position."""
+    prompt_ids = compute.render_prompt_ids([{"role": "user", "content": "Tell me about the sea."}])
+    await _run(pipeline, protocol.PrefillRequest(meta=_meta("solo", prompt_ids, max_tokens=12)))
+    solo = pipeline["sink"].events["solo"]
+    await _run_twice_at_once(pipeline, protocol.PrefillRequest(meta=_meta("twice", prompt_ids, max_tokens=12)))
+    twice = pipeline["sink"].events["twice"]
+    deltas = [e for e in twice if isinstance(e, protocol.TokenDelta)]
+    assert [d.seq for d in deltas] == sorted({d.seq for d in deltas}), "no position written twice"
+    assert [(d.seq, d.token_ids, d.text) for d in deltas] == \
+        [(d.seq, d.token_ids, d.text) for d in solo if isinstance(d, protocol.TokenDelta)]
+    assert sum(isinstance(e, protocol.Finish) for e in twice) == 1
+
+
+async def _run_twice_at_once(p, msg: protocol.PrefillRequest) -> None:
+    """Prefill once, then the stage that writes tokens twice concurrently on the same input."""
+    handler, ctx = p["stages"]["prefill"]
+    if isinstance(handler, GenerateHandler):  # merged prefill+decode writes the tokens itself
+        await asyncio.gather(handler.handle(msg, ctx), handler.handle(msg, ctx))
+        return
+    outcome = await handler.handle(msg, ctx)
+    (out,) = outcome.produce
+    dhandler, dctx = p["stages"]["decode"]
+    await asyncio.gather(dhandler.handle(out.value, dctx), dhandler.handle(out.value, dctx))
