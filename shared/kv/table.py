@@ -47,16 +47,21 @@ class LoadTracker:
     def __init__(self) -> None:
         self.inflight = 0
         self.queued_tokens = 0
+        # set on every change: the reporter publishes at once, so the table never shows work
+        # that is already done (a stale load would steer a follow-up turn away from its KV)
+        self.changed = asyncio.Event()
 
     @contextmanager
     def track(self, tokens: int):
         self.inflight += 1
         self.queued_tokens += tokens
+        self.changed.set()
         try:
             yield
         finally:
             self.inflight -= 1
             self.queued_tokens -= tokens
+            self.changed.set()
 
 
 class LoadReporter(ConsumerRebalanceListener):
@@ -110,11 +115,16 @@ class LoadReporter(ConsumerRebalanceListener):
         """Refresh until cancelled; on the way out remove this worker from the table."""
         try:
             while True:
+                self._load.changed.clear()  # a change during the report triggers the next one
                 try:
                     await self.report()
                 except (aioredis.RedisError, OSError) as exc:
                     log.warning("kv: load report failed: %r", exc)
-                await asyncio.sleep(self._interval_s)
+                try:  # on a change of load, else every interval (the TTL refresh)
+                    await asyncio.wait_for(self._load.changed.wait(), self._interval_s)
+                except TimeoutError:
+                    pass
+                await asyncio.sleep(0.005)  # a burst of changes is one report
         finally:
             await asyncio.shield(self._withdraw())
 

@@ -48,10 +48,11 @@ def traffic(fleet):
         return client.chat.completions.create(model="mmfleet-demo", temperature=0, max_tokens=8,
                                               messages=[{"role": "user", "content": content}], **kw)
 
-    image = image_parts([png_data_url(noise_image(5))], "What is this?")
-    for content in ("Tell me about the sea.", image):
-        ids.append(chat(content).id)
-        chunks = list(chat(content, stream=True))
+    # two different images: a repeated one would be an embedding-cache hit and skip encode
+    images = [image_parts([png_data_url(noise_image(seed))], "What is this?") for seed in (5, 6)]
+    for whole, streamed in (("Tell me about the sea.", "Tell me about the sea."), images):
+        ids.append(chat(whole).id)
+        chunks = list(chat(streamed, stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         ids.append(chunks[0].id)
     not_an_image = "data:image/png;base64,aGVsbG8sIEkgYW0gcGxhaW4gdGV4dA=="

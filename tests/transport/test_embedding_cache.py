@@ -134,7 +134,7 @@ async def test_prefill_validates_lease_less_refs_and_falls_back(env) -> None:
     hit = protocol.EmbeddingItem(index=0, mm_hash="one", grid_thw=(1, 4, 4), n_tokens=4, embeds=entry.embeds,
                                  cache_key=k1, cache_gen=entry.gen)
     msg = protocol.PrefillRequest(meta=_meta(), owners=(entry.owner,), items=(hit,))
-    [(got, _)] = await EmbeddingPuller(index).pull(msg, ctx)
+    [(got, _, _)] = await EmbeddingPuller(index).pull(msg, ctx)
     assert torch.equal(got, emb(1))
     # k2 evicts k1 (capacity one item): the same ref no longer validates -> restart, not garbage
     await cache.embed(pixel_item(k2), enc(2), fleet_ok=True, deadline_unix_ms=2**62)
@@ -148,7 +148,7 @@ async def test_prefill_validates_lease_less_refs_and_falls_back(env) -> None:
     msg2 = protocol.PrefillRequest(meta=_meta(), owners=(entry2.owner,), items=(hit2,))
     await puller.pull(msg2, ctx)
     await store.close()  # the owner's entries and slots are gone now
-    [(got2, _)] = await puller.pull(msg2, ctx)
+    [(got2, _, _)] = await puller.pull(msg2, ctx)
     assert torch.equal(got2, emb(2))
 
 
