@@ -17,18 +17,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from shared.models import qwen2_vl_tiny as vl
 from shared.models import tokenizer_build as tb
+from shared.models.build_cache import build_once
 
 MODEL_NAME = "llava-tiny"
-_MARKER = "mmfleet_build.json"
 IMAGE = "<image>"
 IMAGE_SIZE = 56
 PATCH = 14
@@ -118,19 +115,4 @@ def ensure_built(cache_root: Path, name: str, build, recipe_files: list[Path], *
     for f in recipe_files:
         h.update(Path(f).read_bytes())
     final = cache_root / f"{name}-{h.hexdigest()[:12]}"
-    if (final / _MARKER).is_file():
-        return final
-    cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_root))
-    try:
-        build(tmp, seed=seed)
-        (tmp / _MARKER).write_text(json.dumps({"name": final.name, "seed": seed}))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / _MARKER).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(final, lambda d: build(d, seed=seed), seed=seed)

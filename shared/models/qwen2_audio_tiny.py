@@ -26,18 +26,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from shared.models import qwen2_vl_tiny as vl
 from shared.models import tokenizer_build as tb
+from shared.models.build_cache import build_once
 
 MODEL_NAME = "qwen2-audio-tiny"
-_MARKER = "mmfleet_build.json"
 AUDIO, AUDIO_BOS, AUDIO_EOS = "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"
 SAMPLING_RATE = 16_000
 N_MELS = 128
@@ -132,21 +129,5 @@ def build_tiny_qwen2_audio(out_dir: Path, *, seed: int = 0) -> Path:
 
 def ensure_tiny_qwen2_audio(cache_root: Path, *, seed: int = 0) -> Path:
     """``cache_root/qwen2-audio-tiny-<hash>``, built once (race-safe as ensure_tiny_qwen2_vl)."""
-    cache_root = Path(cache_root)
-    final = cache_root / f"{MODEL_NAME}-{recipe_hash(seed)}"
-    if (final / _MARKER).is_file():
-        return final
-    cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_root))
-    try:
-        build_tiny_qwen2_audio(tmp, seed=seed)
-        (tmp / _MARKER).write_text(json.dumps({"name": final.name, "seed": seed}))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / _MARKER).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    final = Path(cache_root) / f"{MODEL_NAME}-{recipe_hash(seed)}"
+    return build_once(final, lambda d: build_tiny_qwen2_audio(d, seed=seed), seed=seed)

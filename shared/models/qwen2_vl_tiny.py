@@ -37,17 +37,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from shared.models import tokenizer_build as tb
+from shared.models.build_cache import build_once
 
 MODEL_NAME = "qwen2-vl-tiny"
-_MARKER = "mmfleet_build.json"
 
 PATCH_SIZE = 14
 MERGE_SIZE = 2
@@ -229,22 +226,5 @@ def ensure_tiny_qwen2_vl(cache_root: Path, *, seed: int = 0) -> Path:
     ``cache_root`` and renames it into place; ``rename`` onto an existing non-empty
     directory fails, so the loser deletes its copy and uses the winner's.
     """
-    cache_root = Path(cache_root)
-    final = cache_root / f"{MODEL_NAME}-{recipe_hash(seed)}"
-    if (final / _MARKER).is_file():
-        return final
-    cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_root))
-    try:
-        build_tiny_qwen2_vl(tmp, seed=seed)
-        # The marker is written last, inside the temp dir: a dir that has it is complete.
-        (tmp / _MARKER).write_text(json.dumps({"name": final.name, "seed": seed}))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / _MARKER).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    final = Path(cache_root) / f"{MODEL_NAME}-{recipe_hash(seed)}"
+    return build_once(final, lambda d: build_tiny_qwen2_vl(d, seed=seed), seed=seed)
