@@ -104,13 +104,13 @@ class FleetCollector:
                 proc = self._procs[row.id] = _Process(row)
             proc.gone_since = None
             if text is None:
-                proc.row = msgspec_replace(row, state="down", error=error,
+                proc.row = _replace(row, state="down", error=error,
                                            last_seen_unix_ms=proc.row.last_seen_unix_ms)
                 continue
             try:
                 samples, gauges = ps.parse(text)
             except ValueError as exc:
-                proc.row = msgspec_replace(row, state="down", error=f"unparsable /metrics: {exc}",
+                proc.row = _replace(row, state="down", error=f"unparsable /metrics: {exc}",
                                            last_seen_unix_ms=proc.row.last_seen_unix_ms)
                 continue
             proc.history.append((t, samples))
@@ -120,7 +120,7 @@ class FleetCollector:
                 proc.history.popleft()
             if t - proc.history[0][0] > 2 * self.window_s:  # nobody looked for a while: stale
                 proc.history.popleft()
-            proc.row = msgspec_replace(row, last_seen_unix_ms=now_ms,
+            proc.row = _replace(row, last_seen_unix_ms=now_ms,
                                        pool_used_bytes=ps.total(samples, "mmfleet_nixl_pool_used_bytes")
                                        if ps.has(samples, "mmfleet_nixl_pool_used_bytes") else None)
         if gateways is not None:  # with Redis unreadable, nobody is declared gone
@@ -145,7 +145,7 @@ class FleetCollector:
             if proc.gone_since is None:
                 proc.gone_since = t
                 proc.history.clear()  # its counters leave the sums with it
-                proc.row = msgspec_replace(proc.row, state="gone", error="liveness record expired or removed",
+                proc.row = _replace(proc.row, state="gone", error="liveness record expired or removed",
                                            pool_used_bytes=None)
             elif t - proc.gone_since > self._gone_keep_s:
                 del self._procs[pid]
@@ -180,5 +180,5 @@ def _stage_rank(stages: tuple[str, ...]) -> int:
     return min((STAGE_ORDER.index(s) for s in stages if s in STAGE_ORDER), default=len(STAGE_ORDER))
 
 
-def msgspec_replace(row: ProcessRow, **changes) -> ProcessRow:
+def _replace(row: ProcessRow, **changes) -> ProcessRow:
     return msgspec.structs.replace(row, **changes)
