@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: install up test chaos bench clean-venv
+.PHONY: install up test chaos bench clean-venv chromium
 
 install: $(STAMP)
 
@@ -28,7 +28,16 @@ $(VLLM_STAMP): $(STAMP)
 	$(BIN)/python -m shared.torchvision_guard --install
 	touch $(VLLM_STAMP)
 
-test: install $(VLLM_STAMP)
+# the browser test of the gateway's /fleet page drives Debian's chromium: installed here when
+# we are root with apt-get; otherwise that test skips and says why
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; }; \
+	  else echo "no chromium (needs root and apt-get to install): the /fleet browser test will skip"; fi; }
+
+test: install $(VLLM_STAMP) chromium
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # a short standard benchmark suite (a few minutes); results under loadtest/results/<time>/

@@ -7,6 +7,7 @@
   mmfleet model     build the tiny offline demo model (cached) and print its path
   mmfleet submit    run a JSONL file of requests through Kafka (mm.requests), replies to JSONL
   mmfleet keys hash print the sha256 of an API key read from stdin (for MMFLEET_API_KEY_HASHES)
+  mmfleet top       the live fleet view in the terminal (the gateway serves it at /fleet)
   mmfleet settings  every setting: variable, default, description (--effective: the values in force)
   mmfleet bench     benchmark the fleet against in-process and vllm serve (see loadtest/README.md)
 
@@ -94,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--max-outstanding", type=int, default=1000, help="unanswered requests at most")
     submit.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    top = add("top", "the live fleet view in the terminal: stages, lag, latencies, caches, processes "
+                     "(from Redis liveness records and each process's /metrics)")
+    config(top)
+    top.add_argument("--redis-url", help="Redis URL (env REDIS_URL)")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between frames (default 2)")
+
     keys = add("keys", "API key helpers")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     keys_sub.add_parser("hash", help="read one API key from stdin, print its sha256 (what settings hold)")
@@ -166,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "submit":
         return _submit(args, settings)
+    if args.command == "top":
+        from services.fleetview.top import run_top
+
+        try:
+            return asyncio.run(run_top(settings, once=args.once, interval_s=args.interval))
+        except KeyboardInterrupt:
+            return 0
     if args.command == "model":
         from shared.models.registry import resolve_model_path
 

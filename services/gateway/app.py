@@ -41,6 +41,7 @@ from shared.redis_conn import make_redis
 from shared.settings import Settings
 from shared.streams import TokenStreams
 from shared.transfer import TransferAgent
+from services.fleetview import page as fleet_page
 from services.gateway.auth import Authenticator
 from services.gateway.frontend import Frontend, new_request_id
 from services.gateway.prompt import PromptBuilder
@@ -111,6 +112,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics.metrics_view)
+    fleet_page.add_routes(app, settings)  # /fleet: the live operator page (services/fleetview)
     return app
 
 

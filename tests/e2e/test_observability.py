@@ -2,26 +2,37 @@
 requests (text and image, streamed and whole, one bad image); then every process is found the
 way an operator would find it (the gateway and each worker through their liveness records in
 Redis), its ``/metrics`` is scraped, and the series the traffic must have moved are checked.
-The logs are checked too: one request id is found in the gateway's and a stage's JSON lines."""
+The logs are checked too: one request id is found in the gateway's and a stage's JSON lines.
+The operator's view is checked on the same fleet: ``mmfleet top --once`` lists every stage and
+process, and a real headless Chromium watches ``/fleet`` move under a few requests and show a
+SIGKILLed worker as gone."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import urllib.request
 
 import openai
 import pytest
 import redis.asyncio as aioredis
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.keys import RedisKeys
-from shared.liveness import live_gateways, live_workers
-from tests import procs
+from shared.liveness import heartbeat, live_gateways, live_workers
+from tests import browser, procs
 from tests.e2e.test_skeleton import image_parts, noise_image, png_data_url
 
 PREFIX = "obs"
 STAGES = ("media-fetch", "encode", "prefill", "decode")
+DOCS_SHOT = procs.REPO / "docs" / "fleet-page.png"  # UPDATE_DOCS_SCREENSHOT=1 retakes it
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +150,80 @@ def test_json_logs_carry_the_request_id_through_the_stages(fleet, traffic, obs_l
     media = _json_lines(obs_logs / "media-fetch.log")
     failed = [r for r in media if r.get("request_id") == bad[-1]]
     assert failed and failed[0]["stage"] == "media-fetch" and failed[0]["process"].startswith("media-fetch")
+
+
+# ------------------------------------------------------------------ the operator's view (issue 23)
+# Both run on this module's fleet; the page test kills a worker, so it comes last.
+def test_mmfleet_top_once_shows_every_stage_and_process(fleet, traffic, redis_url):
+    _gateways, workers = asyncio.run(_endpoints(redis_url))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMFLEET_")}
+    env.update({"REDIS_URL": redis_url, "MMFLEET_REDIS_PREFIX": PREFIX, "COLUMNS": "220"})
+    out = subprocess.run([sys.executable, "-m", "services.cli", "top", "--once"], cwd=procs.REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = {cells[0]: cells for line in out.stdout.splitlines()
+            if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) > 3}
+    for stage in STAGES:  # stage, workers, records, rec/s, lag, ...: the traffic's records are counted
+        assert rows[stage][1] == "1" and int(rows[stage][2].replace(",", "")) >= 2, rows[stage]
+        assert re.fullmatch(r"(p\d+:\d+ ?)+", rows[stage][4]), rows[stage]  # lag of each owned partition
+    for w in workers:
+        assert rows[w.worker_id][2] == "up", rows[w.worker_id]
+    assert "by status 200:" in out.stdout and "TTFT" in out.stdout
+
+
+def test_fleet_page_in_chromium_moves_under_load_and_shows_a_killed_worker_gone(fleet, traffic, redis_url):
+    if browser.chromium_binary() is None:
+        pytest.skip("no chromium: install Debian's `chromium` package (make test does, as root with apt)")
+    asyncio.run(_drive_fleet_page(fleet, redis_url))
+
+
+def _records(page_rows: dict, stage: str) -> float:
+    return float(page_rows[stage]["records_total"].replace(",", ""))
+
+
+async def _drive_fleet_page(base: str, redis_url: str) -> None:
+    rows_js = ("Object.fromEntries([...document.querySelectorAll('#stages tr[data-stage]')].map(r => [r.dataset.stage,"
+               " Object.fromEntries([...r.querySelectorAll('[data-field]')].map(c => [c.dataset.field, c.textContent]))]))")
+    state_js = "Object.fromEntries([...document.querySelectorAll('#processes tr[data-process]')].map(r => [r.dataset.process, r.dataset.state]))"
+    _gateways, workers = await _endpoints(redis_url)
+    async with browser.chromium() as page:
+        await page.goto(base + "/fleet")
+        await page.wait_for("document.body.dataset.updated", 30)
+        before = await page.js(rows_js)
+        assert set(before) == set(STAGES), before
+        states = await page.js(state_js)
+        assert {w.worker_id for w in workers} <= {pid for pid, s in states.items() if s == "up"}, states
+
+        # a few requests while the page watches: counts, rates and the TTFT histogram move
+        load = asyncio.gather(*(asyncio.to_thread(_one_request, base, seed) for seed in (11, 12, 13, 14)))
+        moved = ("(() => { const r = %s; return r.decode && Number(r.decode.records_total.replace(/,/g, '')) >= %d"
+                 " && Number(r.decode.records_per_s) > 0 && r; })()" % (rows_js, _records(before, "decode") + 2))
+        try:
+            after = await page.wait_for(moved, 180)
+            shot = DOCS_SHOT if os.environ.get("UPDATE_DOCS_SCREENSHOT") == "1" else None
+            if shot is not None:  # under load: the README's picture of the page, in 48 colours
+                await page.screenshot(shot)
+                Image.open(shot).convert("RGB").quantize(48, method=Image.Quantize.MEDIANCUT).save(shot, optimize=True)
+        finally:
+            await load
+        assert _records(after, "decode") > _records(before, "decode")
+        assert int(await page.js("document.getElementById('ttft').dataset.count")) > 0
+
+        # a worker killed with SIGKILL cannot remove its record: the page shows it gone within
+        # the record's TTL, plus one page refresh cycle (its wait and its fetch) and one collector interval
+        victim = next(w for w in workers if w.stages == ("media-fetch",))
+        refresh_s = await page.js("REFRESH_MS") / 1000
+        ttl_s = inspect.signature(heartbeat).parameters["ttl_s"].default
+        os.kill(victim.pid, signal.SIGKILL)
+        gone = f"document.querySelector('#processes tr[data-process=\"{victim.worker_id}\"]')?.dataset.state === 'gone'"
+        await page.wait_for(gone, ttl_s + 2 * refresh_s + 1.0)
+        row = await page.js(f"document.querySelector('#processes tr[data-process=\"{victim.worker_id}\"]').innerText")
+        assert "gone" in row, row
+
+
+def _one_request(base: str, seed: int) -> None:
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = client.chat.completions.create(
+        model="mmfleet-demo", temperature=0, max_tokens=8, stream=True,
+        messages=[{"role": "user", "content": image_parts([png_data_url(noise_image(seed))], "What is this?")}])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
