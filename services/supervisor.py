@@ -56,6 +56,7 @@ class Child:
     restarts: int = 0
     started_at: float = 0.0
     restarting: bool = False
+    host: str = "127.0.0.1"  # infra: the address it listens on (the bootstrap's / redis_url's host)
     port: int | None = None  # infra: where it must listen again after a restart
     log_path: Path | None = None
     _log_file: object = field(default=None, repr=False)
@@ -130,8 +131,10 @@ def redis_child(host: str, port: int) -> Child:
     if binary is None:
         raise RuntimeError("no Redis answers at redis_url and redis-server is not on PATH; install redis-server "
                            "or point MMFLEET_REDIS_URL at a Redis")
-    return Child("redis", [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no"],
-                 restart=False)
+    argv = [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no"]
+    if host not in ("127.0.0.1", "localhost", "::1"):  # protected mode refuses every non-loopback client
+        argv += ["--protected-mode", "no"]
+    return Child("redis", argv, restart=False)
 
 
 def worker_settings(settings: Settings, index: int) -> Settings:
@@ -229,7 +232,7 @@ class Fleet:
     async def _start_infra(self, child: Child, host: str, port: int) -> None:
         if self.log_dir:
             child.log_path = self.log_dir / f"{child.name.split('(')[0]}.log"
-        child.port = port
+        child.host, child.port = host, port
         child.start()
         self.infra.append(child)
         await _wait_port(host, port, 20, child)
@@ -292,7 +295,7 @@ class Fleet:
     async def _restart_infra(self, child: Child) -> None:
         log.warning("%s exited with %s; restarting it", child.name, child.proc.returncode)
         child.start()
-        await _wait_port("127.0.0.1", child.port, 20, child)
+        await _wait_port(child.host, child.port, 20, child)
         if child.name.startswith("kafka"):
             # The in-memory broker came back empty: every record in flight is gone. Say so
             # before the topics exist again (gateways re-drive their unfinished requests, see

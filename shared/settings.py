@@ -209,6 +209,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # 0 lets every worker on a host bind its own port; the bound port is in its liveness record.
     metrics_port: Annotated[int, _d("each worker's /metrics port; 0: an ephemeral port (published in its "
                                     "Redis liveness record); `mmfleet up` gives worker i port+i")] = 0
+    # Past one host every advertised address must be the host's own (see shared/hostaddr.py).
+    advertise_host: Annotated[str, _d("address other hosts reach this process at (liveness records, metrics URL, "
+                                      "NIXL peer host); empty: metrics_host unless a wildcard, else the host "
+                                      "name")] = ""
+    nixl_net_devices: Annotated[str, _d("UCX network devices NIXL may use (UCX_NET_DEVICES, e.g. eth0); empty: "
+                                        "the device holding advertise_host when that is set, else UCX's "
+                                        "choice")] = ""
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
