@@ -334,8 +334,10 @@ class Fleet:
             child.stop(self.stop_timeout_s)
 
 
-async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_file: Path | None = None) -> int:
+async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_file: Path | None = None,
+                 autoscale: bool = False) -> int:
     fleet = Fleet(settings, mode=mode, log_dir=log_dir)
+    scaler: asyncio.Task | None = None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, fleet.request_stop)
@@ -347,6 +349,10 @@ async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_f
             start.result()
             if ready_file is not None:  # for scripts and tests: the whole fleet serves now
                 ready_file.write_text(f"http://{fleet.settings.gateway_host}:{fleet.settings.gateway_port}\n")
+            if autoscale:  # services/autoscale.py: workers per stage group from lag and TTFT
+                from services.autoscale import Autoscaler
+
+                scaler = asyncio.create_task(Autoscaler(fleet).run(), name="autoscale")
             await fleet.supervise()
         else:
             start.cancel()
@@ -354,4 +360,7 @@ async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_f
         stopper.cancel()
         return 0
     finally:
+        if scaler is not None:
+            scaler.cancel()
+            await asyncio.gather(scaler, return_exceptions=True)
         await asyncio.to_thread(fleet.stop)
