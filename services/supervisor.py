@@ -215,9 +215,9 @@ class Fleet:
                 live = Counter(w.stages for w in workers)
                 missing = wanted - live
                 if not missing:
-                    for w in workers:
-                        log.info("worker %s: metrics on http://%s:%d/metrics", w.worker_id,
-                                 self.settings.metrics_host, w.metrics_port)
+                    for w in workers:  # the URL each advertises (its host's own address)
+                        log.info("worker %s: metrics on %s", w.worker_id,
+                                 w.metrics_url or f"http://{w.host}:{w.metrics_port}/metrics")
                     return
                 if loop.time() > deadline:
                     raise RuntimeError(f"workers for {sorted(missing.elements())} not serving after {timeout_s} s")

@@ -9,7 +9,7 @@ NIXL READ between hosts crosses the bridge. Proves:
 - taking host enc1 down under load (SIGKILL its processes, delete its namespace) loses
   nothing: every request completes with the reference text or ends in an explicit error;
 - the metrics show NIXL bytes that crossed hosts.
-Skips, saying why, where namespaces cannot be created. ~6 processes and 16 requests.
+Skips, saying why, where namespaces cannot be created. 8 processes, 12 requests.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ CONCURRENCY = 4
 PREFIX = "multihost"
 CROSS = "mmfleet_nixl_cross_host_bytes_total"
 
-pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=f"no network namespaces: {netns.unavailable()}")
+_WHY_NOT = netns.unavailable()
+pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no network namespaces: {_WHY_NOT}")
 
 
 def _env(host: netns.Host, infra: netns.Host, model_dir) -> dict[str, str]:
