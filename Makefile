@@ -46,6 +46,7 @@ bench: install
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest suite $(BENCH_ARGS)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest kv $(KV_BENCH_ARGS)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest reuse $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest step $(STEP_BENCH_ARGS)
 
 # the long chaos run: 200 requests while each stage's worker is killed in turn
 chaos: install

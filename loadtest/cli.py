@@ -3,6 +3,8 @@
   run           a workload under load shapes against targets; writes JSON, plots, summary.md
   suite         the short standard suite (one-image requests at concurrency 1 and 8 against
                 fleet:e-p-d, fleet:epd, inproc, vllm-serve) with the goals as met / not met
+  step          step load (idle -> burst -> idle): `mmfleet up --autoscale` vs a fixed maximal
+                fleet, TTFT p99 vs the SLO and worker-seconds, with a plot
   reuse         the embedding cache on vs off over image reuse ratios 0/50/80/90 %
                 (fleet:e-p-d vs fleet:e-p-d,embedding_cache_bytes=0), with its goal
   media-server  serve deterministic images at /img/<seed>-<w>x<h>.png (latency injection)
@@ -116,6 +118,13 @@ def _parser() -> argparse.ArgumentParser:
     kv.add_argument("--concurrency", type=int, default=4)
     kv.add_argument("--prefill-replicas", type=int, default=3)
     _common(kv)
+    step = sub.add_parser("step", help="step load (idle -> burst -> idle): --autoscale vs a fixed maximal fleet")
+    step.add_argument("--burst-rate", type=float, default=3.0, help="requests/s during the burst")
+    step.add_argument("--burst-s", type=float, default=30.0)
+    step.add_argument("--max-workers", type=int, default=2, help="per stage: the fixed fleet's size, the autoscaler's bound")
+    step.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    step.add_argument("--mode", default="e-pd", choices=["epd", "e-pd", "e-p-d", "ep-d"])
+    _common(step)
     reuse = sub.add_parser("reuse", help="embedding cache on vs off over image reuse ratios")
     reuse.add_argument("--target", action="append", default=[],
                        help="exactly two: cache on, then cache off (default fleet:e-p-d and "
@@ -176,6 +185,15 @@ def _bench(args: argparse.Namespace) -> int:
         return 1 if result.get("failed") or not result["runs"] else 0
     if args.command == "reuse":
         return _reuse(args, out, logs, slos, extra_env)
+    if args.command == "step":
+        from loadtest import stepload
+
+        cfg = stepload.StepConfig(burst_rate=args.burst_rate, burst_s=args.burst_s, max_workers=args.max_workers,
+                                  ttft_slo_ms=args.ttft_slo_ms, mode=args.mode)
+        result = stepload.run_step(out, _model_dir(args.model_dir), cfg, ready_timeout_s=args.ready_timeout_s)
+        print(stepload.write(result, out, plots=not args.no_plots).read_text())
+        print(f"results in {out}", file=sys.stderr)
+        return 1 if any(f["failed"] for f in result["fleets"].values()) else 0
     if args.command == "suite":
         targets = args.target or suite.TARGETS
         workload = suite.suite_workload(max(args.low_requests, args.sat_requests))

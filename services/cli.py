@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, dest="gateway_port", help="gateway port (env MMFLEET_GATEWAY_PORT)")
     up.add_argument("--log-dir", type=Path, help="write each child's output to DIR/<name>.log")
     up.add_argument("--ready-file", type=Path, help="write the gateway URL to FILE once every stage serves")
+    up.add_argument("--autoscale", action="store_true",
+                    help="add/remove workers per stage from consumer lag and the TTFT SLO (MMFLEET_AUTOSCALE_*)")
     up.add_argument("--replicas", dest="stage_replicas",
                     help="worker processes per stage, e.g. prefill=3,encode=2 (env MMFLEET_STAGE_REPLICAS)")
 
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from services.supervisor import run_up
 
-        return asyncio.run(run_up(settings, mode=args.mode, log_dir=args.log_dir, ready_file=args.ready_file))
+        return asyncio.run(run_up(settings, mode=args.mode, log_dir=args.log_dir, ready_file=args.ready_file,
+                                  autoscale=args.autoscale))
     if args.command == "worker":
         from services.worker import run_worker
 

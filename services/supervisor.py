@@ -56,6 +56,7 @@ class Child:
     restarts: int = 0
     started_at: float = 0.0
     restarting: bool = False
+    host: str = "127.0.0.1"  # infra: the address it listens on (the bootstrap's / redis_url's host)
     port: int | None = None  # infra: where it must listen again after a restart
     log_path: Path | None = None
     _log_file: object = field(default=None, repr=False)
@@ -130,8 +131,10 @@ def redis_child(host: str, port: int) -> Child:
     if binary is None:
         raise RuntimeError("no Redis answers at redis_url and redis-server is not on PATH; install redis-server "
                            "or point MMFLEET_REDIS_URL at a Redis")
-    return Child("redis", [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no"],
-                 restart=False)
+    argv = [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no"]
+    if host not in ("127.0.0.1", "localhost", "::1"):  # protected mode refuses every non-loopback client
+        argv += ["--protected-mode", "no"]
+    return Child("redis", argv, restart=False)
 
 
 def worker_settings(settings: Settings, index: int) -> Settings:
@@ -212,9 +215,9 @@ class Fleet:
                 live = Counter(w.stages for w in workers)
                 missing = wanted - live
                 if not missing:
-                    for w in workers:
-                        log.info("worker %s: metrics on http://%s:%d/metrics", w.worker_id,
-                                 self.settings.metrics_host, w.metrics_port)
+                    for w in workers:  # the URL each advertises (its host's own address)
+                        log.info("worker %s: metrics on %s", w.worker_id,
+                                 w.metrics_url or f"http://{w.host}:{w.metrics_port}/metrics")
                     return
                 if loop.time() > deadline:
                     raise RuntimeError(f"workers for {sorted(missing.elements())} not serving after {timeout_s} s")
@@ -229,7 +232,7 @@ class Fleet:
     async def _start_infra(self, child: Child, host: str, port: int) -> None:
         if self.log_dir:
             child.log_path = self.log_dir / f"{child.name.split('(')[0]}.log"
-        child.port = port
+        child.host, child.port = host, port
         child.start()
         self.infra.append(child)
         await _wait_port(host, port, 20, child)
@@ -292,7 +295,7 @@ class Fleet:
     async def _restart_infra(self, child: Child) -> None:
         log.warning("%s exited with %s; restarting it", child.name, child.proc.returncode)
         child.start()
-        await _wait_port("127.0.0.1", child.port, 20, child)
+        await _wait_port(child.host, child.port, 20, child)
         if child.name.startswith("kafka"):
             # The in-memory broker came back empty: every record in flight is gone. Say so
             # before the topics exist again (gateways re-drive their unfinished requests, see
@@ -331,8 +334,10 @@ class Fleet:
             child.stop(self.stop_timeout_s)
 
 
-async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_file: Path | None = None) -> int:
+async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_file: Path | None = None,
+                 autoscale: bool = False) -> int:
     fleet = Fleet(settings, mode=mode, log_dir=log_dir)
+    scaler: asyncio.Task | None = None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, fleet.request_stop)
@@ -344,6 +349,10 @@ async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_f
             start.result()
             if ready_file is not None:  # for scripts and tests: the whole fleet serves now
                 ready_file.write_text(f"http://{fleet.settings.gateway_host}:{fleet.settings.gateway_port}\n")
+            if autoscale:  # services/autoscale.py: workers per stage group from lag and TTFT
+                from services.autoscale import Autoscaler
+
+                scaler = asyncio.create_task(Autoscaler(fleet).run(), name="autoscale")
             await fleet.supervise()
         else:
             start.cancel()
@@ -351,4 +360,7 @@ async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_f
         stopper.cancel()
         return 0
     finally:
+        if scaler is not None:
+            scaler.cancel()
+            await asyncio.gather(scaler, return_exceptions=True)
         await asyncio.to_thread(fleet.stop)

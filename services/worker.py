@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from shared.redis_conn import make_redis
 import torch
 
-from shared import logs, metrics, protocol
+from shared import hostaddr, logs, metrics, protocol
 from shared.bus import make_producer
 from shared.engines.base import Engine
 from shared.keys import STAGES, TOPIC_PREFILL, RedisKeys
@@ -95,7 +95,11 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         producer = make_producer(settings)
         await producer.start()
         stack.push_async_callback(producer.stop)
-        transfer = TransferAgent(worker_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms)
+        # UCX reads its variables when the agent is created: pin the advertised host's device
+        # first, so the agent metadata peers receive names that interface, not loopback
+        os.environ.update(hostaddr.ucx_env(settings))
+        transfer = TransferAgent(worker_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms,
+                                 host=hostaddr.advertise_host(settings))
         await stack.enter_async_context(transfer)
         metrics.watch_pool(transfer)
         streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
@@ -136,8 +140,10 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
             tasks.append(asyncio.create_task(updater.run(), name="kv-table"))
         background = [asyncio.create_task(reporter.run(), name="kv-report")] if reporter else []
         info = protocol.WorkerInfo(worker_id=worker_id, stages=stages, pid=os.getpid(),
-                                   host=socket.gethostname(), started_unix_ms=int(time.time() * 1000),
-                                   metrics_port=metrics_server.port)
+                                   host=hostaddr.advertise_host(settings), started_unix_ms=int(time.time() * 1000),
+                                   metrics_port=metrics_server.port,
+                                   metrics_url=hostaddr.http_url(hostaddr.advertise_host(settings),
+                                                                 metrics_server.port) + "/metrics")
         beat = asyncio.create_task(heartbeat(redis, RedisKeys(settings.redis_prefix), info,
                                              lambda: all(r.assigned.is_set() for r in runners)))
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

@@ -63,6 +63,9 @@ CONSUMER_LAG = Gauge("mmfleet_consumer_lag_records",
 NIXL_BYTES = Counter("mmfleet_nixl_bytes_total",
                      "tensor bytes: in = READ from a peer's pool over NIXL, out = leased in this pool "
                      "for peers to read", ["direction"])
+NIXL_CROSS_HOST_BYTES = Counter("mmfleet_nixl_cross_host_bytes_total",
+                                "tensor bytes READ over NIXL from a peer whose advertised host is not this "
+                                "process's (a subset of mmfleet_nixl_bytes_total{direction=in})", ["peer_host"])
 NIXL_POOL_USED = Gauge("mmfleet_nixl_pool_used_bytes",
                        "bytes of this process's NIXL pool in use (leased or staging); see pool_bytes")
 NIXL_TRANSFER = Histogram("mmfleet_nixl_transfer_seconds", "one NIXL READ of a peer's tensor, end to end",

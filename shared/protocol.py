@@ -37,6 +37,7 @@ class AgentRef(Struct, frozen=True):
 
     name: str
     metadata: bytes
+    host: str = ""  # the owner's advertised host: a puller elsewhere counts its READs as cross-host
 
 
 class TensorRef(Struct, frozen=True):
@@ -249,6 +250,7 @@ class WorkerInfo(Struct, frozen=True):
     host: str
     started_unix_ms: int
     metrics_port: int = 0  # where its /metrics server listens on ``host`` (0: none / not known)
+    metrics_url: str = ""  # http://<advertised host>:<metrics_port>/metrics (empty: an older worker)
 
 
 class GatewayInfo(Struct, frozen=True):

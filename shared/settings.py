@@ -200,6 +200,19 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     stage_replicas: Annotated[str, _d("worker processes per stage group, 'stage=N,...' (e.g. 'prefill=3,encode=2'); a group of "
                                       "several stages (mode e-pd, epd, ep-d) gets the largest count among its stages; default 1")] = ""
 
+    # --- autoscaling (`mmfleet up --autoscale`; deploy/k8s/base/keda.yaml uses the same numbers)
+    autoscale_min_workers: Annotated[int, _d("fewest workers per stage under --autoscale (KEDA minReplicaCount)")] = 1
+    autoscale_max_workers: Annotated[int, _d("most workers per stage under --autoscale (KEDA maxReplicaCount); more "
+                                             "than topic_partitions would sit idle")] = 4
+    autoscale_lag_per_worker: Annotated[int, _d("consumer-group lag (records) one worker of a stage is sized for: "
+                                                "wanted = ceil(lag / this) (KEDA lagThreshold)")] = 8
+    autoscale_ttft_slo_ms: Annotated[int, _d("TTFT p99 the fleet aims for: above it, a stage of prefill or decode "
+                                             "with lag gets one more worker than its lag asks")] = 2_000
+    autoscale_interval_ms: Annotated[int, _d("how often the autoscaler reads lag and TTFT")] = 1_000
+    autoscale_scale_down_after_s: Annotated[float, _d("a stage shrinks only after wanting fewer workers this long, "
+                                                      "then by one worker (hysteresis; KEDA's scale-down "
+                                                      "stabilization window)")] = 30.0
+
     # --- operations
     log_level: Annotated[str, _d("DEBUG, INFO, WARNING or ERROR")] = "INFO"
     log_format: Annotated[str, _d("text (human) or json (one object per line: ts, level, logger, pid, "
@@ -209,6 +222,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # 0 lets every worker on a host bind its own port; the bound port is in its liveness record.
     metrics_port: Annotated[int, _d("each worker's /metrics port; 0: an ephemeral port (published in its "
                                     "Redis liveness record); `mmfleet up` gives worker i port+i")] = 0
+    # Past one host every advertised address must be the host's own (see shared/hostaddr.py).
+    advertise_host: Annotated[str, _d("address other hosts reach this process at (liveness records, metrics URL, "
+                                      "NIXL peer host); empty: metrics_host unless a wildcard, else the host "
+                                      "name")] = ""
+    nixl_net_devices: Annotated[str, _d("UCX network devices NIXL may use (UCX_NET_DEVICES, e.g. eth0); empty: "
+                                        "the device holding advertise_host when that is set, else UCX's "
+                                        "choice")] = ""
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):

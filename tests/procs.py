@@ -28,8 +28,9 @@ def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
 
 
 @contextmanager
-def fleet(env_overrides: dict[str, str], log_dir: Path, *, mode: str = "e-p-d", ready_timeout_s: float = 240):
-    """``mmfleet up`` as a subprocess; yields (base_url, supervisor Popen)."""
+def fleet(env_overrides: dict[str, str], log_dir: Path, *, mode: str = "e-p-d", ready_timeout_s: float = 240,
+          up_args: tuple[str, ...] = ()):
+    """``mmfleet up`` (+ ``up_args``) as a subprocess; yields (base_url, supervisor Popen)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MMFLEET_")}
     env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
@@ -38,7 +39,7 @@ def fleet(env_overrides: dict[str, str], log_dir: Path, *, mode: str = "e-p-d", 
     with open(log_dir / "supervisor.log", "ab") as log:
         ready_file = log_dir / f"ready-{port}"
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--mode", mode, "--log-dir",
-                                 str(log_dir), "--ready-file", str(ready_file)], cwd=REPO, env=env, stdout=log,
+                                 str(log_dir), "--ready-file", str(ready_file), *up_args], cwd=REPO, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

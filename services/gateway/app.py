@@ -31,7 +31,7 @@ import uuid
 
 from aiohttp import web
 
-from shared import logs, metrics
+from shared import hostaddr, logs, metrics
 from shared.bus import make_producer
 from shared.keys import INGRESS_STAGE, RedisKeys
 from shared.kv.router import Router
@@ -71,7 +71,8 @@ async def _lifecycle(app: web.Application):
     redis = make_redis(settings)
     auth = Authenticator(settings, redis, keys)
     gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"
-    transfer = TransferAgent(gateway_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms)
+    transfer = TransferAgent(gateway_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms,
+                             host=hostaddr.advertise_host(settings, settings.gateway_host))
     await producer.start()
     await transfer.start()
     metrics.watch_pool(transfer)

@@ -17,7 +17,7 @@ import uuid
 
 from aiohttp import web
 
-from shared import logs, protocol
+from shared import hostaddr, logs, protocol
 from shared.keys import RedisKeys
 from shared.redis_conn import make_redis
 from shared.liveness import keep_record
@@ -27,29 +27,30 @@ from services.gateway.app import create_app
 log = logging.getLogger(__name__)
 
 
-def advertised_url(host: str, port: int) -> str:
-    """The URL others reach this gateway at (a wildcard bind is advertised by host name)."""
-    if host in ("", "0.0.0.0", "::"):
-        host = socket.gethostname()
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def advertised_url(settings: Settings, port: int) -> str:
+    """The URL others reach this gateway at (``advertise_host``, else the bind address; a
+    wildcard bind is advertised by host name)."""
+    return hostaddr.http_url(hostaddr.advertise_host(settings, settings.gateway_host), port)
 
 
 async def run_gateway(settings: Settings) -> int:
     gateway_id = f"gateway-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     logs.set_process(gateway_id)
+    os.environ.update(hostaddr.ucx_env(settings, settings.gateway_host))  # before the app's NIXL agent exists (UCX reads it then)
     runner = web.AppRunner(create_app(settings), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.gateway_host, settings.gateway_port)
     await site.start()
     port = runner.addresses[0][1]  # the bound one, when gateway_port is 0
-    url = advertised_url(settings.gateway_host, port)
+    url = advertised_url(settings, port)
     log.info("gateway listening on %s (metrics on %s/metrics)", url, url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     redis = make_redis(settings)
-    info = protocol.GatewayInfo(gateway_id=gateway_id, url=url, pid=os.getpid(), host=socket.gethostname(),
+    info = protocol.GatewayInfo(gateway_id=gateway_id, url=url, pid=os.getpid(),
+                                host=hostaddr.advertise_host(settings, settings.gateway_host),
                                 started_unix_ms=int(time.time() * 1000))
     record = asyncio.create_task(keep_record(redis, RedisKeys(settings.redis_prefix).gateway(gateway_id),
                                              protocol.encode(info), lambda: True))

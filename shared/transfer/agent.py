@@ -68,7 +68,7 @@ class TransferAgent:
         self, name: str, pool_bytes: int, *, lease_ttl_ms: int = 60_000,
         fast_poll_ms: float = 1.0, idle_poll_ms: float = 20.0, fast_window_ms: float = 1_000,
         xfer_timeout_ms: int = 10_000,
-        align_bytes: int = 64, nixl_log_level: int | None = logging.WARNING,
+        align_bytes: int = 64, nixl_log_level: int | None = logging.WARNING, host: str = "",
     ) -> None:
         """``name`` must be unique across the fleet (e.g. stage-host-pid-random).
         ``xfer_timeout_ms`` bounds a ``get`` (staging wait + transfer) unless overridden.
@@ -77,12 +77,15 @@ class TransferAgent:
         connects (its first READ), and a consumer usually reads within that window. Polling
         every 1 ms for a lease's whole life cost ~10 % of a core per process, measured here.
         ``nixl_log_level``: nixl's Python logger prints INFO lines to *stdout*; this sets
-        the ``nixl`` logger's level (``None`` leaves it alone)."""
+        the ``nixl`` logger's level (``None`` leaves it alone). ``host``: this process's
+        advertised host, carried in :meth:`ref`; READs from a peer with another host are
+        counted in ``mmfleet_nixl_cross_host_bytes_total``."""
         if pool_bytes <= 0:
             raise ValueError("pool_bytes must be > 0")
         if nixl_log_level is not None:
             logging.getLogger("nixl").setLevel(nixl_log_level)
         self.name = name
+        self.host = host
         self.pool_bytes = pool_bytes
         self._ttl_s = lease_ttl_ms / 1000.0
         self._fast_s = fast_poll_ms / 1000.0
@@ -147,7 +150,7 @@ class TransferAgent:
 
     def ref(self) -> AgentRef:
         """What a peer needs to pull from this agent (name + ~0.5 KiB NIXL metadata)."""
-        return AgentRef(self.name, self._metadata)
+        return AgentRef(self.name, self._metadata, self.host)
 
     # ------------------------------------------------------------ owner side
 
@@ -240,6 +243,8 @@ class TransferAgent:
         self._c["transfers"] += 1
         self._c["bytes_pulled"] += ref.nbytes
         metrics.NIXL_BYTES.labels("in").inc(ref.nbytes)
+        if owner.host and owner.host != self.host:
+            metrics.NIXL_CROSS_HOST_BYTES.labels(owner.host).inc(ref.nbytes)
         return out.view(dtype).reshape(ref.shape)
 
     async def get_many(
