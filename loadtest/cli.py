@@ -5,6 +5,8 @@
                 fleet:e-p-d, fleet:epd, inproc, vllm-serve) with the goals as met / not met
   reuse         the embedding cache on vs off over image reuse ratios 0/50/80/90 %
                 (fleet:e-p-d vs fleet:e-p-d,embedding_cache_bytes=0), with its goal
+  split         a Qwen2-VL's encode / prefill / decode split in one process (the bench model's
+                proportions against Qwen2-VL-2B's shapes)
   media-server  serve deterministic images at /img/<seed>-<w>x<h>.png (latency injection)
   inproc        the in-process OpenAI server (the same engine without the fleet)
 
@@ -127,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     reuse.add_argument("--duration-s", type=float, default=120)
     _common(reuse)
 
+    from loadtest import split
+
+    split.add_arguments(sub.add_parser("split", help="encode / prefill / decode split of a Qwen2-VL, in one process"))
     media_server.add_arguments(sub.add_parser("media-server", help="serve deterministic test images"))
     inproc_server.add_arguments(sub.add_parser("inproc", help="run the in-process OpenAI server"))
     return p
@@ -142,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.inproc_server import serve_main
 
         return serve_main(args)
+    if args.command == "split":
+        from loadtest.split import run
+
+        return run(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return _bench(args)
 
