@@ -120,7 +120,7 @@ def measure(model, *, device: str, image_side: int, text_tokens: int, long_token
         for r in range(repeats + 1):  # the first is a warm-up
             enc, _ = timed(lambda: model.model.get_image_features(pixels, grid))
             pre, out = timed(lambda: prefill(short))
-            dec, _ = timed(lambda: decode(out.past_key_values, short.shape[1]))
+            dec, _ = timed(lambda cache=out.past_key_values: decode(cache, short.shape[1]))
             lpre, _ = timed(lambda: prefill(long))
             if r:
                 runs.append({"encode_ms": enc, "prefill_ms": pre, "decode_ms_per_token": dec / decode_tokens,
