@@ -145,7 +145,7 @@ async def _run_shape(ep: Endpoint, cfg: BenchConfig, session, url: str, specs, b
     return {"target": ep.name, "label": shape.label, "shape": shape.to_dict(), "started_unix_s": wall0,
             "stopped_by": timing.stopped_by, "aggregates": agg, "spans": breakdown, "kv_event_lags_ms": lags,
             "records": [{**r.to_dict(), "spans": per_request.get(r.request_id or ""),
-                         "route": routes.get(r.request_id or "")} for r in records]}
+                         **({"route": routes[r.request_id]} if r.request_id in routes else {})} for r in records]}
 
 
 async def _kv_audit(ep: Endpoint, ids: list[str]) -> tuple[dict, list[float]]:
