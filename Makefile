@@ -40,12 +40,17 @@ chromium:
 test: install $(VLLM_STAMP) chromium
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# a short standard benchmark suite (a few minutes); results under loadtest/results/<time>/
+# the benchmark suites (~20 minutes); results under loadtest/results/<time>/. The plumbing
+# overhead suite runs the tiny model (compute should be small there); the bench model
+# (qwen2-vl:bench, a 2B-class VLM's encode / prefill / decode proportions) serves the
+# compute split, the KV-routing and the reuse (cache on / off / vllm serve) suites.
+BENCH_MODEL ?= qwen2-vl:bench
 bench: install
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest suite $(BENCH_ARGS)
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest kv $(KV_BENCH_ARGS)
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest reuse $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 MMFLEET_DEMO_MODEL=$(BENCH_MODEL) $(BIN)/python -m loadtest split
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 MMFLEET_DEMO_MODEL=$(BENCH_MODEL) $(BIN)/python -m loadtest kv $(KV_BENCH_ARGS)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 MMFLEET_DEMO_MODEL=$(BENCH_MODEL) $(BIN)/python -m loadtest reuse $(REUSE_BENCH_ARGS)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest step $(STEP_BENCH_ARGS)
 
 # the long chaos run: 200 requests while each stage's worker is killed in turn

@@ -141,9 +141,25 @@ async def _run_shape(ep: Endpoint, cfg: BenchConfig, session, url: str, specs, b
         fetched = {"spans": {}, "reason": "no token streams to read (not a fleet target, or no --redis-url)"}
     per_request: dict[str, list[dict]] = fetched["spans"]
     breakdown = spans.aggregate_spans(fetched)
+    routes, lags = await _kv_audit(ep, ids)
     return {"target": ep.name, "label": shape.label, "shape": shape.to_dict(), "started_unix_s": wall0,
-            "stopped_by": timing.stopped_by, "aggregates": agg, "spans": breakdown,
-            "records": [{**r.to_dict(), "spans": per_request.get(r.request_id or "")} for r in records]}
+            "stopped_by": timing.stopped_by, "aggregates": agg, "spans": breakdown, "kv_event_lags_ms": lags,
+            "records": [{**r.to_dict(), "spans": per_request.get(r.request_id or ""),
+                         **({"route": routes[r.request_id]} if r.request_id in routes else {})} for r in records]}
+
+
+async def _kv_audit(ep: Endpoint, ids: list[str]) -> tuple[dict, list[float]]:
+    """A fleet's routing notes per request and its KV-event lags (``shared.kv.audit``)."""
+    if not (ep.redis_url and ep.redis_prefix):
+        return {}, []
+    from shared.kv import audit
+
+    try:
+        return (await audit.read_notes(ep.redis_url, ep.redis_prefix, ids),
+                await audit.read_lags(ep.redis_url, ep.redis_prefix))
+    except Exception as exc:  # noqa: BLE001 - the run's own figures still count
+        log.warning("%s: routing notes unreadable: %r", ep.name, exc)
+        return {}, []
 
 
 class _Bar:

@@ -6,7 +6,9 @@
   step          step load (idle -> burst -> idle): `mmfleet up --autoscale` vs a fixed maximal
                 fleet, TTFT p99 vs the SLO and worker-seconds, with a plot
   reuse         the embedding cache on vs off over image reuse ratios 0/50/80/90 %
-                (fleet:e-p-d vs fleet:e-p-d,embedding_cache_bytes=0), with its goal
+                (fleet:e-p-d vs fleet:e-p-d,embedding_cache_bytes=0 vs vllm-serve), with its goals
+  split         a Qwen2-VL's encode / prefill / decode split in one process (the bench model's
+                proportions against Qwen2-VL-2B's shapes)
   media-server  serve deterministic images at /img/<seed>-<w>x<h>.png (latency injection)
   inproc        the in-process OpenAI server (the same engine without the fleet)
 
@@ -127,15 +129,19 @@ def _parser() -> argparse.ArgumentParser:
     _common(step)
     reuse = sub.add_parser("reuse", help="embedding cache on vs off over image reuse ratios")
     reuse.add_argument("--target", action="append", default=[],
-                       help="exactly two: cache on, then cache off (default fleet:e-p-d and "
-                            "fleet:e-p-d,embedding_cache_bytes=0)")
+                       help="cache on, then cache off, then optionally vllm-serve (default fleet:e-p-d, "
+                            "fleet:e-p-d,embedding_cache_bytes=0 and vllm-serve)")
     reuse.add_argument("--ratios", type=_values, default=[0.0, 0.5, 0.8, 0.9], help="reuse ratios, e.g. 0,0.5,0.8,0.9")
-    reuse.add_argument("--num-requests", type=int, default=40, help="requests per ratio")
+    reuse.add_argument("--num-requests", type=int, default=24, help="requests per ratio and repeat")
+    reuse.add_argument("--repeats", type=int, default=2, help="runs of every ratio on every target")
     reuse.add_argument("--concurrency", type=int, default=4)
     reuse.add_argument("--pool-size", type=int, default=4, help="images in the reused pool (each first use is a miss)")
     reuse.add_argument("--duration-s", type=float, default=120)
     _common(reuse)
 
+    from loadtest import split
+
+    split.add_arguments(sub.add_parser("split", help="encode / prefill / decode split of a Qwen2-VL, in one process"))
     media_server.add_arguments(sub.add_parser("media-server", help="serve deterministic test images"))
     inproc_server.add_arguments(sub.add_parser("inproc", help="run the in-process OpenAI server"))
     return p
@@ -151,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.inproc_server import serve_main
 
         return serve_main(args)
+    if args.command == "split":
+        from loadtest.split import run
+
+        return run(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return _bench(args)
 
@@ -241,9 +251,9 @@ def _reuse(args: argparse.Namespace, out: Path, logs: Path, slos: dict, extra_en
     from loadtest.bench import BenchConfig
     from loadtest.targets import TargetOptions, parse_spec
 
-    targets = args.target or [reuse.ON, reuse.OFF]
-    if len(targets) != 2:
-        print("loadtest reuse: give two --target (cache on, then off) or none", file=sys.stderr)
+    targets = args.target or [reuse.ON, reuse.OFF, reuse.VLLM]
+    if len(targets) not in (2, 3):
+        print("loadtest reuse: give two or three --target (cache on, off, then a baseline) or none", file=sys.stderr)
         return 2
     for t in targets:
         parse_spec(t)
@@ -253,7 +263,7 @@ def _reuse(args: argparse.Namespace, out: Path, logs: Path, slos: dict, extra_en
                       progress=not args.no_progress)
     opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
                          extra_env=extra_env, vllm_python=args.vllm_python, ready_timeout_s=args.ready_timeout_s)
-    result = reuse.run_reuse(cfg, opts, ratios=args.ratios)
+    result = reuse.run_reuse(cfg, opts, ratios=args.ratios, repeats=args.repeats)
     goals, lines = reuse.table(result, *targets)
     summary = report.write_all(result, out, goals=goals, plots=not args.no_plots)
     extra = reuse.plot(result, out, *targets) if not args.no_plots else None

@@ -6,13 +6,17 @@ with its last ``window`` images; turn-major, so a session's turns go out in orde
 ``round_robin``. Reported per policy, over the follow-up turns (turn >= 2, the ones that can
 hit): request hit rate (share with ``usage.prompt_tokens_details.cached_tokens > 0``, i.e.
 landed on a worker holding part of their prefix), token hit rate (cached / prompt tokens), and
-TTFT p50 / p99 (also over all turns). Goals: hit rate >= 90 % (round-robin ~ 1/N) and follow-up
-TTFT p50 >= 2x better than round-robin.
+TTFT p50 / p99 (also over all turns), and why follow-ups missed: each request's routing note
+(``shared.kv.audit``: the winner's and the best candidate's overlap, its load term, the cause:
+hit / cold / load / evicted / moved / unrouted) and the lag of KV events into the routing table
+(p50 / p99 / max over the run). Goals: hit rate >= 90 % (round-robin ~ 1/N) and follow-up TTFT
+p50 >= 2x better than round-robin.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from loadtest.targets import TargetOptions
 from loadtest.workloads import WorkloadConfig, build
 
 POLICIES = ("kv", "round_robin")
+CAUSES = ("hit", "cold", "load", "evicted", "moved", "unrouted")  # as shared.kv.audit
 
 
 def kv_workload(sessions: int, turns: int, window: int, text_words: int, seed: int = 0) -> WorkloadConfig:
@@ -47,19 +52,22 @@ def run_kv(out: Path, opts: TargetOptions, *, sessions: int, turns: int, window:
         for run in res["runs"]:
             run["target"] = f"fleet:e-p-d[{policy}]"
             result["runs"].append(run)
-            result["policies"][policy] = summarize(run["records"], specs)
+            result["policies"][policy] = summarize(run["records"], specs, run.get("kv_event_lags_ms"))
         if res["failed"]:
             result.setdefault("failed", {}).update({f"{k}[{policy}]": v for k, v in res["failed"].items()})
     result["goals"] = goals(result["policies"])
     return result
 
 
-def summarize(records: list[dict], specs) -> dict:
-    """Hit rates and TTFT of one run, follow-up turns apart (see the module contract)."""
+def summarize(records: list[dict], specs, lags_ms: list[float] | None = None) -> dict:
+    """Hit rates, TTFT and miss causes of one run, follow-up turns apart (see the module contract)."""
     ok = [r for r in records if r["status"] == 200 and r["error"] is None]
     later = [r for r in ok if specs[r["index"] % len(specs)].turn]
     prompt = sum(r["prompt_tokens"] or 0 for r in later)
+    routes = [r.get("route") or {} for r in later]
     return {
+        "causes_followups": dict(Counter(rt.get("cause", "unrouted") for rt in routes)),
+        "kv_event_lag_ms": {**metrics.summarize(lags_ms or []), **({"max": max(lags_ms)} if lags_ms else {})},
         "requests": len(records), "ok": len(ok), "followups": len(later),
         "request_hit_rate": sum(1 for r in later if r["cached_tokens"] > 0) / len(later) if later else None,
         "token_hit_rate": sum(r["cached_tokens"] for r in later) / prompt if prompt else None,
@@ -94,6 +102,15 @@ def write(result: dict, out: Path, plots: bool = True) -> Path:
         f, a = s["ttft_ms_followups"], s["ttft_ms_all"]
         lines.append(f"| {name} | {s['ok']}/{s['requests']} | {_pct(s['request_hit_rate'])} | "
                      f"{_pct(s['token_hit_rate'])} | {_ms(f, 'p50')} / {_ms(f, 'p99')} | {_ms(a, 'p50')} / {_ms(a, 'p99')} |")
+    lines += ["", ("Follow-up turns by what their prefix reuse met (`shared.kv.audit`): hit / cold (no worker "
+                   "listed a block) / load (another held more) / evicted (listed, gone by prefill) / moved "
+                   "(rebalanced) / unrouted; KV-event lag = produce to routing-table update."), "",
+              "| policy | " + " | ".join(CAUSES) + " | event lag p50 / p99 / max (ms) |",
+              "|---|" + "---|" * (len(CAUSES) + 1)]
+    for name, s in result["policies"].items():
+        c, lag = s.get("causes_followups", {}), s.get("kv_event_lag_ms", {})
+        lines.append(f"| {name} | " + " | ".join(str(c.get(k, 0)) for k in CAUSES) +
+                     f" | {_ms(lag, 'p50')} / {_ms(lag, 'p99')} / {_ms(lag, 'max')} |")
     lines += ["", "| goal | measured | verdict |", "|---|---|---|"]
     lines += [f"| {g['goal']} | {g['measured']} | {'met' if g['met'] else '**not met**'} |" for g in result["goals"]]
     for name, why in result.get("failed", {}).items():

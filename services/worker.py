@@ -115,7 +115,8 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
             if kv_worker and settings.prefix_cache_bytes > 0 else None
         reporter = LoadReporter(redis, keys, worker_id, load, settings) if kv_worker else None
         handlers = await _build_handlers(stages, settings, model_dir, stack,
-                                         _CacheParts(redis, transfer, worker_id), reuse, load)
+                                         _CacheParts(redis, transfer, worker_id), reuse, load,
+                                         router.audit if reuse is not None else None)
         ledger = StageLedger(redis, RedisKeys(settings.redis_prefix), lease_ms=settings.stage_lease_ms,
                              done_ttl_s=settings.done_ttl_s)
         contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer, ledger=ledger)
@@ -206,7 +207,7 @@ def _preprocessors(model_dir, served: frozenset[str]) -> dict:
 
 async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir, stack: AsyncExitStack,
                           parts: _CacheParts, reuse: PrefixReuse | None = None,
-                          load: LoadTracker | None = None) -> dict:
+                          load: LoadTracker | None = None, audit=None) -> dict:
     engines: dict[str, Engine] = {}
     index = None
     if settings.embedding_cache_bytes > 0:
@@ -278,7 +279,7 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
         else:
             from services.prefill.handler import PrefillHandler
 
-            handlers["prefill"] = PrefillHandler(lm, reuse, load, puller)
+            handlers["prefill"] = PrefillHandler(lm, reuse, load, puller, audit)
     if "decode" in stages and "prefill" not in stages:
         from services.decode.handler import DecodeHandler
 

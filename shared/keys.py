@@ -111,6 +111,14 @@ class RedisKeys:
         every rebalance and refreshed while the worker lives)."""
         return f"{self.prefix}:kv:owners:{topic}"
 
+    def kv_route(self, request_id: str) -> str:
+        """Hash: one routing decision for ``request_id`` and what its prefill met (``shared.kv.audit``)."""
+        return f"{self.prefix}:kv:route:{request_id}"
+
+    def kv_event_lags(self) -> str:
+        """List of recent mm.kv-events produce-to-table lags in ms, newest first, bounded."""
+        return f"{self.prefix}:stats:kv-event-lags"
+
     def workers_pattern(self) -> str:
         """``SCAN MATCH`` pattern over every worker's liveness record."""
         return f"{self.prefix}:worker:*"

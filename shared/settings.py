@@ -50,7 +50,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
                                   "under cache_dir")] = ""
     demo_model: Annotated[str, _d("which tiny offline demo family to build and serve when model_path is empty: "
                                   "qwen2-vl (image + video), qwen2-audio (audio), llava (image), "
-                                  "llava-next-video (video)")] = "qwen2-vl"
+                                  "llava-next-video (video); qwen2-vl:bench is a larger Qwen2-VL with a "
+                                  "2B-class VLM's encode / prefill / decode proportions, for benchmarks")] = "qwen2-vl"
     served_model_name: Annotated[str, _d("the model name clients must ask for")] = "mmfleet-demo"
     cache_dir: Annotated[str, _d("where the demo model is built and cached (default "
                                  "$XDG_CACHE_HOME/mmfleet or ~/.cache/mmfleet)")] = \

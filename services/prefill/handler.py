@@ -17,6 +17,7 @@ from shared import protocol
 from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine, MediaEmbeds
 from shared.keys import TOPIC_DECODE
+from shared.kv.audit import RouteAudit
 from shared.kv.reuse import Lookup, PrefixReuse
 from shared.kv.table import LoadTracker
 from shared.stage import Context, Outcome, Produce, RequestFailed
@@ -60,9 +61,10 @@ _PLAIN = EmbeddingPuller()
 
 class PrefillHandler:
     def __init__(self, engine: Engine, prefix: PrefixReuse | None = None, load: LoadTracker | None = None,
-                 puller: EmbeddingPuller | None = None) -> None:
+                 puller: EmbeddingPuller | None = None, audit: RouteAudit | None = None) -> None:
         self._engine = engine
         self._prefix = prefix if engine.capabilities.prefix_kv else None
+        self._audit = audit if self._prefix is not None else None
         self._load = load or LoadTracker()
         self._puller = puller
 
@@ -72,6 +74,8 @@ class PrefillHandler:
         total = check_context(msg, self._engine.max_model_len)
         images = await pull_images(msg, ctx, self._puller)
         lookup = self._prefix.lookup(msg, total) if self._prefix is not None else Lookup([], None, 0, 0)
+        if self._audit is not None:  # why this request did (not) reuse KV, beside the request
+            self._audit.prefilled(meta.request_id, ctx.worker_id, lookup.hit_blocks)
         with self._load.track(total - lookup.prefix_len):
             if lookup.prefix_kv is None:  # engines without prefix_kv take no such argument
                 out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling)

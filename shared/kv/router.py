@@ -26,6 +26,7 @@ from prometheus_client import Counter
 
 from shared import protocol
 from shared.keys import TOPIC_PREFILL, RedisKeys
+from shared.kv.audit import RouteAudit
 from shared.kv.blocks import block_hashes
 from shared.settings import Settings
 
@@ -54,6 +55,11 @@ class Decision:
     worker_id: str | None
     reason: str
     overlap: int = 0
+    best: int = 0  # the most blocks any candidate held
+    cost: float = 0.0
+    load: float = 0.0  # the winner's load term (blocks queued)
+    candidates: int = 0
+    blocks: int = 0  # the prompt's whole blocks
 
 
 class Router:
@@ -70,6 +76,7 @@ class Router:
         self._placeholder = placeholder_id
         self._rng = rng or random.Random()
         self._turn = itertools.count()
+        self.audit = RouteAudit(redis, keys)
 
     async def partition_for(self, msg: protocol.PrefillRequest) -> int | None:
         """The partition to produce ``msg`` to, or None for key hashing (never raises)."""
@@ -79,6 +86,14 @@ class Router:
             log.warning("routing table unreadable (%r); %s goes by key", exc, msg.meta.request_id)
             decision = Decision(None, None, "error")
         ROUTING_DECISIONS.labels(self.policy, decision.reason).inc()
+        if decision.worker_id is not None:
+            log.debug("route %s -> %s (overlap %d of %d blocks, best %d, load %.1f, %d candidates)",
+                      msg.meta.request_id, decision.worker_id, decision.overlap, decision.blocks, decision.best,
+                      decision.load, decision.candidates)
+            self.audit.routed(msg.meta.request_id, {
+                "policy": self.policy, "worker": decision.worker_id, "overlap": decision.overlap,
+                "best": decision.best, "cost": round(decision.cost, 2), "load": round(decision.load, 2),
+                "candidates": decision.candidates, "blocks": decision.blocks})
         return decision.partition
 
     async def decide(self, msg: protocol.PrefillRequest) -> Decision:
@@ -89,11 +104,14 @@ class Router:
             return Decision(None, None, "no_table")
         if self.policy == "round_robin":
             w = workers[next(self._turn) % len(workers)]
-            return Decision(self._rng.choice(w.partitions), w.worker_id, "round_robin")
+            return Decision(self._rng.choice(w.partitions), w.worker_id, "round_robin",
+                            candidates=len(workers), load=w.queued_tokens / self._block_size)
         costs = [(self._weight * (len(hashes) - w.overlap) + w.queued_tokens / self._block_size, w) for w in workers]
         best = min(c for c, _ in costs)
         w = self._rng.choice([w for c, w in costs if c == best])
-        return Decision(self._rng.choice(w.partitions), w.worker_id, "kv_hit" if w.overlap else "load", w.overlap)
+        return Decision(self._rng.choice(w.partitions), w.worker_id, "kv_hit" if w.overlap else "load", w.overlap,
+                        best=max(x.overlap for x in workers), cost=best, load=w.queued_tokens / self._block_size,
+                        candidates=len(workers), blocks=len(hashes))
 
     async def workers(self, hashes: list[int]) -> list[WorkerView]:
         """Live prefill workers that own partitions, sorted by id, with their overlap."""

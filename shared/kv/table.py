@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import contextmanager
 
 import redis.asyncio as aioredis
@@ -27,6 +28,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from shared import protocol
 from shared.bus import make_consumer
 from shared.keys import TOPIC_KV_EVENTS, TOPIC_PREFILL, RedisKeys, consumer_group
+from shared.kv.audit import lag_ops
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -166,7 +168,7 @@ class KvTableUpdater:
                 records = [rec for recs in batch.values() for rec in recs]
                 if not records:
                     continue
-                await self.apply([rec.value for rec in records])
+                await self.apply([rec.value for rec in records], [rec.timestamp for rec in records])
                 try:
                     await self._consumer.commit()
                 except (CommitFailedError, KafkaError) as exc:
@@ -174,7 +176,8 @@ class KvTableUpdater:
         finally:
             await self._consumer.stop()
 
-    async def apply(self, values: list[bytes]) -> None:
+    async def apply(self, values: list[bytes], produced_ms: list[int] | None = None) -> None:
+        """``produced_ms``: each record's produce timestamp, for the event-lag samples."""
         pipe = self._redis.pipeline(transaction=False)
         for raw in values:
             try:
@@ -189,4 +192,6 @@ class KvTableUpdater:
                 pipe.srem(key, *map(str, ev.removed))
             pipe.pexpire(key, self._ttl_ms)
             self.applied += 1
+        now_ms = time.time() * 1000
+        lag_ops(pipe, self._keys, [max(0.0, now_ms - t) for t in produced_ms or [] if t and t > 0])
         await pipe.execute()

@@ -1,31 +1,34 @@
-"""Tiny random-weight Qwen2-VL, built fully offline, for tests and local fleets.
+"""Random-weight Qwen2-VL models, built fully offline: the tiny one for tests and local
+fleets, the "bench" one for benchmarks (a 2B-class VLM's compute proportions).
 
 Contract:
-- ``build_tiny_qwen2_vl(out_dir, seed=0)`` writes a model directory that loads with
+- ``build_tiny_qwen2_vl(out_dir, seed=0, size=TINY)`` writes a model directory that loads with
   ``AutoProcessor.from_pretrained(out_dir)`` and
   ``Qwen2VLForConditionalGeneration.from_pretrained(out_dir)`` under
   ``HF_HUB_OFFLINE=1``.  Same seed and same library versions → identical files.
-- ``ensure_tiny_qwen2_vl(cache_root)`` builds once into
-  ``cache_root/qwen2-vl-tiny-<recipe hash>`` (build in a temp dir, then an atomic
+- ``ensure_tiny_qwen2_vl(cache_root, size=TINY)`` builds once into
+  ``cache_root/qwen2-vl-<size.name>-<recipe hash>`` (build in a temp dir, then an atomic
   rename; a process that loses the race discards its copy) and returns the path.
-  The hash covers this module's and the tokenizer module's source, the seed and the
-  torch/transformers/tokenizers versions, so any recipe change lands in a new dir.
+  The hash covers this module's and the tokenizer module's source, the seed, the size and
+  the torch/transformers/tokenizers versions, so any recipe change lands in a new dir.
 
 Model facts (what other code may rely on):
 - Special-token ids are read back from the trained tokenizer and written into the
   config (``image_token_id``, ``video_token_id``, ``vision_start_token_id``,
   ``vision_end_token_id``, bos/eos/pad); eos = ``<|im_end|>``; the generation config
   lists ``[<|im_end|>, <|endoftext|>]`` as eos and is greedy by default.
-- Text model: hidden 128, 2 layers, 4 heads × head_dim 32, 2 KV heads,
-  mrope_section [4, 6, 6] (sums to head_dim / 2), vocab = len(tokenizer).
-- Vision tower: depth 2, embed_dim 64, 2 heads, patch 14, spatial merge 2,
-  temporal patch 2; merger output = text hidden size.
+- ``TINY`` text model: hidden 128, 2 layers, 4 heads × head_dim 32, 2 KV heads,
+  mrope_section [4, 6, 6] (sums to head_dim / 2), vocab = len(tokenizer); vision tower:
+  depth 2, embed_dim 64, 2 heads, patch 14, spatial merge 2, temporal patch 2; merger
+  output = text hidden size.  ``BENCH`` (``demo_model=qwen2-vl:bench``): see ``BENCH``
+  below and the README's measured split; every other fact here holds for both.
 - Image processor: ``Qwen2VLImageProcessor`` — the torchvision backend, which is
   what ``AutoProcessor`` resolves to in the fleet's environment (torchvision 0.28
   present).  The fleet and its references must use this ONE backend: PIL and
   torchvision resize slightly differently.  ``size`` holds pixel counts:
-  shortest_edge = min_pixels = 4·28², longest_edge = max_pixels = 64·28², so every
-  image becomes 4..64 image tokens after the 2×2 merge.
+  shortest_edge = min_pixels = min_tokens·28², longest_edge = max_pixels =
+  max_tokens·28², so every image becomes min_tokens..max_tokens image tokens after the
+  2×2 merge (TINY: 4..64; BENCH: 4..1024, a 448² image is 256 as in Qwen2-VL-2B).
 - Weights are NOT the transformers default init.  Every parameter is drawn from
   one seeded ``torch.Generator`` in sorted-name order with fan-in scaling (see
   ``_init_weights``), independent of transformers' init code, so greedy output
@@ -34,9 +37,11 @@ Model facts (what other code may rely on):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,21 +49,58 @@ import torch
 from shared.models import tokenizer_build as tb
 from shared.models.build_cache import build_once
 
-MODEL_NAME = "qwen2-vl-tiny"
-
 PATCH_SIZE = 14
 MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
 _TOKEN_PIXELS = (PATCH_SIZE * MERGE_SIZE) ** 2  # pixels covered by one LM image token
-MIN_PIXELS = 4 * _TOKEN_PIXELS
-MAX_PIXELS = 64 * _TOKEN_PIXELS
 
-TEXT_HIDDEN = 128
-TEXT_LAYERS = 2
-TEXT_HEADS = 4
-TEXT_KV_HEADS = 2
-HEAD_DIM = TEXT_HIDDEN // TEXT_HEADS  # 32: vLLM's CPU attention needs >= 32
-MROPE_SECTION = [4, 6, 6]  # sums to HEAD_DIM // 2 (rotary frequencies per M-RoPE axis)
+
+@dataclass(frozen=True)
+class Qwen2VLSize:
+    """The shape of one buildable Qwen2-VL (text model, vision tower, image token range)."""
+
+    name: str  # the cache dir is qwen2-vl-<name>-<hash>
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate: int
+    mrope_section: tuple[int, int, int]  # sums to head_dim / 2 (rotary frequencies per M-RoPE axis)
+    vision_depth: int
+    vision_embed: int
+    vision_heads: int
+    vision_mlp_ratio: int
+    min_tokens: int  # image tokens (after the 2x2 merge) per image, at least / at most
+    max_tokens: int
+    max_positions: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.text_hidden // self.text_heads
+
+
+TINY = Qwen2VLSize("tiny", text_hidden=128, text_layers=2, text_heads=4, text_kv_heads=2, text_intermediate=256,
+                   mrope_section=(4, 6, 6), vision_depth=2, vision_embed=64, vision_heads=2, vision_mlp_ratio=2,
+                   min_tokens=4, max_tokens=64, max_positions=4096)
+# Chosen by measurement on the 2-core dev machine, 1 torch thread (see the README's "bench
+# model" section and ``python -m loadtest split``): one 448² image + 32 words spends ~60-65 %
+# of in-process TTFT in the vision tower (Qwen2-VL-2B: ~60 % by FLOPs), a 2k-token multi-turn
+# prompt is prefill-bound, head_dim 64 as vLLM's CPU kernels want, GQA 2:1, MLP ratio 3 / 4.
+BENCH = Qwen2VLSize("bench", text_hidden=256, text_layers=4, text_heads=4, text_kv_heads=2, text_intermediate=768,
+                    mrope_section=(8, 12, 12), vision_depth=4, vision_embed=128, vision_heads=2, vision_mlp_ratio=4,
+                    min_tokens=4, max_tokens=1024, max_positions=8192)
+SIZES = {s.name: s for s in (TINY, BENCH)}
+
+# the tiny model's facts, as other builders and tests use them
+MODEL_NAME = f"qwen2-vl-{TINY.name}"
+MIN_PIXELS = TINY.min_tokens * _TOKEN_PIXELS
+MAX_PIXELS = TINY.max_tokens * _TOKEN_PIXELS
+TEXT_HIDDEN = TINY.text_hidden
+TEXT_LAYERS = TINY.text_layers
+TEXT_HEADS = TINY.text_heads
+TEXT_KV_HEADS = TINY.text_kv_heads
+HEAD_DIM = TINY.head_dim  # 32: vLLM's CPU attention needs >= 32
+MROPE_SECTION = list(TINY.mrope_section)
 
 # Weight scales (gain on a 1/sqrt(fan_in) std), chosen by measurement over 8 test
 # images (noise, solid colours, gradients; 64x64 to 320x240), 12 greedy tokens each:
@@ -74,16 +116,17 @@ LM_HEAD_GAIN = 4.0
 BIAS_STD = 0.1
 
 
-def text_config_dict(vocab_size: int, ids: dict[str, int]) -> dict:
+def text_config_dict(vocab_size: int, ids: dict[str, int], size: Qwen2VLSize = TINY) -> dict:
     return {
         "vocab_size": vocab_size,
-        "hidden_size": TEXT_HIDDEN,
-        "intermediate_size": 2 * TEXT_HIDDEN,
-        "num_hidden_layers": TEXT_LAYERS,
-        "num_attention_heads": TEXT_HEADS,
-        "num_key_value_heads": TEXT_KV_HEADS,
-        "max_position_embeddings": 4096,
-        "rope_parameters": {"rope_type": "default", "mrope_section": MROPE_SECTION, "rope_theta": 10000.0},
+        "hidden_size": size.text_hidden,
+        "intermediate_size": size.text_intermediate,
+        "num_hidden_layers": size.text_layers,
+        "num_attention_heads": size.text_heads,
+        "num_key_value_heads": size.text_kv_heads,
+        "max_position_embeddings": size.max_positions,
+        "rope_parameters": {"rope_type": "default", "mrope_section": list(size.mrope_section),
+                            "rope_theta": 10000.0},
         "bos_token_id": ids[tb.ENDOFTEXT],
         "eos_token_id": ids[tb.IM_END],
         "pad_token_id": ids[tb.ENDOFTEXT],
@@ -91,13 +134,13 @@ def text_config_dict(vocab_size: int, ids: dict[str, int]) -> dict:
     }
 
 
-def vision_config_dict() -> dict:
+def vision_config_dict(size: Qwen2VLSize = TINY) -> dict:
     return {
-        "depth": 2,
-        "embed_dim": 64,
-        "hidden_size": TEXT_HIDDEN,  # merger projects into the LM's hidden size
-        "num_heads": 2,
-        "mlp_ratio": 2,
+        "depth": size.vision_depth,
+        "embed_dim": size.vision_embed,
+        "hidden_size": size.text_hidden,  # merger projects into the LM's hidden size
+        "num_heads": size.vision_heads,
+        "mlp_ratio": size.vision_mlp_ratio,
         "patch_size": PATCH_SIZE,
         "spatial_merge_size": MERGE_SIZE,
         "temporal_patch_size": TEMPORAL_PATCH_SIZE,
@@ -105,7 +148,7 @@ def vision_config_dict() -> dict:
     }
 
 
-def recipe_hash(seed: int) -> str:
+def recipe_hash(seed: int, size: Qwen2VLSize = TINY) -> str:
     """Short hash of everything that determines the built files."""
     import tokenizers
     import transformers
@@ -114,7 +157,7 @@ def recipe_hash(seed: int) -> str:
     for module_file in (Path(__file__), Path(tb.__file__)):
         h.update(module_file.read_bytes())
     h.update(json.dumps(
-        {"seed": seed, "torch": torch.__version__, "transformers": transformers.__version__,
+        {"seed": seed, "size": dataclasses.asdict(size), "torch": torch.__version__, "transformers": transformers.__version__,
          "tokenizers": tokenizers.__version__},
         sort_keys=True,
     ).encode())
@@ -158,7 +201,7 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
 
-def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
+def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, size: Qwen2VLSize = TINY) -> Path:
     """Build tokenizer, processor and random model into ``out_dir``; return it.
 
     ``out_dir`` is created if missing; existing files of the same name are overwritten.
@@ -181,7 +224,7 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
         raise RuntimeError(f"special tokens not registered distinctly: {ids}")
 
     pixel_kwargs = {
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "size": {"shortest_edge": size.min_tokens * _TOKEN_PIXELS, "longest_edge": size.max_tokens * _TOKEN_PIXELS},
         "patch_size": PATCH_SIZE,
         "temporal_patch_size": TEMPORAL_PATCH_SIZE,
         "merge_size": MERGE_SIZE,
@@ -194,8 +237,8 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
     )
 
     config = Qwen2VLConfig(
-        text_config=text_config_dict(len(tokenizer), ids),
-        vision_config=vision_config_dict(),
+        text_config=text_config_dict(len(tokenizer), ids, size),
+        vision_config=vision_config_dict(size),
         image_token_id=ids[tb.IMAGE_PAD],
         video_token_id=ids[tb.VIDEO_PAD],
         vision_start_token_id=ids[tb.VISION_START],
@@ -219,12 +262,12 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0) -> Path:
     return out_dir
 
 
-def ensure_tiny_qwen2_vl(cache_root: Path, *, seed: int = 0) -> Path:
-    """Return ``cache_root/qwen2-vl-tiny-<hash>``, building it once if absent.
+def ensure_tiny_qwen2_vl(cache_root: Path, *, seed: int = 0, size: Qwen2VLSize = TINY) -> Path:
+    """Return ``cache_root/qwen2-vl-<size.name>-<hash>``, building it once if absent.
 
     Safe when several processes race: each builds in its own temp dir under
     ``cache_root`` and renames it into place; ``rename`` onto an existing non-empty
     directory fails, so the loser deletes its copy and uses the winner's.
     """
-    final = Path(cache_root) / f"{MODEL_NAME}-{recipe_hash(seed)}"
-    return build_once(final, lambda d: build_tiny_qwen2_vl(d, seed=seed), seed=seed)
+    final = Path(cache_root) / f"qwen2-vl-{size.name}-{recipe_hash(seed, size)}"
+    return build_once(final, lambda d: build_tiny_qwen2_vl(d, seed=seed, size=size), seed=seed)

@@ -82,6 +82,12 @@ def _demo_qwen2_vl(cache_root: Path) -> Path:
     return ensure_tiny_qwen2_vl(cache_root)
 
 
+def _demo_qwen2_vl_bench(cache_root: Path) -> Path:
+    from shared.models.qwen2_vl_tiny import BENCH, ensure_tiny_qwen2_vl
+
+    return ensure_tiny_qwen2_vl(cache_root, size=BENCH)
+
+
 def _demo_qwen2_audio(cache_root: Path) -> Path:
     from shared.models.qwen2_audio_tiny import ensure_tiny_qwen2_audio
 
@@ -103,6 +109,7 @@ def _demo_llava_next_video(cache_root: Path) -> Path:
 # settings.demo_model -> builder of the tiny offline demo (built once under cache_dir, cached)
 DEMOS: dict[str, Callable[[Path], Path]] = {
     "qwen2-vl": _demo_qwen2_vl,
+    "qwen2-vl:bench": _demo_qwen2_vl_bench,  # a 2B-class VLM's compute proportions, for benchmarks
     "qwen2-audio": _demo_qwen2_audio,
     "llava": _demo_llava,
     "llava-next-video": _demo_llava_next_video,

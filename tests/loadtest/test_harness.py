@@ -280,15 +280,26 @@ def test_fleet_spec_settings_and_reuse_table():
     with pytest.raises(ValueError):
         parse_spec("fleet:e-p-d,no_such_setting=1")
 
-    def run(target, ratio, p50, items=None):
-        agg = {"ttft_ms": {"p50": p50, "p99": 2 * p50}, "output_throughput": 10.0, "requests": 4, "failed": 0}
-        return {"target": target, "reuse_ratio": ratio, "aggregates": agg, "encoder_items": items}
+    def run(target, ratio, p50, items=None, rate=2.0, repeat=0):
+        agg = {"ttft_ms": {"p50": p50, "p99": 2 * p50}, "output_throughput": 10.0, "request_throughput": rate,
+               "requests": 4, "ok": 4, "failed": 0}
+        return {"target": target, "reuse_ratio": ratio, "aggregates": agg, "encoder_items": items, "repeat": repeat}
 
-    result = {"config": {"reuse_ratios": [0.0, 0.8]},
-              "runs": [run(reuse.ON, 0.0, 100, 4), run(reuse.OFF, 0.0, 100), run(reuse.ON, 0.8, 50, 1),
+    result = {"config": {"reuse_ratios": [0.0, 0.8], "repeats": 1},
+              "runs": [run(reuse.ON, 0.0, 102, 4), run(reuse.OFF, 0.0, 100), run(reuse.ON, 0.8, 30, 1),
                        run(reuse.OFF, 0.8, 100)]}
     goals, lines = reuse.table(result)
-    assert [g["verdict"] for g in goals] == ["met"] and "50% lower" in goals[0]["measured"]
-    assert any(line.startswith("| 80% | 50.0 / 100.0 | -50% |") for line in lines)
-    result["runs"][2]["aggregates"]["ttft_ms"]["p50"] = 70
-    assert reuse.table(result)[0][0]["verdict"] == "**not met**"
+    assert [g["verdict"] for g in goals] == ["met", "met"]  # +2 % at 0 %; 70 % lower at 80 %
+    assert "+2.0%" in goals[0]["measured"] and "70% lower" in goals[1]["measured"]
+    assert any(line.startswith("| 80% | 30.0 / 100.0 | -70% |") for line in lines)
+    result["runs"][2]["aggregates"]["ttft_ms"]["p50"] = 50
+    result["runs"][0]["aggregates"]["ttft_ms"]["p50"] = 104
+    assert [g["verdict"] for g in reuse.table(result)[0]] == ["**not met**", "**not met**"]
+    # repeats: medians with their range; vllm serve as a third side
+    result["config"]["repeats"] = 3
+    result["runs"] += [run(reuse.ON, 0.8, 40, 1, repeat=1), run(reuse.ON, 0.8, 20, 1, repeat=2),
+                       run(reuse.VLLM, 0.8, 100, rate=1.0), run(reuse.VLLM, 0.8, 120, rate=1.0, repeat=1)]
+    goals, lines = reuse.table(result)
+    assert any(line.startswith("| 80% | 40.0 (20–50) / 100.0 / 110.0 (100–120) | -60% |") for line in lines), lines
+    vs = [g for g in goals if "vllm serve" in g["goal"]]
+    assert vs and vs[0]["verdict"] == "met" and "2.00×" in vs[0]["measured"], goals

@@ -130,3 +130,30 @@ async def test_no_table_or_no_redis_means_key_hashing(redis_url):
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="routing_policy"):
         Router(None, RedisKeys("x"), Settings(routing_policy="random"), PH)
+
+
+async def test_routing_notes_say_why_a_prefill_missed_and_event_lag_is_sampled(table):
+    import time
+
+    from shared.kv import audit
+
+    prompt = list(range(300, 316))  # 4 blocks
+    hashes = block_hashes(prompt, [], placeholder_id=PH, block_size=BLOCK)
+    await stored(table, "w2", hashes[:2])
+    r = router(table)
+    msg = request(prompt)
+    assert await r.partition_for(msg) in (2, 3)
+    await r.audit.drain()
+    note = await audit.read_notes(table["settings"].redis_url, table["settings"].redis_prefix, [msg.meta.request_id])
+    n = note[msg.meta.request_id]
+    assert (n["policy"], n["worker"], n["overlap"], n["best"], n["blocks"], n["candidates"]) == \
+        ("kv", "w2", "2", "2", "4", "2")
+    r.audit.prefilled(msg.meta.request_id, "w2", 1)  # one of the two listed blocks was gone
+    await r.audit.drain()
+    note = await audit.read_notes(table["settings"].redis_url, table["settings"].redis_prefix, [msg.meta.request_id])
+    assert (note[msg.meta.request_id]["cause"], note[msg.meta.request_id]["hit"]) == ("evicted", "1")
+
+    ev = protocol.KvEvent(worker_id="w1", stored=(1, 2))
+    await table["updater"].apply([protocol.encode(ev)], [int(time.time() * 1000) - 250])
+    lags = await audit.read_lags(table["settings"].redis_url, table["settings"].redis_prefix)
+    assert len(lags) == 1 and 250 <= lags[0] < 60_000
