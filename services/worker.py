@@ -66,7 +66,7 @@ def make_engine(name: str, settings: Settings, model_dir) -> Engine:
     cls = _engine_class(name)
     if name == "transformers":
         return cls(model_dir, encode_max_batch_items=settings.encode_max_batch_items,
-                   encode_batch_wait_ms=settings.encode_batch_wait_ms)
+                   encode_batch_wait_ms=settings.encode_batch_wait_ms, device=settings.device, dtype=settings.dtype)
     return cls(model_dir)
 
 

@@ -13,7 +13,13 @@ Contracts:
   A ref with ``lease == 0`` names a pinned slot without holding it: a local ``get`` of it
   checks the pin; a remote reader must validate it some other way (the embedding index).
 - ``get`` pulls a peer's slot into a private staging slot of this pool (one-sided READ), then
-  copies it into a NEW tensor the caller owns. Any failure to pull (peer SIGKILLed, peer
+  copies it into a NEW tensor the caller owns.
+- GPUs (``device`` cuda): the pool is pinned host memory; ``put`` of a CUDA tensor copies it
+  device→pinned slot (the staging path, always works) and, with ``cuda_ipc``, also holds a GPU
+  copy under the same lease whose IPC handle rides in the ref. A consumer on the same host and
+  GPU opens that handle (device→device); any other pulls the pinned slot over NIXL DRAM and
+  copies pinned→its device. A ref marked ``on_device`` arrives on the consumer's GPU, or in
+  host memory where the consumer has none. The paths in use are logged at construction. Any failure to pull (peer SIGKILLed, peer
   unreachable, timeout, NIXL error state) raises :class:`OwnerGoneError`; callers treat it
   as "recompute from the source". A READ of an already-expired lease is NOT detectable by
   the puller (one-sided): it returns whatever the slot holds now, so TTLs must exceed the
@@ -45,6 +51,8 @@ from shared import metrics
 from shared.protocol import AgentRef, TensorRef
 from shared.transfer.leases import SlotHolders
 from shared.transfer.peers import Peers
+from shared.transfer import cuda_ipc
+from shared.transfer.paths import describe_paths, pool_buffer
 from shared.transfer.pool import SlotAllocator
 from shared.transfer.tensors import DTYPES, OwnerGoneError, PoolFullError, TransferError, as_bytes, check_ref
 
@@ -52,12 +60,12 @@ __all__ = ["TransferAgent", "TransferError", "PoolFullError", "OwnerGoneError", 
 
 log = logging.getLogger(__name__)
 
-_PAGE = 4096
 _REL_PREFIX = b"rel:"
 _REL_CHUNK = 512  # lease ids per notification, keeps each message small
 _COUNTERS = (
     "puts", "local_gets", "transfers", "bytes_pulled", "transfer_errors", "expired_leases",
     "released_leases", "release_notifs_sent", "release_notifs_received", "quarantined_bytes",
+    "ipc_gets", "ipc_failures",
 )
 
 
@@ -69,6 +77,7 @@ class TransferAgent:
         fast_poll_ms: float = 1.0, idle_poll_ms: float = 20.0, fast_window_ms: float = 1_000,
         xfer_timeout_ms: int = 10_000,
         align_bytes: int = 64, nixl_log_level: int | None = logging.WARNING,
+        device: str | torch.device = "cpu", cuda_ipc: bool = True,
     ) -> None:
         """``name`` must be unique across the fleet (e.g. stage-host-pid-random).
         ``xfer_timeout_ms`` bounds a ``get`` (staging wait + transfer) unless overridden.
@@ -90,12 +99,11 @@ class TransferAgent:
         self._fast_window_s = fast_window_ms / 1000.0
         self._last_put = float("-inf")
         self._xfer_timeout_ms = xfer_timeout_ms
-        # Over-allocate by a page and slice so the registered region starts page aligned.
-        raw = np.empty(pool_bytes + _PAGE, dtype=np.uint8)
-        skew = (-raw.ctypes.data) % _PAGE
-        self._buf = raw[skew : skew + pool_bytes]
-        self._tbuf = torch.from_numpy(self._buf)  # uint8 view for dtype-agnostic copies
-        self._base = int(self._buf.ctypes.data)
+        self._device = torch.device(device)
+        self._ipc = cuda_ipc and self._device.type == "cuda"
+        self._dev_copies: dict[int, torch.Tensor] = {}  # slot offset -> GPU copy offered by IPC
+        self._tbuf = pool_buffer(pool_bytes, self._device)  # uint8, page aligned (pinned on a GPU host)
+        self._base = int(self._tbuf.data_ptr())
         self._alloc = SlotAllocator(pool_bytes, align_bytes)
         self._nixl = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
         self._reg = self._nixl.register_memory(
@@ -112,6 +120,7 @@ class TransferAgent:
         self._quarantine: set[int] = set()  # staging offsets NIXL may still write
         self._closed = False
         self._c = dict.fromkeys(_COUNTERS, 0)
+        log.info("%s: %s", name, describe_paths(self._device, pool_bytes, self._ipc))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -208,6 +217,14 @@ class TransferAgent:
         if ref.agent == self.name:
             return self._get_local(ref, dtype)
         self._check_open()
+        if ref.cuda_ipc is not None and self._ipc and cuda_ipc.can_open(ref.cuda_ipc):
+            try:
+                out = cuda_ipc.open_copy(ref.cuda_ipc, ref.nbytes, dtype, ref.shape, self._device)
+                self._c["ipc_gets"] += 1
+                return out
+            except cuda_ipc.IpcError as exc:  # the host path below always works
+                self._c["ipc_failures"] += 1
+                log.warning("%s: CUDA IPC from %s failed, pulling over NIXL: %s", self.name, owner.name, exc)
         tmo = self._xfer_timeout_ms if timeout_ms is None else timeout_ms
         deadline = time.monotonic() + tmo / 1000.0
         peer = owner.name
@@ -222,7 +239,7 @@ class TransferAgent:
                 await self._peers.read(owner, ref, self._base + off, deadline, self._fast_s,
                                        lambda: self._quarantine_slot(off))
                 metrics.NIXL_TRANSFER.observe(time.perf_counter() - t0)
-                out = self._tbuf[off : off + ref.nbytes].clone()
+                out = self._from_pool(off, ref)
             finally:
                 if off not in self._quarantine:
                     self._free_slot(off)
@@ -305,13 +322,18 @@ class TransferAgent:
 
     def _lease(self, off: int, src: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> TensorRef:
         n = src.numel()
-        self._tbuf[off : off + n].copy_(src)
+        self._tbuf[off : off + n].copy_(src)  # from a GPU: device→pinned, synchronous
+        ipc = None
+        if src.is_cuda and self._ipc:
+            self._dev_copies[off] = dev = src.clone()  # own storage, lives as long as the slot
+            ipc = cuda_ipc.export(dev)
         self._last_put = time.monotonic()
         lease = self._leases.lease(off, self._last_put)
         self._c["puts"] += 1
         metrics.NIXL_BYTES.labels("out").inc(n)
         self._kick()  # a fresh lease switches progress to fast polling
-        return TensorRef(self.name, self._base + off, n, 0, lease, dtype, shape)
+        return TensorRef(self.name, self._base + off, n, 0, lease, dtype, shape,
+                         on_device=src.is_cuda, cuda_ipc=ipc)
 
     def _get_local(self, ref: TensorRef, dtype: torch.dtype) -> torch.Tensor:
         off = ref.addr - self._base
@@ -319,7 +341,17 @@ class TransferAgent:
         if not held:
             raise OwnerGoneError(f"{self.name}: local lease {ref.lease} expired or unknown (or unpinned)")
         self._c["local_gets"] += 1
-        return self._tbuf[off : off + ref.nbytes].clone().view(dtype).reshape(ref.shape)
+        dev = self._dev_copies.get(off)
+        out = dev.clone() if dev is not None else self._from_pool(off, ref)
+        return out.view(dtype).reshape(ref.shape)
+
+    def _from_pool(self, off: int, ref: TensorRef) -> torch.Tensor:
+        """A new uint8 tensor with the slot's bytes: on this agent's GPU if the ref's tensor was
+        on a GPU and this agent has one (pinned→device), else in host memory."""
+        src = self._tbuf[off : off + ref.nbytes]
+        if ref.on_device and self._device.type == "cuda":
+            return torch.empty(ref.nbytes, dtype=torch.uint8, device=self._device).copy_(src)
+        return src.clone()
 
     async def _alloc_wait(self, nbytes: int, deadline: float) -> int:
         if self._alloc.reserved_size(nbytes) > self.pool_bytes:
@@ -344,6 +376,7 @@ class TransferAgent:
 
     def _free_slot(self, off: int) -> None:
         self._alloc.free(off)
+        self._dev_copies.pop(off, None)
         ev, self._space_event = self._space_event, None
         if ev is not None:
             ev.set()  # wakes every waiter; each retries its own alloc
