@@ -173,8 +173,8 @@ async def _probe_size(agent, hello: Hello, ref: TensorRef, size: int, dev: torch
         async def d2h():
             host.copy_(expect)
 
+        t_d2h = await _median_s(d2h, repeats, dev)  # first: it fills ``host`` with the pattern
         t_h2d = await _median_s(h2d, repeats, dev)
-        t_d2h = await _median_s(d2h, repeats, dev)
         rows += [Row("pinned copy H2D", size, n / t_h2d / 1e9, bool(torch.equal(gpu, expect))),
                  Row("pinned copy D2H", size, n / t_d2h / 1e9, bool(torch.equal(host.to(dev), expect)))]
     staged = msgspec.structs.replace(ref, cuda_ipc=None)
