@@ -54,6 +54,16 @@ class CudaIpcHandle(Struct, frozen=True):
     event_sync_required: bool
 
 
+class HostShm(Struct, frozen=True):
+    """The owner's pinned pool as a file another process of the same host maps (a memfd under
+    ``/proc/<pid>/fd``), and the slot's offset in it (see :mod:`shared.transfer.host_shm`)."""
+
+    host: str  # shared.device.host_id() of the owner
+    path: str
+    pool_bytes: int
+    offset: int
+
+
 class TensorRef(Struct, frozen=True):
     """A tensor held in a slot of its owner's registered pool.
 
@@ -64,6 +74,7 @@ class TensorRef(Struct, frozen=True):
     ``on_device``: the owner's tensor was on a GPU (staged into the host pool); a consumer with
     a GPU gets it on its GPU. ``cuda_ipc``: the same bytes as a GPU copy held under the same
     lease, for a consumer on the same host and GPU (see :mod:`shared.transfer.cuda_ipc`).
+    ``host_shm``: the slot as a shared pinned mapping, for a GPU consumer on the same host.
     """
 
     agent: str
@@ -76,6 +87,7 @@ class TensorRef(Struct, frozen=True):
     mem: str = "DRAM"
     on_device: bool = False
     cuda_ipc: CudaIpcHandle | None = None
+    host_shm: HostShm | None = None
 
 
 class MediaSource(Struct, frozen=True, kw_only=True):

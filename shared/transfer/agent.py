@@ -14,12 +14,13 @@ Contracts:
   checks the pin; a remote reader must validate it some other way (the embedding index).
 - ``get`` pulls a peer's slot into a private staging slot of this pool (one-sided READ), then
   copies it into a NEW tensor the caller owns.
-- GPUs (``device`` cuda): the pool is pinned host memory; ``put`` of a CUDA tensor copies it
-  device→pinned slot (the staging path, always works) and, with ``cuda_ipc``, also holds a GPU
-  copy under the same lease whose IPC handle rides in the ref. A consumer on the same host and
-  GPU opens that handle (device→device); any other pulls the pinned slot over NIXL DRAM and
-  copies pinned→its device. A ref marked ``on_device`` arrives on the consumer's GPU, or in
-  host memory where the consumer has none. The paths in use are logged at construction. Any failure to pull (peer SIGKILLed, peer
+- GPUs (``device`` cuda, :class:`~shared.transfer.paths.DevicePaths`): the pool is pinned host
+  memory; ``put`` of a CUDA tensor copies it device→pinned slot and, with ``cuda_ipc``, holds a
+  GPU copy under the same lease. A consumer on the same host and GPU opens its IPC handle; a GPU
+  consumer on the same host copies from its mapping of the pinned pool; any other pulls the slot
+  over NIXL DRAM (then pinned→its device). A ref marked ``on_device`` arrives on the consumer's
+  GPU, or in host memory where it has none. The paths are logged at construction.
+- Any failure to pull (peer SIGKILLed, peer
   unreachable, timeout, NIXL error state) raises :class:`OwnerGoneError`; callers treat it
   as "recompute from the source". A READ of an already-expired lease is NOT detectable by
   the puller (one-sided): it returns whatever the slot holds now, so TTLs must exceed the
@@ -51,8 +52,7 @@ from shared import metrics
 from shared.protocol import AgentRef, TensorRef
 from shared.transfer.leases import SlotHolders
 from shared.transfer.peers import Peers
-from shared.transfer import cuda_ipc
-from shared.transfer.paths import describe_paths, pool_buffer
+from shared.transfer.paths import DevicePaths
 from shared.transfer.pool import SlotAllocator
 from shared.transfer.tensors import DTYPES, OwnerGoneError, PoolFullError, TransferError, as_bytes, check_ref
 
@@ -65,7 +65,6 @@ _REL_CHUNK = 512  # lease ids per notification, keeps each message small
 _COUNTERS = (
     "puts", "local_gets", "transfers", "bytes_pulled", "transfer_errors", "expired_leases",
     "released_leases", "release_notifs_sent", "release_notifs_received", "quarantined_bytes",
-    "ipc_gets", "ipc_failures",
 )
 
 
@@ -99,10 +98,9 @@ class TransferAgent:
         self._fast_window_s = fast_window_ms / 1000.0
         self._last_put = float("-inf")
         self._xfer_timeout_ms = xfer_timeout_ms
-        self._device = torch.device(device)
-        self._ipc = cuda_ipc and self._device.type == "cuda"
-        self._dev_copies: dict[int, torch.Tensor] = {}  # slot offset -> GPU copy offered by IPC
-        self._tbuf = pool_buffer(pool_bytes, self._device)  # uint8, page aligned (pinned on a GPU host)
+        self._c = dict.fromkeys(_COUNTERS, 0)
+        self._dev = DevicePaths(name, pool_bytes, torch.device(device), cuda_ipc, self._c)
+        self._tbuf = self._dev.pool  # uint8, page aligned; pinned and shared on a GPU
         self._base = int(self._tbuf.data_ptr())
         self._alloc = SlotAllocator(pool_bytes, align_bytes)
         self._nixl = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
@@ -119,8 +117,6 @@ class TransferAgent:
         self._sleeper: asyncio.Future[None] | None = None
         self._quarantine: set[int] = set()  # staging offsets NIXL may still write
         self._closed = False
-        self._c = dict.fromkeys(_COUNTERS, 0)
-        log.info("%s: %s", name, describe_paths(self._device, pool_bytes, self._ipc))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -146,6 +142,7 @@ class TransferAgent:
         except Exception as e:  # teardown is best-effort
             log.warning("nixl deregister_memory failed for %s: %s", self.name, e)
         self._nixl = None  # type: ignore[assignment]  # drops the agent and its UCX resources
+        self._dev.close()
 
     async def __aenter__(self) -> "TransferAgent":
         await self.start()
@@ -217,14 +214,8 @@ class TransferAgent:
         if ref.agent == self.name:
             return self._get_local(ref, dtype)
         self._check_open()
-        if ref.cuda_ipc is not None and self._ipc and cuda_ipc.can_open(ref.cuda_ipc):
-            try:
-                out = cuda_ipc.open_copy(ref.cuda_ipc, ref.nbytes, dtype, ref.shape, self._device)
-                self._c["ipc_gets"] += 1
-                return out
-            except cuda_ipc.IpcError as exc:  # the host path below always works
-                self._c["ipc_failures"] += 1
-                log.warning("%s: CUDA IPC from %s failed, pulling over NIXL: %s", self.name, owner.name, exc)
+        if (fast := self._dev.pull(ref, dtype)) is not None:  # CUDA IPC / shared pinned pool
+            return fast
         tmo = self._xfer_timeout_ms if timeout_ms is None else timeout_ms
         deadline = time.monotonic() + tmo / 1000.0
         peer = owner.name
@@ -239,7 +230,7 @@ class TransferAgent:
                 await self._peers.read(owner, ref, self._base + off, deadline, self._fast_s,
                                        lambda: self._quarantine_slot(off))
                 metrics.NIXL_TRANSFER.observe(time.perf_counter() - t0)
-                out = self._from_pool(off, ref)
+                out = self._dev.from_pool(off, ref)
             finally:
                 if off not in self._quarantine:
                     self._free_slot(off)
@@ -323,17 +314,13 @@ class TransferAgent:
     def _lease(self, off: int, src: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> TensorRef:
         n = src.numel()
         self._tbuf[off : off + n].copy_(src)  # from a GPU: device→pinned, synchronous
-        ipc = None
-        if src.is_cuda and self._ipc:
-            self._dev_copies[off] = dev = src.clone()  # own storage, lives as long as the slot
-            ipc = cuda_ipc.export(dev)
+        gpu_fields = self._dev.offer(off, src)  # CUDA IPC handle, shared-pool name (GPU tensors)
         self._last_put = time.monotonic()
         lease = self._leases.lease(off, self._last_put)
         self._c["puts"] += 1
         metrics.NIXL_BYTES.labels("out").inc(n)
         self._kick()  # a fresh lease switches progress to fast polling
-        return TensorRef(self.name, self._base + off, n, 0, lease, dtype, shape,
-                         on_device=src.is_cuda, cuda_ipc=ipc)
+        return TensorRef(self.name, self._base + off, n, 0, lease, dtype, shape, **gpu_fields)
 
     def _get_local(self, ref: TensorRef, dtype: torch.dtype) -> torch.Tensor:
         off = ref.addr - self._base
@@ -341,17 +328,7 @@ class TransferAgent:
         if not held:
             raise OwnerGoneError(f"{self.name}: local lease {ref.lease} expired or unknown (or unpinned)")
         self._c["local_gets"] += 1
-        dev = self._dev_copies.get(off)
-        out = dev.clone() if dev is not None else self._from_pool(off, ref)
-        return out.view(dtype).reshape(ref.shape)
-
-    def _from_pool(self, off: int, ref: TensorRef) -> torch.Tensor:
-        """A new uint8 tensor with the slot's bytes: on this agent's GPU if the ref's tensor was
-        on a GPU and this agent has one (pinned→device), else in host memory."""
-        src = self._tbuf[off : off + ref.nbytes]
-        if ref.on_device and self._device.type == "cuda":
-            return torch.empty(ref.nbytes, dtype=torch.uint8, device=self._device).copy_(src)
-        return src.clone()
+        return self._dev.from_pool(off, ref, local=True).view(dtype).reshape(ref.shape)
 
     async def _alloc_wait(self, nbytes: int, deadline: float) -> int:
         if self._alloc.reserved_size(nbytes) > self.pool_bytes:
@@ -376,7 +353,7 @@ class TransferAgent:
 
     def _free_slot(self, off: int) -> None:
         self._alloc.free(off)
-        self._dev_copies.pop(off, None)
+        self._dev.drop(off)
         ev, self._space_event = self._space_event, None
         if ev is not None:
             ev.set()  # wakes every waiter; each retries its own alloc

@@ -9,6 +9,8 @@ times, per size, the median of ``repeats`` pulls of each path and checks every b
   the GPU in one process;
 - ``staging get``: the agent's NIXL DRAM READ of the peer's pinned slot + pinned→device copy;
   ``staging end-to-end`` adds the owner's device→pinned copy (the D2H time of the same size);
+- ``shm-staging get``: the agent copying from its mapping of the peer's pinned pool to its GPU
+  (same host), and its end-to-end with the owner's D2H;
 - ``cuda-ipc get``: the agent opening the peer's IPC handle, device→device;
 - ``nixl-vram``: a raw NIXL READ of GPU memory the peer registered as VRAM (what UCX offers).
 On a CPU-only host only ``staging get`` (host pool to host pool) is measured. Frames between
@@ -177,7 +179,7 @@ async def _probe_size(agent, hello: Hello, ref: TensorRef, size: int, dev: torch
         t_h2d = await _median_s(h2d, repeats, dev)
         rows += [Row("pinned copy H2D", size, n / t_h2d / 1e9, bool(torch.equal(gpu, expect))),
                  Row("pinned copy D2H", size, n / t_d2h / 1e9, bool(torch.equal(host.to(dev), expect)))]
-    staged = msgspec.structs.replace(ref, cuda_ipc=None)
+    staged = msgspec.structs.replace(ref, cuda_ipc=None, host_shm=None)
     got: list[torch.Tensor] = []
 
     async def staging():
@@ -189,6 +191,19 @@ async def _probe_size(agent, hello: Hello, ref: TensorRef, size: int, dev: torch
                     size, n / t_get / 1e9, ok))
     if t_d2h is not None:
         rows.append(Row("staging end-to-end (D2H + get)", size, n / (t_d2h + t_get) / 1e9, ok))
+    if ref.host_shm is not None:
+        shm_ref = msgspec.structs.replace(ref, cuda_ipc=None)
+        before = agent.stats()["shm_gets"]
+
+        async def shm():
+            got[:] = [await agent.get(hello.agent, shm_ref)]
+
+        t_shm = await _median_s(shm, repeats, dev)
+        used = agent.stats()["shm_gets"] > before
+        ok = used and bool(torch.equal(got[0], expect))
+        note = "" if used else "pool not mapped: fell back to NIXL"
+        rows += [Row("shm-staging get (shared pinned pool->device)", size, n / t_shm / 1e9, ok, note),
+                 Row("shm-staging end-to-end (D2H + get)", size, n / (t_d2h + t_shm) / 1e9, ok, note)]
     if ref.cuda_ipc is not None:
         before = agent.stats()["ipc_gets"]
 

@@ -33,6 +33,6 @@ async def test_cuda_tensor_put_and_local_get_stay_on_the_device() -> None:
     async with TransferAgent("gpu-local-test", 8 << 20, device="cuda", cuda_ipc=True) as agent:
         t = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
         ref = agent.put(t)
-        assert ref.on_device and ref.cuda_ipc is not None and ref.mem == "DRAM"
+        assert ref.on_device and ref.cuda_ipc is not None and ref.host_shm is not None and ref.mem == "DRAM"
         back = await agent.get(agent.ref(), ref)
         assert back.device.type == "cuda" and back.dtype == torch.bfloat16 and torch.equal(back, t)
