@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: install up test chaos bench clean-venv chromium
+.PHONY: install up test chaos bench gpu-check clean-venv chromium
 
 install: $(STAMP)
 
@@ -56,6 +56,13 @@ bench: install
 # the long chaos run: 200 requests while each stage's worker is killed in turn
 chaos: install
 	CHAOS_REQUESTS=200 OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/chaos -s $(PYTEST_ARGS)
+
+# the GPU check (loadtest/gpucheck.py): E/P/D on CUDA in three processes vs generate(), transfer
+# paths 1-256 MiB, TTFT and GB/s. On a GPU host whose Python already has torch + CUDA (no venv
+# build: GPU_PYTHON=python3 make gpu-check); skips with a message where no GPU is visible.
+GPU_PYTHON ?= $(BIN)/python
+gpu-check:
+	HF_HUB_OFFLINE=1 $(GPU_PYTHON) -m loadtest.gpucheck $(GPU_CHECK_ARGS); rc=$$?; [ $$rc -eq 2 ] && exit 0 || exit $$rc
 
 clean-venv:
 	rm -rf $(VENV)

@@ -115,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="print MMFLEET_<NAME>=value as in force here (defaults < file < environment; "
                             "secrets redacted)")
     shape.add_argument("--markdown", action="store_true", help="print the table as Markdown (the README's)")
+    doctor = add("doctor", "print the compute device, the tensor transfer paths this host offers, and a "
+                           "1/16/256 MiB bandwidth probe of each (between two processes)")
+    config(doctor)
+    doctor.add_argument("--device", help="cpu, cuda or cuda:N (default: setting device)")
+    doctor.add_argument("--sizes", default="1,16,256", help="probe sizes, MiB, comma-separated")
     sub.add_parser("bench", add_help=False,
                    help="benchmark the fleet against inproc and vllm serve (mmfleet bench --help; settings "
                         "from MMFLEET_CONFIG and MMFLEET_* variables)")
@@ -184,6 +189,16 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(run_top(settings, once=args.once, interval_s=args.interval))
         except KeyboardInterrupt:
             return 0
+    if args.command == "doctor":
+        from shared.transfer.probe import doctor_report
+
+        try:
+            print(asyncio.run(doctor_report(args.device or settings.device,
+                                            tuple(int(s) for s in args.sizes.split(",")))))
+        except ValueError as exc:  # a device that is not there
+            print(f"mmfleet doctor: {exc}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "model":
         from shared.models.registry import resolve_model_path
 

@@ -30,6 +30,7 @@ import torch
 
 from shared import hostaddr, logs, metrics, protocol
 from shared.bus import make_producer
+from shared.device import resolve_placement
 from shared.engines.base import Engine
 from shared.keys import STAGES, TOPIC_PREFILL, RedisKeys
 from shared.kv.prefix_cache import PrefixCache
@@ -66,7 +67,7 @@ def make_engine(name: str, settings: Settings, model_dir) -> Engine:
     cls = _engine_class(name)
     if name == "transformers":
         return cls(model_dir, encode_max_batch_items=settings.encode_max_batch_items,
-                   encode_batch_wait_ms=settings.encode_batch_wait_ms)
+                   encode_batch_wait_ms=settings.encode_batch_wait_ms, device=settings.device, dtype=settings.dtype)
     return cls(model_dir)
 
 
@@ -83,8 +84,9 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     worker_id = f"{'+'.join(stages)}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     logs.set_process(worker_id)
     model_dir = resolve_model_path(settings)
-    try:  # an engine that cannot serve this model family fails here, loudly, before taking traffic
+    try:  # an engine that cannot serve this model family, or a GPU that is not there, fails here
         served_modalities(family_of(model_dir), settings.engine)
+        placement = resolve_placement(settings.device, settings.dtype)
     except ValueError as exc:
         raise SystemExit(f"cannot start worker: {exc}") from None
     async with AsyncExitStack() as stack:
@@ -99,7 +101,8 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         # first, so the agent metadata peers receive names that interface, not loopback
         os.environ.update(hostaddr.ucx_env(settings))
         transfer = TransferAgent(worker_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms,
-                                 host=hostaddr.advertise_host(settings))
+                                 host=hostaddr.advertise_host(settings), device=placement.device,
+                                 cuda_ipc=settings.transfer_cuda_ipc)
         await stack.enter_async_context(transfer)
         metrics.watch_pool(transfer)
         streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
@@ -135,7 +138,8 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: [r.stop() for r in [*runners, *([updater] if updater else [])]])
-        log.info("worker %s running stages %s (engine %s, model %s)", worker_id, stages, settings.engine, model_dir)
+        log.info("worker %s running stages %s (engine %s, model %s, device %s, dtype %s)", worker_id, stages,
+                 settings.engine, model_dir, placement.device, str(placement.dtype).removeprefix("torch."))
         tasks = [asyncio.create_task(r.run(), name=r.stage) for r in runners]
         if updater is not None:  # it ending (broker gone) ends the process like a runner's end
             tasks.append(asyncio.create_task(updater.run(), name="kv-table"))

@@ -40,12 +40,42 @@ class AgentRef(Struct, frozen=True):
     host: str = ""  # the owner's advertised host: a puller elsewhere counts its READs as cross-host
 
 
+class CudaIpcHandle(Struct, frozen=True):
+    """A GPU copy of a tensor that another process on the same host opens by CUDA IPC: the raw
+    fields of torch's ``UntypedStorage._share_cuda_()`` (no pickle), plus where it lives."""
+
+    host: str  # shared.device.host_id() of the owner: only that host may open it
+    device_uuid: str  # the GPU, independent of CUDA_VISIBLE_DEVICES
+    handle: bytes  # cudaIpcMemHandle of the allocation holding the storage
+    storage_bytes: int
+    offset_bytes: int  # of the storage inside that allocation
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class HostShm(Struct, frozen=True):
+    """The owner's pinned pool as a file another process of the same host maps (a memfd under
+    ``/proc/<pid>/fd``), and the slot's offset in it (see :mod:`shared.transfer.host_shm`)."""
+
+    host: str  # shared.device.host_id() of the owner
+    path: str
+    pool_bytes: int
+    offset: int
+
+
 class TensorRef(Struct, frozen=True):
     """A tensor held in a slot of its owner's registered pool.
 
-    ``(addr, nbytes, device_id)`` is the raw NIXL DRAM descriptor. ``lease`` identifies the
+    ``(addr, nbytes, device_id)`` is the raw NIXL descriptor of memory kind ``mem`` (``"DRAM"``:
+    the owner's pinned-or-plain host pool, the always-works path). ``lease`` identifies the
     slot at the owner: the consumer releases it (a NIXL notification) once its own output is
     durable; the owner also frees it after a TTL so a lost consumer cannot pin memory.
+    ``on_device``: the owner's tensor was on a GPU (staged into the host pool); a consumer with
+    a GPU gets it on its GPU. ``cuda_ipc``: the same bytes as a GPU copy held under the same
+    lease, for a consumer on the same host and GPU (see :mod:`shared.transfer.cuda_ipc`).
+    ``host_shm``: the slot as a shared pinned mapping, for a GPU consumer on the same host.
     """
 
     agent: str
@@ -55,6 +85,10 @@ class TensorRef(Struct, frozen=True):
     lease: int
     dtype: str
     shape: tuple[int, ...]
+    mem: str = "DRAM"
+    on_device: bool = False
+    cuda_ipc: CudaIpcHandle | None = None
+    host_shm: HostShm | None = None
 
 
 class MediaSource(Struct, frozen=True, kw_only=True):

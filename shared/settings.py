@@ -107,6 +107,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # --- compute
     engine: Annotated[str, _d("language-model runtime: transformers | vllm")] = "transformers"
     torch_threads: Annotated[int, _d("torch intra-op threads per worker")] = 1
+    device: Annotated[str, _d("where this worker's encoder, prefill and decode compute: cpu | cuda | cuda:N "
+                              "(a GPU asked for and not visible is a start-up error)")] = "cpu"
+    dtype: Annotated[str, _d("model dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | "
+                             "float16")] = "auto"
+    transfer_cuda_ipc: Annotated[bool, _d(
+        "a GPU worker also offers each tensor it ships as a CUDA IPC handle, which a consumer on the same "
+        "host and GPU opens instead of pulling the pinned-host copy over NIXL")] = True
     encode_max_batch_items: Annotated[int, _d("media items per vision-encoder batch at most")] = 16
     encode_batch_wait_ms: Annotated[int, _d("how long encode waits to fill a batch")] = 2
     decode_concurrency: Annotated[int, _d("sequences a prefill+decode or decode worker generates at "

@@ -45,12 +45,10 @@ class LlavaImagePreprocessor:
 class LlavaCompute(PlainLMCompute):
     kind = "image"
 
-    def __init__(self, model_dir: Path | str) -> None:
-        from transformers import AutoProcessor, LlavaForConditionalGeneration
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
+        from transformers import LlavaForConditionalGeneration
 
-        self.model_dir = Path(model_dir)
-        self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
-        self.model = LlavaForConditionalGeneration.from_pretrained(str(self.model_dir), dtype=torch.float32).eval()
+        self._load(LlavaForConditionalGeneration, model_dir, device, dtype)
         self.placeholder_token_id: int = int(self.model.config.image_token_id)
         self._init_lm()
         self.preprocess_image = LlavaImagePreprocessor(self.model_dir, processor=self.processor,
@@ -65,10 +63,10 @@ class LlavaCompute(PlainLMCompute):
             raise ValueError(f"LLaVA encodes images, not {sorted({_kind(it) for it in items} - {'image'})}")
         cfg = self.model.config
         out = self.model.model.get_image_features(
-            pixel_values=torch.stack([it.pixel_values for it in items]),
+            pixel_values=torch.stack([it.pixel_values for it in items]).to(self.device, self.dtype),
             vision_feature_layer=cfg.vision_feature_layer,
             vision_feature_select_strategy=cfg.vision_feature_select_strategy, return_dict=True)
-        result = [f.to(torch.float32).contiguous().clone() for f in out.pooler_output]
+        result = [f.to(self.dtype).contiguous().clone() for f in out.pooler_output]
         for it, f in zip(items, result):
             if f.shape != (it.n_tokens, self.hidden_size):
                 raise RuntimeError(f"encoder output {tuple(f.shape)} != ({it.n_tokens}, {self.hidden_size})")
@@ -100,13 +98,10 @@ class LlavaNextVideoCompute(PlainLMCompute):
 
     kind = "video"
 
-    def __init__(self, model_dir: Path | str) -> None:
-        from transformers import AutoProcessor, LlavaNextVideoForConditionalGeneration
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
+        from transformers import LlavaNextVideoForConditionalGeneration
 
-        self.model_dir = Path(model_dir)
-        self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
-        self.model = LlavaNextVideoForConditionalGeneration.from_pretrained(str(self.model_dir),
-                                                                            dtype=torch.float32).eval()
+        self._load(LlavaNextVideoForConditionalGeneration, model_dir, device, dtype)
         self.placeholder_token_id: int = int(self.model.config.video_token_id)
         self._init_lm()
         self.preprocess_video = NextVideoPreprocessor(self.model_dir, processor=self.processor,
@@ -126,7 +121,7 @@ class LlavaNextVideoCompute(PlainLMCompute):
             pixel_values_videos=frames, vision_feature_layer=cfg.vision_feature_layer,
             vision_feature_select_strategy=cfg.vision_feature_select_strategy, return_dict=True).pooler_output
         per_item = torch.split(feats, [it.pixel_values.shape[0] for it in items])
-        result = [f.flatten(0, 1).to(torch.float32).contiguous().clone() for f in per_item]
+        result = [f.flatten(0, 1).to(self.dtype).contiguous().clone() for f in per_item]
         for it, f in zip(items, result):
             if f.shape != (it.n_tokens, self.hidden_size):
                 raise RuntimeError(f"encoder output {tuple(f.shape)} != ({it.n_tokens}, {self.hidden_size})")

@@ -4,11 +4,14 @@ at those positions, positions are ``0..seq-1`` (``rope_delta`` is always 0), and
 is packed as ``[n_layers, 2, n_kv_heads, seq, head_dim]`` so decode continues on any instance.
 
 A family subclass sets ``model``, ``processor``, ``placeholder_token_id`` and ``kind`` (the
-modality its placeholder holds), calls :meth:`_init_lm`, and adds its preprocessor and
+modality its placeholder holds) — :meth:`_load` sets the first two on the settings' device and
+dtype —, calls :meth:`_init_lm`, and adds its preprocessor and
 ``encode_images``. Pure and synchronous, like :mod:`shared.engines.qwen2_vl`.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -17,6 +20,18 @@ from shared.engines.qwen2_vl import DecodeState, PrefillResult, _kind
 
 class PlainLMCompute:
     kind = "image"
+
+    def _load(self, model_cls, model_dir, device: str, dtype: str) -> None:
+        """Sets ``model_dir``, ``processor``, ``model`` (on the placement's device and dtype)."""
+        from transformers import AutoProcessor
+
+        from shared.device import resolve_placement
+
+        self.model_dir = Path(model_dir)
+        self.placement = resolve_placement(device, dtype)
+        self.device, self.dtype = self.placement.device, self.placement.dtype
+        self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
+        self.model = self.placement.load(model_cls, self.model_dir)
 
     def _init_lm(self) -> None:
         text_cfg = self.model.config.text_config
@@ -55,22 +70,23 @@ class PlainLMCompute:
     def prefill(self, prompt_ids: list[int], items: list) -> PrefillResult:
         from transformers import DynamicCache
 
-        input_ids = torch.tensor([self.expand_prompt(prompt_ids, items)], dtype=torch.long)
+        dev = self.device
+        input_ids = torch.tensor([self.expand_prompt(prompt_ids, items)], dtype=torch.long, device=dev)
         embeds = self.model.get_input_embeddings()(input_ids)
         if items:
             at = (input_ids == self.placeholder_token_id).unsqueeze(-1)
-            embeds = embeds.masked_scatter(at, torch.cat([it[0].to(embeds.dtype) for it in items]))
+            embeds = embeds.masked_scatter(at, torch.cat([it[0].to(dev, embeds.dtype) for it in items]))
         seq_len = input_ids.shape[1]
-        out = self.model(inputs_embeds=embeds, position_ids=torch.arange(seq_len)[None, :],
+        out = self.model(inputs_embeds=embeds, position_ids=torch.arange(seq_len, device=dev)[None, :],
                          past_key_values=DynamicCache(config=self.model.config.text_config), use_cache=True,
                          logits_to_keep=1)
-        return PrefillResult(last_logits=out.logits[0, -1].to(torch.float32).clone(),
+        return PrefillResult(last_logits=out.logits[0, -1].to("cpu", torch.float32),
                              kv=self.pack_kv(out.past_key_values), rope_delta=0, prompt_len=seq_len)
 
     @staticmethod
     def pack_kv(cache) -> torch.Tensor:
         per_layer = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
-        return torch.stack(per_layer).to(torch.float32).contiguous()
+        return torch.stack(per_layer).contiguous()
 
     @torch.inference_mode()
     def start_decode(self, kv_packed: torch.Tensor, rope_delta: int, seq_len: int) -> DecodeState:
@@ -79,7 +95,7 @@ class PlainLMCompute:
         expected = (self.n_layers, 2, self.n_kv_heads, seq_len, self.head_dim)
         if tuple(kv_packed.shape) != expected:
             raise ValueError(f"packed KV shape {tuple(kv_packed.shape)} != {expected}")
-        kv = kv_packed.to(torch.float32)
+        kv = kv_packed.to(self.device, self.dtype)
         layers = [(kv[i, 0].unsqueeze(0).clone(), kv[i, 1].unsqueeze(0).clone()) for i in range(self.n_layers)]
         cache = DynamicCache(ddp_cache_data=layers, config=self.model.config.text_config)
         return DecodeState(cache=cache, rope_delta=0, seq_len=seq_len)
@@ -87,8 +103,9 @@ class PlainLMCompute:
     @torch.inference_mode()
     def decode_step(self, state: DecodeState, token_id: int) -> torch.Tensor:
         cache_len = state.cache.get_seq_length()
-        out = self.model(input_ids=torch.tensor([[token_id]], dtype=torch.long),
-                         position_ids=torch.tensor([[cache_len]], dtype=torch.long),
+        dev = self.device
+        out = self.model(input_ids=torch.tensor([[token_id]], dtype=torch.long, device=dev),
+                         position_ids=torch.tensor([[cache_len]], dtype=torch.long, device=dev),
                          past_key_values=state.cache, use_cache=True)
         state.seq_len = cache_len + 1
-        return out.logits[0, -1].to(torch.float32).clone()
+        return out.logits[0, -1].to("cpu", torch.float32)

@@ -54,13 +54,10 @@ class Qwen2AudioCompute(PlainLMCompute):
 
     kind = "audio"
 
-    def __init__(self, model_dir: Path | str) -> None:
-        from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
+        from transformers import Qwen2AudioForConditionalGeneration
 
-        self.model_dir = Path(model_dir)
-        self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
-        self.model = Qwen2AudioForConditionalGeneration.from_pretrained(str(self.model_dir),
-                                                                        dtype=torch.float32).eval()
+        self._load(Qwen2AudioForConditionalGeneration, model_dir, device, dtype)
         self.placeholder_token_id: int = int(self.model.config.audio_token_id)
         self._init_lm()
         self.preprocess_audio = AudioPreprocessor(self.model_dir, processor=self.processor)
@@ -76,16 +73,18 @@ class Qwen2AudioCompute(PlainLMCompute):
         if any(_kind(it) != "audio" for it in items):
             raise ValueError(f"Qwen2-Audio encodes audio, not {sorted({_kind(it) for it in items} - {'audio'})}")
         tower = self.model.model.audio_tower
-        features = torch.stack([it.pixel_values for it in items])  # [n, mels, 3000]
-        valid = torch.tensor([it.meta[0] for it in items], dtype=torch.long)
+        dev = self.device
+        features = torch.stack([it.pixel_values for it in items]).to(dev, self.dtype)  # [n, mels, 3000]
+        valid = torch.tensor([it.meta[0] for it in items], dtype=torch.long, device=dev)
         feat_lengths, _ = tower._get_feat_extract_output_lengths(valid)
         max_len = (features.shape[-1] - 2) // 2 + 1
-        mask_2d = (torch.arange(max_len)[None, :] < feat_lengths[:, None]).to(torch.long)
-        mask = create_bidirectional_mask(config=tower.config, inputs_embeds=torch.zeros(len(items), max_len, 1),
+        mask_2d = (torch.arange(max_len, device=dev)[None, :] < feat_lengths[:, None]).to(torch.long)
+        mask = create_bidirectional_mask(config=tower.config,
+                                         inputs_embeds=torch.zeros(len(items), max_len, 1, device=dev, dtype=self.dtype),
                                          attention_mask=mask_2d)
         hidden = tower(features, attention_mask=mask).last_hidden_state
         projected = self.model.model.multi_modal_projector(hidden)
-        out = [projected[i, : it.n_tokens].to(torch.float32).contiguous().clone() for i, it in enumerate(items)]
+        out = [projected[i, : it.n_tokens].to(self.dtype).contiguous().clone() for i, it in enumerate(items)]
         for it, f in zip(items, out):
             if f.shape != (it.n_tokens, self.hidden_size):
                 raise RuntimeError(f"encoder output {tuple(f.shape)} != ({it.n_tokens}, {self.hidden_size})")

@@ -3,7 +3,9 @@
 Pure and synchronous: no I/O beyond loading the model dir in ``__init__``, no global
 state, no mutation of the shared model (``model.model.rope_deltas`` is never read or
 written — positions are always passed explicitly).  Callers run these methods in a
-worker thread.  All tensors are float32 on CPU.
+worker thread.  The model runs on ``placement`` (settings ``device`` / ``dtype``; float32 on CPU
+by default); inputs may come from any device, encoder outputs and KV stay on the compute device
+in the model dtype, logits come back as float32 on the CPU (sampling runs there).
 
 Contract per step:
 - ``preprocess_image`` → ``ImagePixels`` exactly as ``AutoProcessor`` would produce
@@ -121,14 +123,16 @@ class Qwen2VLCompute:
 
     supports_prefix_kv = True  # prefill(prefix_kv=...) computes only the rest of the prompt
 
-    def __init__(self, model_dir: Path | str) -> None:
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
         from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
+        from shared.device import resolve_placement
+
         self.model_dir = Path(model_dir)
+        self.placement = resolve_placement(device, dtype)
+        self.device, self.dtype = self.placement.device, self.placement.dtype
         self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
-        self.model = Qwen2VLForConditionalGeneration.from_pretrained(
-            str(self.model_dir), dtype=torch.float32
-        ).eval()
+        self.model = self.placement.load(Qwen2VLForConditionalGeneration, self.model_dir)
         cfg = self.model.config
         self.placeholder_token_id: int = int(cfg.image_token_id)
         self.video_token_id: int = int(cfg.video_token_id)
@@ -169,20 +173,20 @@ class Qwen2VLCompute:
     @torch.inference_mode()
     def encode_images(self, items: list[ImagePixels]) -> list[torch.Tensor]:
         """One vision forward per modality present (images, videos) over all items; returns
-        float32 [n_tokens, hidden] per item, in the order given."""
+        [n_tokens, hidden] per item (model dtype, on the compute device), in the order given."""
         result: list[torch.Tensor | None] = [None] * len(items)
         for kind in ("image", "video"):
             idx = [i for i, it in enumerate(items) if _kind(it) == kind]
             if not idx:
                 continue
-            pixel_values = torch.cat([items[i].pixel_values for i in idx], dim=0)
-            grid_thw = torch.tensor([items[i].grid_thw for i in idx], dtype=torch.long)
+            pixel_values = torch.cat([items[i].pixel_values for i in idx], dim=0).to(self.device, self.dtype)
+            grid_thw = torch.tensor([items[i].grid_thw for i in idx], dtype=torch.long, device=self.device)
             features = self.model.model.get_image_features if kind == "image" else self.model.model.get_video_features
             feats = features(pixel_values, grid_thw, return_dict=True).pooler_output  # split per item
             # clone: the splits are views of one batch tensor; an item shipped or cached on
             # its own must not keep the whole batch's storage alive.
             for i, f in zip(idx, feats, strict=True):
-                result[i] = f.to(torch.float32).contiguous().clone()
+                result[i] = f.to(self.dtype).contiguous().clone()
         unknown = sorted({_kind(it) for it in items} - {"image", "video"})
         if unknown:
             raise ValueError(f"Qwen2-VL encodes images and videos, not {', '.join(unknown)}")
@@ -232,7 +236,8 @@ class Qwen2VLCompute:
         from transformers import DynamicCache
 
         expanded = self.expand_prompt(prompt_ids, images)
-        input_ids = torch.tensor([expanded], dtype=torch.long)
+        dev = self.device
+        input_ids = torch.tensor([expanded], dtype=torch.long, device=dev)
         seq_len = input_ids.shape[1]
         token_type = torch.zeros_like(input_ids, dtype=torch.int)
         for tok, type_id in self._placeholder.values():
@@ -243,21 +248,21 @@ class Qwen2VLCompute:
             grids = {kind: [it[1] for it in images if _kind(it) == kind] for kind in ("image", "video")}
             vision_pos, deltas = self.model.model.get_rope_index(
                 input_ids, mm_token_type_ids=token_type,
-                image_grid_thw=torch.tensor(grids["image"], dtype=torch.long) if grids["image"] else None,
-                video_grid_thw=torch.tensor(grids["video"], dtype=torch.long) if grids["video"] else None,
+                image_grid_thw=torch.tensor(grids["image"], dtype=torch.long, device=dev) if grids["image"] else None,
+                video_grid_thw=torch.tensor(grids["video"], dtype=torch.long, device=dev) if grids["video"] else None,
             )
             rope_delta = int(deltas.reshape(-1)[0].item())
         else:
-            vision_pos = torch.arange(seq_len).view(1, 1, -1).expand(3, 1, -1)
+            vision_pos = torch.arange(seq_len, device=dev).view(1, 1, -1).expand(3, 1, -1)
             rope_delta = 0
         # Row 0 = plain text positions (used only for mask construction), rows 1..3 =
         # M-RoPE axes: the same [4, batch, seq] layout generate() passes.
-        text_pos = torch.arange(seq_len).view(1, 1, -1)
+        text_pos = torch.arange(seq_len, device=dev).view(1, 1, -1)
         position_ids = torch.cat([text_pos, vision_pos], dim=0)
 
         embeds = self.model.get_input_embeddings()(input_ids)
         if images:  # items are in prompt order, so one scatter over every media position
-            media_embeds = torch.cat([it[0].to(embeds.dtype) for it in images], dim=0)
+            media_embeds = torch.cat([it[0].to(dev, embeds.dtype) for it in images], dim=0)
             embeds = embeds.masked_scatter(is_media.unsqueeze(-1), media_embeds)
 
         start = 0
@@ -277,7 +282,7 @@ class Qwen2VLCompute:
         )
         kv = self.pack_kv(out.past_key_values)
         return PrefillResult(
-            last_logits=out.logits[0, -1].to(torch.float32).clone(),
+            last_logits=out.logits[0, -1].to("cpu", torch.float32),
             kv=kv,
             rope_delta=rope_delta,
             prompt_len=seq_len,
@@ -285,9 +290,10 @@ class Qwen2VLCompute:
 
     @staticmethod
     def pack_kv(cache) -> torch.Tensor:
-        """DynamicCache (batch 1) → contiguous [n_layers, 2, n_kv_heads, seq, head_dim]."""
+        """DynamicCache (batch 1) → contiguous [n_layers, 2, n_kv_heads, seq, head_dim] (the cache's
+        device and dtype)."""
         per_layer = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
-        return torch.stack(per_layer).to(torch.float32).contiguous()
+        return torch.stack(per_layer).contiguous()
 
     # ---- decode ---------------------------------------------------------------
 
@@ -299,7 +305,7 @@ class Qwen2VLCompute:
         expected = (self.n_layers, 2, self.n_kv_heads, seq_len, self.head_dim)
         if tuple(kv_packed.shape) != expected:
             raise ValueError(f"packed KV shape {tuple(kv_packed.shape)} != {expected}")
-        kv = kv_packed.to(torch.float32)
+        kv = kv_packed.to(self.device, self.dtype)
         layers = [(kv[i, 0].unsqueeze(0).clone(), kv[i, 1].unsqueeze(0).clone()) for i in range(self.n_layers)]
         cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
         return DecodeState(cache=cache, rope_delta=int(rope_delta), seq_len=seq_len)
@@ -309,13 +315,14 @@ class Qwen2VLCompute:
         """Append ``token_id`` and return next-token logits, float32 [vocab]."""
         cache_len = state.cache.get_seq_length()
         # M-RoPE for generated text: all three axes advance together, offset by rope_delta.
-        mrope = torch.full((3, 1, 1), cache_len + state.rope_delta, dtype=torch.long)
-        text = torch.full((1, 1, 1), cache_len, dtype=torch.long)
+        dev = self.device
+        mrope = torch.full((3, 1, 1), cache_len + state.rope_delta, dtype=torch.long, device=dev)
+        text = torch.full((1, 1, 1), cache_len, dtype=torch.long, device=dev)
         out = self.model(
-            input_ids=torch.tensor([[token_id]], dtype=torch.long),
+            input_ids=torch.tensor([[token_id]], dtype=torch.long, device=dev),
             position_ids=torch.cat([text, mrope], dim=0),
             past_key_values=state.cache,
             use_cache=True,
         )
         state.seq_len = cache_len + 1
-        return out.logits[0, -1].to(torch.float32).clone()
+        return out.logits[0, -1].to("cpu", torch.float32)

@@ -2,7 +2,8 @@
 and import), on the family's split compute path (:mod:`shared.engines.qwen2_vl`,
 :mod:`shared.engines.qwen2_audio`).
 
-All model work runs on one ``ComputeLane`` thread (torch releases the GIL in kernels, so the
+The model runs on the settings' ``device`` / ``dtype`` (see :mod:`shared.device`). All model
+work runs on one ``ComputeLane`` thread (torch releases the GIL in kernels, so the
 event loop keeps serving Kafka, Redis and NIXL). Encoder calls from concurrent requests meet in
 a ``MicroBatcher`` and run as one forward. Token loops check for an abort between steps.
 """
@@ -50,8 +51,9 @@ class TransformersEngine:
     capabilities = Capabilities(encode=True, generate=True, kv_export=True, kv_import=True, prefix_kv=True)
 
     def __init__(self, model_dir: str | Path, *, encode_max_batch_items: int = 16,
-                 encode_batch_wait_ms: float = 2.0) -> None:
+                 encode_batch_wait_ms: float = 2.0, device: str = "cpu", dtype: str = "auto") -> None:
         self._model_dir = Path(model_dir)
+        self._device, self._dtype = device, dtype  # settings device / dtype (shared.device)
         self._batch_items = encode_max_batch_items
         self._batch_wait_ms = encode_batch_wait_ms
         self._lane: ComputeLane | None = None
@@ -66,7 +68,8 @@ class TransformersEngine:
         from shared.engines.qwen2_vl import ImagePixels
 
         self._lane = ComputeLane(f"transformers-{self._model_dir.name}")
-        self.compute = await self._lane.run(compute_class(self._model_dir), self._model_dir)
+        cls = compute_class(self._model_dir)
+        self.compute = await self._lane.run(lambda: cls(self._model_dir, device=self._device, dtype=self._dtype))
         if not getattr(self.compute, "supports_prefix_kv", False):  # only the M-RoPE path reuses a prefix
             self.capabilities = dataclasses.replace(self.capabilities, prefix_kv=False)
         compute = self.compute

@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 
-def load_reference(model_dir: Path):
-    """Return ``(processor, model)`` loaded from ``model_dir`` (float32, eval); the model class
-    follows the family (``config.json`` ``model_type``)."""
+def load_reference(model_dir: Path, *, device: str = "cpu", dtype: str = "auto"):
+    """Return ``(processor, model)`` loaded from ``model_dir`` (eval; float32 on CPU, settings
+    ``device`` / ``dtype`` otherwise); the model class follows the family (``model_type``)."""
     import transformers
     from transformers import AutoProcessor
 
@@ -24,7 +24,9 @@ def load_reference(model_dir: Path):
 
     cls = getattr(transformers, _MODEL_CLASS[family_of(model_dir).name])
     processor = AutoProcessor.from_pretrained(str(model_dir))
-    model = cls.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from shared.device import resolve_placement
+
+    model = resolve_placement(device, dtype).load(cls, model_dir)
     return processor, model
 
 
@@ -59,7 +61,7 @@ def reference_generate(
         extra["videos"] = videos
     if audios:
         extra.update(audio=audios, sampling_rate=processor.feature_extractor.sampling_rate)
-    inputs = processor(text=[text], images=images or None, return_tensors="pt", **extra)
+    inputs = processor(text=[text], images=images or None, return_tensors="pt", **extra).to(model.device)
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     prompt_len = inputs["input_ids"].shape[1]

@@ -13,7 +13,14 @@ Contracts:
   A ref with ``lease == 0`` names a pinned slot without holding it: a local ``get`` of it
   checks the pin; a remote reader must validate it some other way (the embedding index).
 - ``get`` pulls a peer's slot into a private staging slot of this pool (one-sided READ), then
-  copies it into a NEW tensor the caller owns. Any failure to pull (peer SIGKILLed, peer
+  copies it into a NEW tensor the caller owns.
+- GPUs (``device`` cuda, :class:`~shared.transfer.paths.DevicePaths`): the pool is pinned host
+  memory; ``put`` of a CUDA tensor copies it device→pinned slot and, with ``cuda_ipc``, holds a
+  GPU copy under the same lease. A consumer on the same host and GPU opens its IPC handle; a GPU
+  consumer on the same host copies from its mapping of the pinned pool; any other pulls the slot
+  over NIXL DRAM (then pinned→its device). A ref marked ``on_device`` arrives on the consumer's
+  GPU, or in host memory where it has none. The paths are logged at construction.
+- Any failure to pull (peer SIGKILLed, peer
   unreachable, timeout, NIXL error state) raises :class:`OwnerGoneError`; callers treat it
   as "recompute from the source". A READ of an already-expired lease is NOT detectable by
   the puller (one-sided): it returns whatever the slot holds now, so TTLs must exceed the
@@ -45,6 +52,7 @@ from shared import metrics
 from shared.protocol import AgentRef, TensorRef
 from shared.transfer.leases import SlotHolders
 from shared.transfer.peers import Peers
+from shared.transfer.paths import DevicePaths
 from shared.transfer.pool import SlotAllocator
 from shared.transfer.tensors import DTYPES, OwnerGoneError, PoolFullError, TransferError, as_bytes, check_ref
 
@@ -52,7 +60,6 @@ __all__ = ["TransferAgent", "TransferError", "PoolFullError", "OwnerGoneError", 
 
 log = logging.getLogger(__name__)
 
-_PAGE = 4096
 _REL_PREFIX = b"rel:"
 _REL_CHUNK = 512  # lease ids per notification, keeps each message small
 _COUNTERS = (
@@ -69,6 +76,7 @@ class TransferAgent:
         fast_poll_ms: float = 1.0, idle_poll_ms: float = 20.0, fast_window_ms: float = 1_000,
         xfer_timeout_ms: int = 10_000,
         align_bytes: int = 64, nixl_log_level: int | None = logging.WARNING, host: str = "",
+        device: str | torch.device = "cpu", cuda_ipc: bool = True,
     ) -> None:
         """``name`` must be unique across the fleet (e.g. stage-host-pid-random).
         ``xfer_timeout_ms`` bounds a ``get`` (staging wait + transfer) unless overridden.
@@ -93,12 +101,10 @@ class TransferAgent:
         self._fast_window_s = fast_window_ms / 1000.0
         self._last_put = float("-inf")
         self._xfer_timeout_ms = xfer_timeout_ms
-        # Over-allocate by a page and slice so the registered region starts page aligned.
-        raw = np.empty(pool_bytes + _PAGE, dtype=np.uint8)
-        skew = (-raw.ctypes.data) % _PAGE
-        self._buf = raw[skew : skew + pool_bytes]
-        self._tbuf = torch.from_numpy(self._buf)  # uint8 view for dtype-agnostic copies
-        self._base = int(self._buf.ctypes.data)
+        self._c = dict.fromkeys(_COUNTERS, 0)
+        self._dev = DevicePaths(name, pool_bytes, torch.device(device), cuda_ipc, self._c)
+        self._tbuf = self._dev.pool  # uint8, page aligned; pinned and shared on a GPU
+        self._base = int(self._tbuf.data_ptr())
         self._alloc = SlotAllocator(pool_bytes, align_bytes)
         self._nixl = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
         self._reg = self._nixl.register_memory(
@@ -114,7 +120,6 @@ class TransferAgent:
         self._sleeper: asyncio.Future[None] | None = None
         self._quarantine: set[int] = set()  # staging offsets NIXL may still write
         self._closed = False
-        self._c = dict.fromkeys(_COUNTERS, 0)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -140,6 +145,7 @@ class TransferAgent:
         except Exception as e:  # teardown is best-effort
             log.warning("nixl deregister_memory failed for %s: %s", self.name, e)
         self._nixl = None  # type: ignore[assignment]  # drops the agent and its UCX resources
+        self._dev.close()
 
     async def __aenter__(self) -> "TransferAgent":
         await self.start()
@@ -211,6 +217,8 @@ class TransferAgent:
         if ref.agent == self.name:
             return self._get_local(ref, dtype)
         self._check_open()
+        if (fast := self._dev.pull(ref, dtype)) is not None:  # CUDA IPC / shared pinned pool
+            return fast
         tmo = self._xfer_timeout_ms if timeout_ms is None else timeout_ms
         deadline = time.monotonic() + tmo / 1000.0
         peer = owner.name
@@ -225,7 +233,7 @@ class TransferAgent:
                 await self._peers.read(owner, ref, self._base + off, deadline, self._fast_s,
                                        lambda: self._quarantine_slot(off))
                 metrics.NIXL_TRANSFER.observe(time.perf_counter() - t0)
-                out = self._tbuf[off : off + ref.nbytes].clone()
+                out = self._dev.from_pool(off, ref)
             finally:
                 if off not in self._quarantine:
                     self._free_slot(off)
@@ -310,13 +318,14 @@ class TransferAgent:
 
     def _lease(self, off: int, src: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> TensorRef:
         n = src.numel()
-        self._tbuf[off : off + n].copy_(src)
+        self._tbuf[off : off + n].copy_(src)  # from a GPU: device→pinned, synchronous
+        gpu_fields = self._dev.offer(off, src)  # CUDA IPC handle, shared-pool name (GPU tensors)
         self._last_put = time.monotonic()
         lease = self._leases.lease(off, self._last_put)
         self._c["puts"] += 1
         metrics.NIXL_BYTES.labels("out").inc(n)
         self._kick()  # a fresh lease switches progress to fast polling
-        return TensorRef(self.name, self._base + off, n, 0, lease, dtype, shape)
+        return TensorRef(self.name, self._base + off, n, 0, lease, dtype, shape, **gpu_fields)
 
     def _get_local(self, ref: TensorRef, dtype: torch.dtype) -> torch.Tensor:
         off = ref.addr - self._base
@@ -324,7 +333,7 @@ class TransferAgent:
         if not held:
             raise OwnerGoneError(f"{self.name}: local lease {ref.lease} expired or unknown (or unpinned)")
         self._c["local_gets"] += 1
-        return self._tbuf[off : off + ref.nbytes].clone().view(dtype).reshape(ref.shape)
+        return self._dev.from_pool(off, ref, local=True).view(dtype).reshape(ref.shape)
 
     async def _alloc_wait(self, nbytes: int, deadline: float) -> int:
         if self._alloc.reserved_size(nbytes) > self.pool_bytes:
@@ -349,6 +358,7 @@ class TransferAgent:
 
     def _free_slot(self, off: int) -> None:
         self._alloc.free(off)
+        self._dev.drop(off)
         ev, self._space_event = self._space_event, None
         if ev is not None:
             ev.set()  # wakes every waiter; each retries its own alloc

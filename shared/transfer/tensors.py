@@ -31,9 +31,10 @@ class OwnerGoneError(TransferError):
 
 
 def as_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """A flat uint8 view of a contiguous copy of ``tensor`` and its dtype's name."""
-    if tensor.device.type != "cpu":
-        raise ValueError(f"put needs a CPU tensor, got {tensor.device}")
+    """A flat uint8 view of a contiguous copy of ``tensor`` (on its own device: CPU or CUDA)
+    and its dtype's name."""
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"put needs a CPU or CUDA tensor, got {tensor.device}")
     name = _DTYPE_NAMES.get(tensor.dtype)
     if name is None:
         raise ValueError(f"unsupported dtype {tensor.dtype}; supported: {list(DTYPES)}")

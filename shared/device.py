@@ -1,0 +1,90 @@
+"""Where a worker computes: the ``device`` and ``dtype`` settings turned into torch objects, and
+the host facts the transfer layer needs to tell whether two processes share a GPU.
+
+Contracts:
+- ``resolve_placement("cpu" | "cuda" | "cuda:N", "auto" | "float32" | "bfloat16" | "float16")``
+  gives a :class:`Placement`; ``auto`` is bfloat16 on CUDA and float32 on CPU. Asking for CUDA
+  where torch sees no GPU (or not that index) is a ``ValueError`` that says so: a worker told to
+  use a GPU never silently falls back to the CPU.
+- ``host_id()`` is stable for one boot of one machine (hostname + kernel boot id): CUDA IPC
+  handles are only opened by processes with the same host id.
+- ``device_uuid(device)`` names a GPU independently of ``CUDA_VISIBLE_DEVICES``;
+  ``local_index(uuid)`` maps it back to this process's index (``None``: not visible here).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+__all__ = ["Placement", "resolve_placement", "cuda_available", "host_id", "device_uuid", "local_index"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One worker's compute device and the dtype its models are loaded in."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def load(self, model_cls, model_dir):
+        """``model_cls.from_pretrained`` in this dtype, moved to this device, in eval mode."""
+        return model_cls.from_pretrained(str(model_dir), dtype=self.dtype).to(self.device).eval()
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def resolve_placement(device: str = "cpu", dtype: str = "auto") -> Placement:
+    """Validate the two settings and return the placement (see module contracts)."""
+    dev = device.strip().lower()
+    if dev != "cpu" and dev != "cuda" and not (dev.startswith("cuda:") and dev[5:].isdigit()):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    tdev = torch.device(dev)
+    if tdev.type == "cuda":
+        if not cuda_available():
+            raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} sees no CUDA GPU")
+        index = 0 if tdev.index is None else tdev.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) visible")
+        tdev = torch.device("cuda", index)
+    if dtype == "auto":
+        tdtype = torch.bfloat16 if tdev.type == "cuda" else torch.float32
+    elif dtype in _DTYPES:
+        tdtype = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return Placement(tdev, tdtype)
+
+
+@lru_cache(maxsize=1)
+def host_id() -> str:
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # not Linux: the hostname alone (IPC then also needs the same GPU uuid)
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_index(uuid: str) -> int | None:
+    if not cuda_available():
+        return None
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    return None
