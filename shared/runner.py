@@ -27,6 +27,9 @@ Contract (every stage gets the same semantics):
   a fault anywhere in the chain retries the chain.
 - Shutdown. ``stop()`` (SIGTERM) stops fetching, waits up to ``drain_timeout_ms`` for in-flight
   work, commits what finished and cancels the rest, which is therefore redelivered.
+- Doorbell. With a ``doorbell`` (:mod:`shared.doorbell`), the consumer fetches with no
+  broker-side wait and sleeps client-side until a ring or the idle interval; every acked
+  output rings its topic. Rings carry no data: the records still come from Kafka.
 - Observability. While a record is handled, log records carry its request id and stage
   (``shared.logs.bind``). Each handler call's span feeds the stage histograms, each record's end
   counts one outcome (``metrics.OUTCOMES``), and the consumer lag per assigned partition is
@@ -65,7 +68,7 @@ class StageRunner:
     def __init__(self, *, stage: str, topic: str, union: object, handler: Handler, ctx: Context,
                  producer, settings: Settings, concurrency: int | None = None,
                  local_routes: dict[str, tuple[Handler, Context]] | None = None, router=None,
-                 rebalance_listener=None) -> None:
+                 rebalance_listener=None, doorbell=None) -> None:
         self.stage = stage
         self.topic = topic
         self._decoder = protocol.decoder_for(union)
@@ -76,8 +79,10 @@ class StageRunner:
         self._settings = settings
         self._concurrency = concurrency or settings.stage_concurrency
         self._router = router  # shared.kv.router.Router: picks mm.prefill partitions (None: by key)
+        self._doorbell = doorbell  # shared.doorbell.Doorbell: rung after produces, wakes this consumer
         self._consumer = make_consumer(settings, topic, consumer_group(stage),
-                                       listener=_Rebalance(self, rebalance_listener))
+                                       listener=_Rebalance(self, rebalance_listener),
+                                       fetch_max_wait_ms=1 if doorbell is not None else None)
         self._trackers: dict[TopicPartition, OffsetTracker] = {}
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
@@ -93,6 +98,8 @@ class StageRunner:
     async def run(self) -> None:
         """Consume until ``stop()``; then drain and close. Raises on a fatal consumer error."""
         await self._consumer.start()
+        if self._doorbell is not None:
+            self._doorbell.attach(self._consumer, self.topic)
         committer = asyncio.create_task(self._commit_loop(), name=f"{self.stage}-commit")
         try:
             while not self._stopping.is_set():
@@ -326,6 +333,9 @@ class StageRunner:
         for p, value, partition, fut in sends:
             await send_retrying(self._producer, p.topic, value, p.key.encode(), deadline_unix_ms=deadline_unix_ms,
                                 first_try=fut, partition=partition)
+        if self._doorbell is not None:  # acked: wake the next stage's idle consumers now
+            for topic in {p.topic for p in outcome.produce}:
+                self._doorbell.ring(topic)
         if self._ctx.transfer is not None:
             for owner, leases in outcome.releases:
                 await self._ctx.transfer.release(owner, leases)
