@@ -67,7 +67,8 @@ def make_engine(name: str, settings: Settings, model_dir) -> Engine:
     cls = _engine_class(name)
     if name == "transformers":
         return cls(model_dir, encode_max_batch_items=settings.encode_max_batch_items,
-                   encode_batch_wait_ms=settings.encode_batch_wait_ms)
+                   encode_batch_wait_ms=settings.encode_batch_wait_ms,
+                   decode_max_batch=settings.decode_max_batch)
     return cls(model_dir)
 
 

@@ -117,6 +117,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     torch_threads: Annotated[int, _d("torch intra-op threads per worker")] = 1
     encode_max_batch_items: Annotated[int, _d("media items per vision-encoder batch at most")] = 16
     encode_batch_wait_ms: Annotated[int, _d("how long encode waits to fill a batch")] = 2
+    decode_max_batch: Annotated[int, _d("transformers engine: decode steps of up to this many sequences run as "
+                                        "one batched forward; 1: one sequence per forward")] = 16
     decode_concurrency: Annotated[int, _d("sequences a prefill+decode or decode worker generates at "
                                           "once")] = 16
 
