@@ -212,6 +212,7 @@ class StageRunner:
         if ledger is None:
             await self._attempts(tp, rec, msg, meta, queue_ms)
             return
+        t_claim = time.perf_counter()
         if await ledger.is_aborted(meta.request_id):
             await self._fail(meta, RequestFailed(499, "the client closed the request", type_="invalid_request_error",
                                                  code="client_closed_request"), outcome="aborted")
@@ -220,9 +221,10 @@ class StageRunner:
             log.debug("%s: %s is done already; skipping the redelivery", self.stage, meta.request_id)
             self._count("duplicate")
             return  # done already (or by the live worker that holds the claim)
+        claim_ms = (time.perf_counter() - t_claim) * 1000  # Redis round trips before the work
         keeper = asyncio.create_task(self._keep_claim(meta))
         try:
-            await self._attempts(tp, rec, msg, meta, queue_ms)
+            await self._attempts(tp, rec, msg, meta, queue_ms, claim_ms)
             await ledger.mark_done(meta.request_id, self.stage, meta.attempt)
         finally:
             keeper.cancel()
@@ -248,7 +250,8 @@ class StageRunner:
             await asyncio.sleep(ledger.lease_ms / 3000)
             await ledger.refresh(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
 
-    async def _attempts(self, tp: TopicPartition, rec, msg, meta: protocol.RequestMeta, queue_ms: float) -> None:
+    async def _attempts(self, tp: TopicPartition, rec, msg, meta: protocol.RequestMeta, queue_ms: float,
+                        claim_ms: float = 0.0) -> None:
         attempts = 0
         while True:
             attempts += 1
@@ -256,7 +259,7 @@ class StageRunner:
                 await self._fail(meta, RequestFailed.deadline(meta.request_id, self.stage))
                 return
             try:
-                outcome = await self._run_stage(self._handler, msg, self._ctx, queue_ms)
+                outcome = await self._run_stage(self._handler, msg, self._ctx, queue_ms, claim_ms)
             except RequestFailed as failed:
                 await self._fail(meta, failed)
                 return
@@ -295,10 +298,11 @@ class StageRunner:
             log.debug("%s: handled %s (%d outputs)", self.stage, meta.request_id, len(outcome.produce))
             return
 
-    async def _run_stage(self, handler: Handler, msg, ctx: Context, queue_ms: float) -> Outcome:
+    async def _run_stage(self, handler: Handler, msg, ctx: Context, queue_ms: float,
+                         claim_ms: float = 0.0) -> Outcome:
         """One handler call under its stage span; its outputs carry the span; outputs for
         local stages are handled here too (queue 0), and only the rest goes to Kafka."""
-        with tracing.stage_span(ctx.stage, ctx.worker_id, queue_ms) as timer:
+        with tracing.stage_span(ctx.stage, ctx.worker_id, queue_ms, claim_ms) as timer:
             try:
                 with logs.bind(stage=ctx.stage):  # a locally routed stage logs under its own name
                     outcome = await handler.handle(msg, ctx)
