@@ -49,6 +49,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from shared import logs, metrics, protocol, tracing
 from shared.bus import OffsetTracker, make_consumer, send_retrying
 from shared.keys import TOPIC_DEAD_LETTER, TOPIC_PREFILL, consumer_group
+from shared.ledger import ABORTED, CLAIMED, DONE, HELD
 from shared.settings import Settings
 from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entry_message
 from shared.transfer import OwnerGoneError
@@ -213,35 +214,41 @@ class StageRunner:
             await self._attempts(tp, rec, msg, meta, queue_ms)
             return
         t_claim = time.perf_counter()
-        if await ledger.is_aborted(meta.request_id):
+        state = await self._claim(meta)
+        if state == ABORTED:
             await self._fail(meta, RequestFailed(499, "the client closed the request", type_="invalid_request_error",
                                                  code="client_closed_request"), outcome="aborted")
             return
-        if not await self._claim(meta):
+        if state == DONE:
             log.debug("%s: %s is done already; skipping the redelivery", self.stage, meta.request_id)
             self._count("duplicate")
-            return  # done already (or by the live worker that holds the claim)
+            return  # done already (or by the live worker that held the claim)
         claim_ms = (time.perf_counter() - t_claim) * 1000  # Redis round trips before the work
         keeper = asyncio.create_task(self._keep_claim(meta))
+        finished = False
         try:
             await self._attempts(tp, rec, msg, meta, queue_ms, claim_ms)
-            await ledger.mark_done(meta.request_id, self.stage, meta.attempt)
+            keeper.cancel()
+            await ledger.finish(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
+            finished = True
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
-            await ledger.release(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
+            if not finished:
+                await ledger.release(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
 
-    async def _claim(self, meta: protocol.RequestMeta) -> bool:
-        """Claim (request, stage, attempt); False when its work is done. Waits while another
-        worker holds the claim (it lapses within the lease if that worker died)."""
+    async def _claim(self, meta: protocol.RequestMeta) -> int:
+        """Claim (request, stage, attempt) in one Redis round trip: ``ABORTED``, ``DONE`` or
+        ``CLAIMED``. Waits while another worker holds the claim (it lapses within the lease if
+        that worker died); past the deadline it answers ``CLAIMED`` unclaimed, and the
+        deadline check ends the record with a 504."""
         ledger = self._ctx.ledger
         while True:
-            if await ledger.is_done(meta.request_id, self.stage, meta.attempt):
-                return False
-            if await ledger.claim(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id):
-                return True
+            state = await ledger.enter(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
+            if state != HELD:
+                return state
             if now_ms() > meta.deadline_unix_ms:
-                return True  # the deadline check ends it with a 504
+                return CLAIMED
             await asyncio.sleep(0.2)
 
     async def _keep_claim(self, meta: protocol.RequestMeta) -> None:
