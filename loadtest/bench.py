@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest import client, metrics, spans, workloads
+from loadtest import client, cpu, metrics, spans, workloads
 from loadtest.loadgen import LoadShape, drive
 from loadtest.targets import Endpoint, TargetOptions, Targets, TargetSkipped
 
@@ -45,6 +45,8 @@ class BenchConfig:
     timeout_s: float = 120.0
     media_latency_ms: tuple[float, float] = (0.0, 0.0)
     progress: bool = True
+    idle_cpu_s: float = 5.0  # idle window before the first load level: the target's idle CPU
+    repeat: int = 1  # each load level this many times in a row (labels get " #k")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -110,9 +112,19 @@ async def _run_target(ep: Endpoint, cfg: BenchConfig, specs, warm_specs, media_b
             rec = await client.send(session, url, body(w), timeout_s=cfg.timeout_s)
             if not rec.ok:
                 log.warning("%s warm-up request failed: %s %s", ep.name, rec.status, rec.error)
+        fleet = ep.name.startswith("fleet:")
+        idle = await cpu.idle_pct(ep.pid, cfg.idle_cpu_s, with_infra=fleet)
         runs = []
         for shape in cfg.shapes:
-            runs.append(await _run_shape(ep, cfg, session, url, specs, bodies, shape))
+            for k in range(cfg.repeat):
+                with cpu.CpuWindow(ep.pid, with_infra=fleet) as busy:
+                    run = await _run_shape(ep, cfg, session, url, specs, bodies, shape)
+                run["cpu"] = {"idle_pct": idle, "load_pct": busy.pct if ep.pid else None,
+                              "counts": "target processes" + (" + broker + redis" if fleet else "")}
+                run["base_label"] = shape.label
+                if cfg.repeat > 1:
+                    run["label"] = f"{shape.label} #{k + 1}"
+                runs.append(run)
     return runs
 
 

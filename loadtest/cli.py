@@ -63,6 +63,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="unrecorded requests per target first")
     p.add_argument("--timeout-s", type=float, default=120, help="per-request timeout")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--idle-cpu-s", type=float, default=5.0,
+                   help="seconds of idle before the first load level, to measure the target's idle CPU")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each load level this many times (the summary gives medians and the spread)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -234,7 +238,8 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     cfg = BenchConfig(targets=targets, workload=workload, shapes=shapes, out_dir=out, delivery=delivery,
                       model=args.model, temperature=temperature, slos=slos, warmup=args.warmup,
-                      timeout_s=args.timeout_s, media_latency_ms=media_latency, progress=not args.no_progress)
+                      timeout_s=args.timeout_s, media_latency_ms=media_latency, progress=not args.no_progress,
+                      idle_cpu_s=args.idle_cpu_s, repeat=args.repeat)
     opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
                          extra_env=extra_env, vllm_python=args.vllm_python, ready_timeout_s=args.ready_timeout_s,
                          redis_url=redis_url, redis_prefix=redis_prefix)

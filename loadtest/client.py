@@ -26,6 +26,7 @@ import orjson
 class RequestRecord:
     index: int
     start_s: float = 0.0  # when it was sent, seconds after the run started
+    sent_unix_ms: float = 0.0  # wall clock at the POST (the fleet's spans are in wall clock too)
     status: int = 0
     error: str | None = None
     request_id: str | None = None
@@ -55,6 +56,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, *, index: i
     """POST one streamed chat completion and time it; never raises for request failures."""
     rec = RequestRecord(index=index)
     payload = orjson.dumps(body)
+    rec.sent_unix_ms = time.time() * 1000
     t0 = time.perf_counter()
     rec.start_s = t0 - run_t0 if run_t0 else 0.0
     try:

@@ -20,7 +20,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from loadtest import procs
+from loadtest import procs, repeats, ttft_split
 
 
 def write_all(result: dict, out_dir: Path, *, goals: list[dict] | None = None, plots: bool = True) -> Path:
@@ -111,6 +111,8 @@ def summary_md(result: dict, plot_note: str = "") -> str:
         lines += [f"- `{t}` FAILED: {why.splitlines()[0] if why else ''}" for t, why in result.get("failed", {}).items()]
         lines.append("")
     lines += _breakdown_md(result["runs"])
+    lines += repeats.repeats_md(result["runs"])
+    lines += ttft_split.split_md(result["runs"])
     if result.get("goals"):
         lines += ["## Goals", "", "| goal | measured | verdict |", "|---|---|---|"]
         lines += [f"| {g['goal']} | {g['measured']} | {g['verdict']} |" for g in result["goals"]]
@@ -241,4 +243,5 @@ def write_plots(runs: list[dict], out_dir: Path) -> str:
         fig.savefig(out_dir / "throughput_vs_load.png", dpi=110)
         plt.close(fig)
         written.append("throughput_vs_load.png")
+    written += ttft_split.plot(runs, out_dir, plt)
     return ", ".join(f"`{w}`" for w in written)

@@ -92,7 +92,8 @@ def span_dict(span) -> dict:
     if compute is None:  # the span counts compute as what is not transfer
         compute = max(0.0, span.total_ms - span.transfer_ms)
     return {"stage": span.stage, "worker": span.worker, "queue_ms": span.queue_ms,
-            "transfer_ms": span.transfer_ms, "compute_ms": compute, "total_ms": span.total_ms}
+            "transfer_ms": span.transfer_ms, "compute_ms": compute, "total_ms": span.total_ms,
+            **{f: getattr(span, f, 0.0) for f in ("claim_ms", "start_unix_ms", "first_out_ms")}}
 
 
 def aggregate_spans(fetched: dict) -> dict:

@@ -48,6 +48,7 @@ class Endpoint:
     redis_prefix: str | None = None
     info: dict = field(default_factory=dict)
     spans_url: str | None = None  # a server that serves its own spans (inproc)
+    pid: int | None = None  # root process of what the harness started (CPU accounting)
 
 
 @dataclass
@@ -70,6 +71,9 @@ def parse_spec(spec: str) -> tuple[str, str]:
         return kind, arg
     if kind in ("inproc", "vllm-serve") and not arg:
         return kind, ""
+    if kind == "inproc" and arg.startswith(","):  # inproc:,decode_max_batch=1 — settings as a fleet's
+        fleet_settings(spec)
+        return kind, arg
     if kind == "url" and arg.startswith("http"):
         return kind, arg.rstrip("/")
     raise ValueError(f"bad target {spec!r}; use fleet:<{'|'.join(FLEET_MODES)}>, inproc, vllm-serve or url:<http://...>")
@@ -123,7 +127,7 @@ class Targets:
             with self._fleet(spec, arg.split(",")[0]) as ep:
                 yield ep
         elif kind == "inproc":
-            with self._inproc(spec) as ep:
+            with self._inproc(spec, fleet_settings(spec) if arg else {}) as ep:
                 yield ep
         else:
             with self._vllm(spec) as ep:
@@ -167,16 +171,16 @@ class Targets:
             _wait_file(ready, proc, self.opts.ready_timeout_s, log_dir / "supervisor.log")
             yield Endpoint(spec, f"http://127.0.0.1:{port}", redis_url, prefix,
                            {"mode": mode, "startup_s": time.monotonic() - t0, "log_dir": str(log_dir),
-                            "settings": self._settings_of(env)})
+                            "settings": self._settings_of(env)}, pid=proc.pid)
         finally:
             _stop_supervisor(proc)
 
     # ------------------------------------------------------------------ inproc
     @contextmanager
-    def _inproc(self, spec: str):
+    def _inproc(self, spec: str, settings: dict[str, str]):
         port = procs.free_port()
-        env = self._env()
-        log = self.opts.log_dir / "inproc.log"
+        env = self._env(**settings)
+        log = self.opts.log_dir / f"{spec.replace(':', '-').replace(',', '_').replace('=', '-')}.log"
         t0 = time.monotonic()
         proc = procs.spawn([sys.executable, "-m", "loadtest", "inproc", "--port", str(port), "--model-dir",
                             str(self.opts.model_dir)], log_path=log, env=env, cwd=procs.REPO)
@@ -184,7 +188,7 @@ class Targets:
             base = f"http://127.0.0.1:{port}"
             procs.wait_http(base + "/health", proc, self.opts.ready_timeout_s, log)
             yield Endpoint(spec, base, info={"startup_s": time.monotonic() - t0, "settings": self._settings_of(env)},
-                           spans_url=base + "/spans")
+                           spans_url=base + "/spans", pid=proc.pid)
         finally:
             procs.stop_group(proc)
 

@@ -26,6 +26,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 from shared.redis_conn import make_redis
+from shared.doorbell import Doorbell
 import torch
 
 from shared import hostaddr, logs, metrics, protocol
@@ -67,7 +68,8 @@ def make_engine(name: str, settings: Settings, model_dir) -> Engine:
     cls = _engine_class(name)
     if name == "transformers":
         return cls(model_dir, encode_max_batch_items=settings.encode_max_batch_items,
-                   encode_batch_wait_ms=settings.encode_batch_wait_ms, device=settings.device, dtype=settings.dtype)
+                   encode_batch_wait_ms=settings.encode_batch_wait_ms, device=settings.device, dtype=settings.dtype,
+                   decode_max_batch=settings.decode_max_batch)
     return cls(model_dir)
 
 
@@ -125,6 +127,10 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer, ledger=ledger)
                     for s in stages}
         local = {STAGES[s][0]: (h, contexts[s]) for s, h in handlers.items()}
+        doorbell = None
+        if settings.doorbell:
+            doorbell = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=settings.idle_fetch_interval_ms)
+            stack.push_async_callback(doorbell.close)
         runners = []
         for stage in entry_stages(stages):
             topic, union = STAGES[stage]
@@ -133,7 +139,8 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
             runners.append(StageRunner(stage=stage, topic=topic, union=union, handler=handlers[stage],
                                        ctx=contexts[stage], producer=producer, settings=settings,
                                        concurrency=concurrency, local_routes=local, router=router,
-                                       rebalance_listener=reporter if topic == TOPIC_PREFILL else None))
+                                       rebalance_listener=reporter if topic == TOPIC_PREFILL else None,
+                                       doorbell=doorbell))
         updater = KvTableUpdater(redis, keys, settings) if kv_worker else None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -66,13 +66,17 @@ def make_producer(settings: Settings) -> AIOKafkaProducer:
 
 
 def make_consumer(settings: Settings, topic: str, group_id: str,
-                  listener: ConsumerRebalanceListener | None = None) -> AIOKafkaConsumer:
+                  listener: ConsumerRebalanceListener | None = None, *,
+                  fetch_max_wait_ms: int | None = None) -> AIOKafkaConsumer:
+    """``fetch_max_wait_ms``: the broker-side wait (default the setting); 1 for a consumer a
+    :class:`shared.doorbell.Doorbell` is attached to, which waits client-side instead (tansu
+    answers a fetch with max wait 0 with no records at all, so 1 ms is the least that works)."""
     consumer = AIOKafkaConsumer(
         **kafka_client_kwargs(settings),
         group_id=group_id,
         enable_auto_commit=False,  # the runner commits only after outputs are acknowledged
         auto_offset_reset="earliest",
-        fetch_max_wait_ms=settings.fetch_max_wait_ms,
+        fetch_max_wait_ms=settings.fetch_max_wait_ms if fetch_max_wait_ms is None else fetch_max_wait_ms,
         max_poll_records=settings.max_poll_records,
         # getmany() keeps being called while partitions are paused, so long handlers never
         # exceed the poll interval; the bound is for a wedged event loop.

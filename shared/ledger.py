@@ -29,6 +29,21 @@ if n <= tonumber(ARGV[1]) then n = tonumber(ARGV[1]) + 1; redis.call('set', KEYS
 redis.call('expire', KEYS[1], ARGV[2])
 return n
 """
+# enter (one round trip instead of three): aborted? done? else claim. 0 aborted, 1 done,
+# 2 claimed, 3 held by another worker
+_ENTER = """
+if redis.call('exists', KEYS[1]) == 1 then return 0 end
+if redis.call('exists', KEYS[2]) == 1 then return 1 end
+if redis.call('set', KEYS[3], ARGV[1], 'NX', 'PX', ARGV[2]) then return 2 end
+return 3
+"""
+# finish (one round trip instead of two): the done-mark, then the claim released if still ours
+_FINISH = """
+redis.call('set', KEYS[1], '1', 'EX', ARGV[2])
+if redis.call('get', KEYS[2]) == ARGV[1] then redis.call('del', KEYS[2]) end
+return 1
+"""
+ABORTED, DONE, CLAIMED, HELD = 0, 1, 2, 3
 _REFRESH = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 
 
@@ -41,6 +56,8 @@ class StageLedger:
         self._release = redis.register_script(_RELEASE)
         self._refresh = redis.register_script(_REFRESH)
         self._next_attempt = redis.register_script(_NEXT_ATTEMPT)
+        self._enter = redis.register_script(_ENTER)
+        self._finish = redis.register_script(_FINISH)
 
     @property
     def lease_ms(self) -> int:
@@ -70,6 +87,17 @@ class StageLedger:
 
     async def abort(self, request_id: str, ttl_s: int) -> None:
         await self._redis.set(self._keys.abort(request_id), b"1", ex=ttl_s)
+
+    async def enter(self, request_id: str, stage: str, attempt: int, owner: str) -> int:
+        """One round trip: ``ABORTED`` (the client went away), ``DONE``, ``CLAIMED`` (now ours)
+        or ``HELD`` (another worker's live claim)."""
+        return int(await self._enter(keys=[self._keys.abort(request_id), self._done_key(request_id, stage, attempt),
+                                           self._key(request_id, stage, attempt)], args=[owner, self._lease_ms]))
+
+    async def finish(self, request_id: str, stage: str, attempt: int, owner: str) -> None:
+        """``mark_done`` and ``release`` in one round trip."""
+        await self._finish(keys=[self._done_key(request_id, stage, attempt), self._key(request_id, stage, attempt)],
+                           args=[owner, self._done_ttl_s])
 
     async def mark_done(self, request_id: str, stage: str, attempt: int) -> None:
         await self._redis.set(self._done_key(request_id, stage, attempt), b"1", ex=self._done_ttl_s)

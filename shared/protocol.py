@@ -115,13 +115,19 @@ class MediaSource(Struct, frozen=True, kw_only=True):
 class StageSpan(Struct, frozen=True):
     """Where one stage spent a request's time (ms). ``queue_ms``: from the upstream produce to
     this stage picking the record up (0 for an in-process hand-over); ``transfer_ms``: NIXL
-    pulls/puts and media fetches; ``total_ms``: handler start to end; the rest is compute."""
+    pulls/puts and media fetches; ``total_ms``: handler start to end; the rest is compute.
+    ``claim_ms``: the runner's Redis round trips before the handler (abort check, claim);
+    ``start_unix_ms``: handler start (wall clock); ``first_out_ms``: handler start → the
+    request's first token written to its stream (0 where this stage wrote none)."""
 
     stage: str
     worker: str
     queue_ms: float
     transfer_ms: float
     total_ms: float
+    claim_ms: float = 0.0
+    start_unix_ms: float = 0.0
+    first_out_ms: float = 0.0
 
 
 class RequestMeta(Struct, frozen=True, kw_only=True):

@@ -27,6 +27,9 @@ Contract (every stage gets the same semantics):
   a fault anywhere in the chain retries the chain.
 - Shutdown. ``stop()`` (SIGTERM) stops fetching, waits up to ``drain_timeout_ms`` for in-flight
   work, commits what finished and cancels the rest, which is therefore redelivered.
+- Doorbell. With a ``doorbell`` (:mod:`shared.doorbell`), the consumer fetches with no
+  broker-side wait and sleeps client-side until a ring or the idle interval; every acked
+  output rings its topic. Rings carry no data: the records still come from Kafka.
 - Observability. While a record is handled, log records carry its request id and stage
   (``shared.logs.bind``). Each handler call's span feeds the stage histograms, each record's end
   counts one outcome (``metrics.OUTCOMES``), and the consumer lag per assigned partition is
@@ -46,6 +49,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from shared import logs, metrics, protocol, tracing
 from shared.bus import OffsetTracker, make_consumer, send_retrying
 from shared.keys import TOPIC_DEAD_LETTER, TOPIC_PREFILL, consumer_group
+from shared.ledger import ABORTED, CLAIMED, DONE, HELD
 from shared.settings import Settings
 from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entry_message
 from shared.transfer import OwnerGoneError
@@ -65,7 +69,7 @@ class StageRunner:
     def __init__(self, *, stage: str, topic: str, union: object, handler: Handler, ctx: Context,
                  producer, settings: Settings, concurrency: int | None = None,
                  local_routes: dict[str, tuple[Handler, Context]] | None = None, router=None,
-                 rebalance_listener=None) -> None:
+                 rebalance_listener=None, doorbell=None) -> None:
         self.stage = stage
         self.topic = topic
         self._decoder = protocol.decoder_for(union)
@@ -76,8 +80,10 @@ class StageRunner:
         self._settings = settings
         self._concurrency = concurrency or settings.stage_concurrency
         self._router = router  # shared.kv.router.Router: picks mm.prefill partitions (None: by key)
+        self._doorbell = doorbell  # shared.doorbell.Doorbell: rung after produces, wakes this consumer
         self._consumer = make_consumer(settings, topic, consumer_group(stage),
-                                       listener=_Rebalance(self, rebalance_listener))
+                                       listener=_Rebalance(self, rebalance_listener),
+                                       fetch_max_wait_ms=1 if doorbell is not None else None)
         self._trackers: dict[TopicPartition, OffsetTracker] = {}
         self._tasks: set[asyncio.Task] = set()
         self._stopping = asyncio.Event()
@@ -93,6 +99,8 @@ class StageRunner:
     async def run(self) -> None:
         """Consume until ``stop()``; then drain and close. Raises on a fatal consumer error."""
         await self._consumer.start()
+        if self._doorbell is not None:
+            self._doorbell.attach(self._consumer, self.topic)
         committer = asyncio.create_task(self._commit_loop(), name=f"{self.stage}-commit")
         try:
             while not self._stopping.is_set():
@@ -205,34 +213,42 @@ class StageRunner:
         if ledger is None:
             await self._attempts(tp, rec, msg, meta, queue_ms)
             return
-        if await ledger.is_aborted(meta.request_id):
+        t_claim = time.perf_counter()
+        state = await self._claim(meta)
+        if state == ABORTED:
             await self._fail(meta, RequestFailed(499, "the client closed the request", type_="invalid_request_error",
                                                  code="client_closed_request"), outcome="aborted")
             return
-        if not await self._claim(meta):
+        if state == DONE:
             log.debug("%s: %s is done already; skipping the redelivery", self.stage, meta.request_id)
             self._count("duplicate")
-            return  # done already (or by the live worker that holds the claim)
+            return  # done already (or by the live worker that held the claim)
+        claim_ms = (time.perf_counter() - t_claim) * 1000  # Redis round trips before the work
         keeper = asyncio.create_task(self._keep_claim(meta))
+        finished = False
         try:
-            await self._attempts(tp, rec, msg, meta, queue_ms)
-            await ledger.mark_done(meta.request_id, self.stage, meta.attempt)
+            await self._attempts(tp, rec, msg, meta, queue_ms, claim_ms)
+            keeper.cancel()
+            await ledger.finish(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
+            finished = True
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
-            await ledger.release(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
+            if not finished:
+                await ledger.release(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
 
-    async def _claim(self, meta: protocol.RequestMeta) -> bool:
-        """Claim (request, stage, attempt); False when its work is done. Waits while another
-        worker holds the claim (it lapses within the lease if that worker died)."""
+    async def _claim(self, meta: protocol.RequestMeta) -> int:
+        """Claim (request, stage, attempt) in one Redis round trip: ``ABORTED``, ``DONE`` or
+        ``CLAIMED``. Waits while another worker holds the claim (it lapses within the lease if
+        that worker died); past the deadline it answers ``CLAIMED`` unclaimed, and the
+        deadline check ends the record with a 504."""
         ledger = self._ctx.ledger
         while True:
-            if await ledger.is_done(meta.request_id, self.stage, meta.attempt):
-                return False
-            if await ledger.claim(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id):
-                return True
+            state = await ledger.enter(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
+            if state != HELD:
+                return state
             if now_ms() > meta.deadline_unix_ms:
-                return True  # the deadline check ends it with a 504
+                return CLAIMED
             await asyncio.sleep(0.2)
 
     async def _keep_claim(self, meta: protocol.RequestMeta) -> None:
@@ -241,7 +257,8 @@ class StageRunner:
             await asyncio.sleep(ledger.lease_ms / 3000)
             await ledger.refresh(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
 
-    async def _attempts(self, tp: TopicPartition, rec, msg, meta: protocol.RequestMeta, queue_ms: float) -> None:
+    async def _attempts(self, tp: TopicPartition, rec, msg, meta: protocol.RequestMeta, queue_ms: float,
+                        claim_ms: float = 0.0) -> None:
         attempts = 0
         while True:
             attempts += 1
@@ -249,7 +266,7 @@ class StageRunner:
                 await self._fail(meta, RequestFailed.deadline(meta.request_id, self.stage))
                 return
             try:
-                outcome = await self._run_stage(self._handler, msg, self._ctx, queue_ms)
+                outcome = await self._run_stage(self._handler, msg, self._ctx, queue_ms, claim_ms)
             except RequestFailed as failed:
                 await self._fail(meta, failed)
                 return
@@ -288,10 +305,11 @@ class StageRunner:
             log.debug("%s: handled %s (%d outputs)", self.stage, meta.request_id, len(outcome.produce))
             return
 
-    async def _run_stage(self, handler: Handler, msg, ctx: Context, queue_ms: float) -> Outcome:
+    async def _run_stage(self, handler: Handler, msg, ctx: Context, queue_ms: float,
+                         claim_ms: float = 0.0) -> Outcome:
         """One handler call under its stage span; its outputs carry the span; outputs for
         local stages are handled here too (queue 0), and only the rest goes to Kafka."""
-        with tracing.stage_span(ctx.stage, ctx.worker_id, queue_ms) as timer:
+        with tracing.stage_span(ctx.stage, ctx.worker_id, queue_ms, claim_ms) as timer:
             try:
                 with logs.bind(stage=ctx.stage):  # a locally routed stage logs under its own name
                     outcome = await handler.handle(msg, ctx)
@@ -326,6 +344,9 @@ class StageRunner:
         for p, value, partition, fut in sends:
             await send_retrying(self._producer, p.topic, value, p.key.encode(), deadline_unix_ms=deadline_unix_ms,
                                 first_try=fut, partition=partition)
+        if self._doorbell is not None:  # acked: wake the next stage's idle consumers now
+            for topic in {p.topic for p in outcome.produce}:
+                self._doorbell.ring(topic)
         if self._ctx.transfer is not None:
             for owner, leases in outcome.releases:
                 await self._ctx.transfer.release(owner, leases)

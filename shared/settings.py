@@ -69,6 +69,15 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # Apache Kafka answers as soon as data arrives: raise this to 500 there.
     fetch_max_wait_ms: Annotated[int, _d("longest a broker may hold a fetch with no data; the per-hop latency "
                                          "floor with the embedded broker, use 500 with Apache Kafka")] = 10
+    # The doorbell (shared/doorbell.py) takes the broker's wait off the critical path: stage
+    # consumers fetch with no broker-side wait and sleep client-side until the upstream stage
+    # rings (Redis PUBLISH after its produce is acked) or the idle interval passes. A lost ring
+    # costs at most the idle interval; the interval sets the idle fleet's polling CPU.
+    doorbell: Annotated[bool, _d("stage consumers wait for a Redis pub/sub ring from the producing stage "
+                                 "instead of a broker-side fetch wait (rings carry no data); false: "
+                                 "fetch_max_wait_ms polling")] = True
+    idle_fetch_interval_ms: Annotated[int, _d("with the doorbell: how often an idle stage consumer fetches "
+                                              "anyway (the most a lost ring costs)")] = 100
     max_poll_records: Annotated[int, _d("records fetched per poll at most")] = 16
     stage_concurrency: Annotated[int, _d("records in flight per stage runner; beyond it partitions pause")] = 8
     max_attempts: Annotated[int, _d("failures of one record before it goes to mm.dead-letter")] = 3
@@ -116,6 +125,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         "host and GPU opens instead of pulling the pinned-host copy over NIXL")] = True
     encode_max_batch_items: Annotated[int, _d("media items per vision-encoder batch at most")] = 16
     encode_batch_wait_ms: Annotated[int, _d("how long encode waits to fill a batch")] = 2
+    decode_max_batch: Annotated[int, _d("transformers engine: decode steps of up to this many sequences run as "
+                                        "one batched forward; 1: one sequence per forward")] = 16
     decode_concurrency: Annotated[int, _d("sequences a prefill+decode or decode worker generates at "
                                           "once")] = 16
 

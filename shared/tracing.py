@@ -22,22 +22,31 @@ _current: ContextVar[SpanTimer | None] = ContextVar("mmfleet_span", default=None
 
 
 class SpanTimer:
-    def __init__(self, stage: str, worker: str, queue_ms: float) -> None:
+    def __init__(self, stage: str, worker: str, queue_ms: float, claim_ms: float = 0.0) -> None:
         self.stage = stage
         self.worker = worker
         self.queue_ms = max(queue_ms, 0.0)
+        self.claim_ms = claim_ms
         self.transfer_s = 0.0
+        self.first_out_ms = 0.0
+        self._start_unix_ms = time.time() * 1000
         self._t0 = time.perf_counter()
+
+    def mark_first_output(self) -> None:
+        if not self.first_out_ms:
+            self.first_out_ms = (time.perf_counter() - self._t0) * 1000
 
     def span(self) -> protocol.StageSpan:
         return protocol.StageSpan(stage=self.stage, worker=self.worker, queue_ms=round(self.queue_ms, 3),
                                   transfer_ms=round(self.transfer_s * 1000, 3),
-                                  total_ms=round((time.perf_counter() - self._t0) * 1000, 3))
+                                  total_ms=round((time.perf_counter() - self._t0) * 1000, 3),
+                                  claim_ms=round(self.claim_ms, 3), start_unix_ms=round(self._start_unix_ms, 3),
+                                  first_out_ms=round(self.first_out_ms, 3))
 
 
 @contextmanager
-def stage_span(stage: str, worker: str, queue_ms: float) -> Iterator[SpanTimer]:
-    timer = SpanTimer(stage, worker, queue_ms)
+def stage_span(stage: str, worker: str, queue_ms: float, claim_ms: float = 0.0) -> Iterator[SpanTimer]:
+    timer = SpanTimer(stage, worker, queue_ms, claim_ms)
     token = _current.set(timer)
     try:
         yield timer
@@ -54,6 +63,13 @@ def timed_transfer() -> Iterator[None]:
     finally:
         if timer is not None:
             timer.transfer_s += time.perf_counter() - t0
+
+
+def mark_first_output() -> None:
+    """The current stage just wrote its request's first token (TTFT breakdown)."""
+    timer = _current.get()
+    if timer is not None:
+        timer.mark_first_output()
 
 
 def path_so_far(meta: protocol.RequestMeta) -> tuple[protocol.StageSpan, ...]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from shared import protocol
 from shared.engines.detok import IncrementalDetokenizer, StopChecker
 from shared.stage import EventSink
+from shared import tracing
 from shared.tracing import path_so_far
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
             delta = protocol.TokenDelta(seq=seq, token_ids=token_ids, text=text)
             if not await events.append_delta(meta.request_id, delta, position=sent - 1):
                 raise _Superseded(sent - 1)
+            if sent == 1:
+                tracing.mark_first_output()
 
     async def _all() -> AsyncIterator[int]:
         if first_token is not None:

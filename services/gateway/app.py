@@ -33,6 +33,7 @@ from aiohttp import web
 
 from shared import hostaddr, logs, metrics
 from shared.bus import make_producer
+from shared.doorbell import Doorbell
 from shared.keys import INGRESS_STAGE, RedisKeys
 from shared.kv.router import Router
 from shared.ledger import StageLedger
@@ -80,7 +81,9 @@ async def _lifecycle(app: web.Application):
     ledger = StageLedger(redis, keys, lease_ms=settings.stage_lease_ms, done_ttl_s=settings.done_ttl_s)
     # text-only requests enter at mm.prefill: KV-aware routing picks the partition
     router = Router(redis, keys, settings, placeholder_token_id(resolve_model_path(settings)))
-    front = Frontend(settings, builder, producer, streams, transfer, auth, ledger, router)
+    doorbell = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=settings.idle_fetch_interval_ms) \
+        if settings.doorbell else None
+    front = Frontend(settings, builder, producer, streams, transfer, auth, ledger, router, doorbell)
     app[STATE] = GatewayState(settings, front, producer, redis)
     redrive_task = asyncio.create_task(front.redriver.run(), name="redrive")
     ingress_task = None
@@ -98,6 +101,8 @@ async def _lifecycle(app: web.Application):
         if ingress_task is not None:
             ingress.stop()
             await asyncio.gather(ingress_task, return_exceptions=True)
+        if doorbell is not None:
+            await doorbell.close()
         await transfer.stop()
         await producer.stop()
         await redis.aclose()

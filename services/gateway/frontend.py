@@ -63,7 +63,8 @@ class Frontend:
     """Shared by every way in of one gateway process (one in-flight count for all of them)."""
 
     def __init__(self, settings: Settings, builder: PromptBuilder, producer, streams: TokenStreams,
-                 transfer: TransferAgent, auth: Authenticator, ledger: StageLedger, router=None) -> None:
+                 transfer: TransferAgent, auth: Authenticator, ledger: StageLedger, router=None,
+                 doorbell=None) -> None:
         self.settings = settings
         self.builder = builder
         self.producer = producer
@@ -74,6 +75,7 @@ class Frontend:
         self.inflight = 0
         self.router = router  # shared.kv.router.Router for entries at mm.prefill (None: by key)
         self.redriver = Redriver(ledger, producer)  # its run() is started by the gateway app
+        self.doorbell = doorbell  # shared.doorbell.Doorbell: rung once an entry record is acked
 
     def prepare(self, body: bytes, *, chat: bool) -> tuple[Prepared, str]:
         """Validate ``body`` and build its prompt: (prepared, model); raises ``Rejected``."""
@@ -116,6 +118,8 @@ class Frontend:
                 await send_retrying(self.producer, first.topic, protocol.encode(first.value), request_id.encode(),
                                     deadline_unix_ms=min(first.value.meta.deadline_unix_ms, now_ms + s.queue_retry_ms),
                                     partition=partition)
+                if self.doorbell is not None:
+                    self.doorbell.ring(first.topic)
             except KafkaError as exc:  # broker down longer than queue_retry_ms: say so, never an unshaped 500
                 log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)
                 raise Rejected.of(503, f"the request queue is unavailable right now ({type(exc).__name__}); "

@@ -20,6 +20,7 @@ from shared.engines.qwen2_vl import DecodeState, PrefillResult, _kind
 
 class PlainLMCompute:
     kind = "image"
+    mrope = False  # decode positions are plain cache lengths (shared.engines.batched)
 
     def _load(self, model_cls, model_dir, device: str, dtype: str) -> None:
         """Sets ``model_dir``, ``processor``, ``model`` (on the placement's device and dtype)."""
@@ -41,6 +42,7 @@ class PlainLMCompute:
         self.head_dim: int = int(getattr(text_cfg, "head_dim", None)
                                  or text_cfg.hidden_size // text_cfg.num_attention_heads)
         self.max_model_len: int = int(text_cfg.max_position_embeddings)
+        self.cache_config = text_cfg  # what DynamicCache is built with for this model
         eos = self.model.generation_config.eos_token_id  # generate() stops on these: mirror them
         eos = text_cfg.eos_token_id if eos is None else eos
         self.eos_token_ids = frozenset(int(i) for i in ([eos] if isinstance(eos, int) else list(eos or [])))

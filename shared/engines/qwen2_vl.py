@@ -122,6 +122,7 @@ class Qwen2VLCompute:
     per state object (the model itself is only read)."""
 
     supports_prefix_kv = True  # prefill(prefix_kv=...) computes only the rest of the prompt
+    mrope = True  # decode positions: cache_len + rope_delta on three axes (shared.engines.batched)
 
     def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
         from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
@@ -146,6 +147,7 @@ class Qwen2VLCompute:
         self.head_dim: int = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads)
         self.eos_token_ids: frozenset[int] = self._eos_ids()
         self.max_model_len: int = int(text_cfg.max_position_embeddings)
+        self.cache_config = self.model.config  # what DynamicCache is built with for this model
         self.preprocess_image = ImagePreprocessor(self.model_dir, processor=self.processor)
         self.preprocess_video = VideoPreprocessor(self.model_dir, processor=self.processor)
 

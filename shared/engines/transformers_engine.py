@@ -5,7 +5,10 @@ and import), on the family's split compute path (:mod:`shared.engines.qwen2_vl`,
 The model runs on the settings' ``device`` / ``dtype`` (see :mod:`shared.device`). All model
 work runs on one ``ComputeLane`` thread (torch releases the GIL in kernels, so the
 event loop keeps serving Kafka, Redis and NIXL). Encoder calls from concurrent requests meet in
-a ``MicroBatcher`` and run as one forward. Token loops check for an abort between steps.
+a ``MicroBatcher`` and run as one forward. Decode steps of all sequences generating at once meet
+in a ``DecodeBatcher`` and run as one padded forward (:mod:`shared.engines.batched`; sequences
+join and leave between steps, greedy tokens equal to one-at-a-time decoding). Token loops check
+for an abort between steps.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from shared import protocol
 from shared.compute import ComputeLane, MicroBatcher
+from shared.engines.batched import DecodeBatcher
 from shared.engines.base import Capabilities, ImageEmbeds, PrefillOutput
 from shared.engines.sampling import sample_at
 
@@ -51,13 +55,16 @@ class TransformersEngine:
     capabilities = Capabilities(encode=True, generate=True, kv_export=True, kv_import=True, prefix_kv=True)
 
     def __init__(self, model_dir: str | Path, *, encode_max_batch_items: int = 16,
-                 encode_batch_wait_ms: float = 2.0, device: str = "cpu", dtype: str = "auto") -> None:
+                 encode_batch_wait_ms: float = 2.0, device: str = "cpu", dtype: str = "auto",
+                 decode_max_batch: int = 16) -> None:
         self._model_dir = Path(model_dir)
         self._device, self._dtype = device, dtype  # settings device / dtype (shared.device)
         self._batch_items = encode_max_batch_items
         self._batch_wait_ms = encode_batch_wait_ms
         self._lane: ComputeLane | None = None
         self._batcher: MicroBatcher | None = None
+        self._decode_max_batch = decode_max_batch
+        self._decoder: DecodeBatcher | None = None
         self._aborted: set[str] = set()
         self.compute = None
 
@@ -80,8 +87,12 @@ class TransformersEngine:
         self._batcher = MicroBatcher(encode_batch, self._lane, max_items=self._batch_items,
                                      max_wait_ms=self._batch_wait_ms)
         await self._batcher.start()
+        self._decoder = DecodeBatcher(compute, self._lane, max_batch=self._decode_max_batch)
 
     async def stop(self) -> None:
+        if self._decoder is not None:
+            await self._decoder.stop()
+            self._decoder = None
         if self._batcher is not None:
             await self._batcher.stop()
             self._batcher = None
@@ -145,9 +156,11 @@ class TransformersEngine:
         self._aborted.discard(request_id)
         state = await self._lane.run(self.compute.start_decode, kv, rope_delta, prompt_len)
         token, generated = first_token, 1
+        decoder = self._decoder
+        decoder.open()
         try:
             while generated < sampling.max_tokens and request_id not in self._aborted:
-                logits = await self._lane.run(self.compute.decode_step, state, token)
+                logits = await decoder.step(state, token)
                 forced = generated - 1 < len(resume)
                 token = resume[generated - 1] if forced else sample_at(logits, sampling, step=generated)
                 generated += 1
@@ -155,4 +168,5 @@ class TransformersEngine:
                 if token in self.eos_token_ids:
                     return
         finally:
+            decoder.close()
             self._aborted.discard(request_id)

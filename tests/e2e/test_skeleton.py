@@ -134,6 +134,25 @@ def test_stream_whole_and_reference_agree(client, model_dir, n_images):
     assert whole.usage.prompt_tokens > (n_images * 4)
 
 
+def test_concurrent_requests_each_get_their_reference(client, model_dir):
+    """Requests generating at once share batched decode forwards (and ring each other's hops):
+    each still gets exactly its own ``generate()`` tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    images = [noise_image(1), gradient_image(), noise_image(5)]
+    cases = [([], "Tell me a story about the sea."), (images[:1], "Describe what you see."),
+             (images[:2], "Compare the two pictures."), (images[2:], "What colour dominates?")]
+
+    def ask(case):
+        imgs, text = case
+        return chat(client, image_parts([png_data_url(i) for i in imgs], text) if imgs else text)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        got = [r.choices[0].message.content for r in pool.map(ask, cases)]
+    assert got == [reference_text(model_dir, ref_parts(len(imgs), text) if imgs else text, imgs)
+                   for imgs, text in cases]
+
+
 def test_different_image_gives_different_answer(client):
     a = chat(client, image_parts([png_data_url(noise_image(1))], "What is this?")).choices[0].message.content
     b = chat(client, image_parts([png_data_url(gradient_image())], "What is this?")).choices[0].message.content
@@ -261,6 +280,12 @@ def test_finish_event_records_the_path_through_every_stage(client, redis_url):
     for span in finish.spans:
         assert span.total_ms > 0 and span.queue_ms >= 0 and 0 <= span.transfer_ms <= span.total_ms
     assert all(s.transfer_ms > 0 for s in finish.spans)  # each stage moved a tensor over NIXL
+    # the TTFT split's stamps (loadtest/ttft_split.py): claims timed, wall-clock starts in
+    # pipeline order, and the decode says when it wrote the first token
+    assert all(s.claim_ms > 0 for s in finish.spans)
+    starts = [s.start_unix_ms for s in finish.spans]
+    assert starts == sorted(starts) and starts[0] > 0
+    assert 0 < finish.spans[-1].first_out_ms <= finish.spans[-1].total_ms
 
 
 def test_admission_at_twice_the_bound_gives_429_with_retry_after(fleet):

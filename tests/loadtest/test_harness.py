@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 from aiohttp import web
 
-from loadtest import metrics, spans, workloads
+from loadtest import metrics, spans, ttft_split, workloads
 from loadtest.bench import BenchConfig, run_bench
 from loadtest.client import RequestRecord
 from loadtest.loadgen import LoadShape, drive, poisson_gaps
@@ -265,9 +265,36 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
         assert list(sp["stages"]) == stages
         assert all(st["n"] == 4 and st["total_ms"]["n"] == 4 for st in sp["stages"].values())
         assert all(len(r["spans"]) == 4 for r in fleet_run["records"])
+        for r in fleet_run["records"]:  # the TTFT split of a real fleet request adds up to its TTFT
+            parts = ttft_split.split_fleet(r)
+            assert parts is not None, r["spans"]
+            assert sum(parts.values()) == pytest.approx(r["ttft_ms"])
+            assert parts["compute"] > 0 and parts["gateway"] > 0 and parts["stream read"] > 0
+    assert inproc_run["cpu"]["load_pct"] is None or inproc_run["cpu"]["load_pct"] > 0
     write_all(result, tmp_path, plots=False)
     summary = (tmp_path / "summary.md").read_text()
     assert "Per-stage breakdown" in summary and "same text as" in summary
+    assert "Medians over repetitions" in summary
+    assert "## TTFT split" in summary or not spans.protocol_has_spans()
+
+
+def test_ttft_split_adds_up_to_the_ttft():
+    def span(stage, start, queue, claim, transfer, total, first_out=0.0):
+        return {"stage": stage, "worker": "w", "queue_ms": queue, "claim_ms": claim, "transfer_ms": transfer,
+                "total_ms": total, "compute_ms": total - transfer, "start_unix_ms": start, "first_out_ms": first_out}
+    sent = 1_000_000.0
+    # gateway 4 ms; media-fetch picked at +6 (queue 2), runs 10; encode produced at +17 ...
+    record = {"status": 200, "sent_unix_ms": sent, "ttft_ms": 60.0, "spans": [
+        span("media-fetch", sent + 7, 2, 1, 3, 10),
+        span("encode", sent + 21, 3, 0.5, 1, 12),
+        span("prefill", sent + 36, 2, 0.5, 1, 8),
+        span("decode", sent + 47, 2, 0.5, 4, 300, first_out=9)]}
+    parts = ttft_split.split_fleet(record)
+    assert parts["gateway"] == 4 and parts["queue encode"] == 3 and parts["claims"] == 2.5
+    assert parts["compute"] == (10 - 3) + (12 - 1) + (8 - 1) + (9 - 4)
+    assert parts["stream read"] == 60 - (47 + 9)
+    assert sum(parts.values()) == pytest.approx(60)
+    assert ttft_split.split_fleet({**record, "spans": [{**s, "start_unix_ms": 0} for s in record["spans"]]}) is None
 
 
 def test_fleet_spec_settings_and_reuse_table():

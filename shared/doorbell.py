@@ -1,0 +1,133 @@
+"""Doorbell: a Redis pub/sub nudge that tells an idle stage consumer to fetch now.
+
+Why: the embedded broker (tansu) never answers a waiting fetch when data arrives, so a
+consumer that waits broker-side pays up to ``fetch_max_wait_ms`` per hop (DESIGN §8). With the
+doorbell on, consumers fetch with a 1 ms broker-side wait (tansu answers a 0 ms fetch with no
+records at all) and, after an empty fetch, wait
+client-side until either a ring on their topic's channel or ``idle_fetch_interval_ms``.
+
+Contract:
+- A ring carries nothing but the topic name: no request, no offset. Kafka stays the record of
+  truth; a lost ring (Redis away, a subscriber reconnecting) costs at most one idle interval.
+- ``Doorbell.ring(topic)`` is called after the broker acknowledged a produce to ``topic``; it
+  never raises and never blocks the caller (the PUBLISH runs as a bounded background task).
+- ``Doorbell.attach(consumer, topic)`` is called after ``consumer.start()``: it wraps the
+  consumer's fetcher so that an empty fetch waits for the doorbell (the ring counter is read
+  before the fetch is sent, so a ring landing during the fetch is never missed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+log = logging.getLogger(__name__)
+
+_MAX_PENDING_RINGS = 64  # PUBLISHes in flight at most; beyond it a ring is dropped (rings are hints)
+
+
+class _Bell:
+    """One topic's ring counter and the event waiters sleep on."""
+
+    def __init__(self) -> None:
+        self.rings = 0
+        self.event = asyncio.Event()
+
+    def ring(self) -> None:
+        self.rings += 1
+        self.event.set()
+
+    async def wait(self, seen: int, timeout_s: float) -> None:
+        """Return at once if a ring came after ``seen``, else at the next ring or ``timeout_s``."""
+        if self.rings != seen:
+            return
+        self.event.clear()
+        try:
+            await asyncio.wait_for(self.event.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+
+class Doorbell:
+    """Per process: rings topics (publisher) and wakes this process's consumers (subscriber)."""
+
+    def __init__(self, redis, prefix: str, *, idle_fetch_interval_ms: int) -> None:
+        self._redis = redis
+        self._prefix = prefix
+        self._idle_s = idle_fetch_interval_ms / 1000
+        self._bells: dict[str, _Bell] = {}
+        self._pending: set[asyncio.Task] = set()
+        self._listener: asyncio.Task | None = None
+        self.rings_sent = 0  # for tests and stats
+        self.rings_heard = 0
+
+    def channel(self, topic: str) -> str:
+        return f"{self._prefix}:doorbell:{topic}"
+
+    # ------------------------------------------------------------------ publisher
+    def ring(self, topic: str) -> None:
+        if len(self._pending) >= _MAX_PENDING_RINGS:
+            return
+        task = asyncio.create_task(self._publish(topic))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _publish(self, topic: str) -> None:
+        try:
+            await self._redis.publish(self.channel(topic), b"")
+            self.rings_sent += 1
+        except Exception as exc:  # noqa: BLE001 - a ring is a hint; the idle interval covers its loss
+            log.debug("doorbell ring for %s lost: %r", topic, exc)
+
+    # ------------------------------------------------------------------ subscriber
+    def attach(self, consumer, topic: str) -> None:
+        """Make ``consumer`` (started, fetch_max_wait_ms=1) wait for rings on ``topic`` after
+        an empty fetch. Wraps aiokafka's fetcher method that sends one fetch request: its
+        background routine calls it by attribute, once per fetch, never two to one broker at once."""
+        bell = self._bells.setdefault(topic, _Bell())
+        fetcher = consumer._fetcher  # aiokafka 0.14 internals: see tests/transport/test_doorbell.py
+        send_fetch = fetcher._proc_fetch_request
+        idle_s = self._idle_s
+
+        async def fetch_then_wait(assignment, node_id, request):
+            seen = bell.rings
+            got = await send_fetch(assignment, node_id, request)
+            if not got:  # nothing new: sleep until a ring (or the idle interval), not broker-side
+                await bell.wait(seen, idle_s)
+            return got
+
+        fetcher._proc_fetch_request = fetch_then_wait
+        if self._listener is not None:  # (re)subscribe with the new topic's channel too
+            self._listener.cancel()
+        self._listener = asyncio.create_task(self._listen(), name="doorbell")
+
+    async def _listen(self) -> None:
+        """Subscribe to every attached topic's channel; reconnect with backoff on errors."""
+        delay_s = 0.1
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(*[self.channel(t) for t in self._bells])
+                by_channel = {self.channel(t).encode(): b for t, b in self._bells.items()}
+                delay_s = 0.1
+                async for msg in pubsub.listen():
+                    if msg.get("type") == "message" and (bell := by_channel.get(msg["channel"])) is not None:
+                        self.rings_heard += 1
+                        bell.ring()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - Redis away: consumers poll at the idle interval
+                log.warning("doorbell subscriber lost Redis (%r); retrying in %.1f s", exc, delay_s)
+                for bell in self._bells.values():  # wake sleepers once: something may have been missed
+                    bell.ring()
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 5.0)
+            finally:
+                await pubsub.aclose()
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._listener, *self._pending) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._listener = None

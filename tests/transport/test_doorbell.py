@@ -1,0 +1,112 @@
+"""The doorbell against the real embedded broker and Redis: an idle consumer (no broker-side
+wait) sleeps between empty fetches until a ring, fetches at once on one, and still picks a
+record up within the idle interval when no ring comes (a lost ring costs a delay, never a
+record). Also pins the aiokafka internal the doorbell wraps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from shared.bus import ensure_topics, make_producer
+from shared.doorbell import Doorbell
+from shared.settings import Settings
+
+
+@pytest.fixture
+async def bell_env(kafka_bootstrap, redis_url):
+    tag = uuid.uuid4().hex[:8]
+    settings = Settings(kafka_bootstrap=kafka_bootstrap, redis_url=redis_url, redis_prefix=f"t{tag}",
+                        topic_partitions=1)
+    topic = f"t.bell.{tag}"
+    await ensure_topics(settings, (topic,))
+    producer = make_producer(settings)
+    await producer.start()
+    redis = aioredis.from_url(redis_url)
+    yield settings, topic, producer, redis
+    await producer.stop()
+    await redis.aclose()
+
+
+async def _consume(settings, topic, bell, got: list, fetches: list):
+    # no group (a join takes seconds on tansu); 1 ms broker wait as the runner uses
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=None,
+                                auto_offset_reset="earliest", fetch_max_wait_ms=1)
+    consumer.assign([TopicPartition(topic, 0)])
+    await consumer.start()
+    inner = consumer._fetcher._proc_fetch_request  # the method the doorbell wraps must exist
+
+    async def counting(*args):
+        fetches.append(time.monotonic())
+        return await inner(*args)
+
+    consumer._fetcher._proc_fetch_request = counting
+    bell.attach(consumer, topic)
+    try:
+        while True:
+            for records in (await consumer.getmany(timeout_ms=100)).values():
+                got.extend((r.value, time.monotonic()) for r in records)
+    finally:
+        await consumer.stop()
+
+
+async def _until(pred, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_ring_wakes_an_idle_consumer_and_no_ring_waits_the_interval(bell_env):
+    settings, topic, producer, redis = bell_env
+    sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)  # only a ring wakes it
+    pub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    got, fetches = [], []
+    task = asyncio.create_task(_consume(settings, topic, sub, got, fetches))
+    try:
+        await producer.send_and_wait(topic, b"warm")
+        deadline = time.monotonic() + 30
+        while not got:  # the group join takes seconds: ring until the first record is in
+            assert time.monotonic() < deadline, "no record after 30 s of rings"
+            if task.done():
+                task.result()
+            pub.ring(topic)
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
+        idle_fetches = len(fetches)
+        await asyncio.sleep(1.0)
+        # idle and unrung: no fetch loop spinning (a broker-side wait of 0 would spin here)
+        assert len(fetches) - idle_fetches <= 1
+        await producer.send_and_wait(topic, b"unrung")
+        await asyncio.sleep(1.0)
+        assert [v for v, _ in got] == [b"warm"], "a record was fetched without a ring before the idle interval"
+        rung_at = time.monotonic()
+        pub.ring(topic)
+        await _until(lambda: len(got) == 2, 10)
+        assert got[1][0] == b"unrung" and got[1][1] - rung_at < 10
+        assert sub.rings_heard >= 1 and pub.rings_sent >= 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await sub.close()
+        await pub.close()
+
+
+async def test_a_lost_ring_costs_at_most_the_idle_interval(bell_env):
+    settings, topic, producer, redis = bell_env
+    sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=200)
+    got, fetches = [], []
+    task = asyncio.create_task(_consume(settings, topic, sub, got, fetches))
+    try:
+        await producer.send_and_wait(topic, b"never rung")
+        await _until(lambda: got, 30)  # no ring at all: the idle interval's fetch finds it
+        assert got[0][0] == b"never rung"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await sub.close()
