@@ -105,6 +105,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
 
     # --- compute
     engine: Annotated[str, _d("language-model runtime: transformers | vllm")] = "transformers"
+    vllm_kv_host: Annotated[str, _d(
+        "address other workers reach this worker's vLLM KV side channel at (engine vllm, prefill apart from "
+        "decode); auto: this host's address")] = "127.0.0.1"
     torch_threads: Annotated[int, _d("torch intra-op threads per worker")] = 1
     encode_max_batch_items: Annotated[int, _d("media items per vision-encoder batch at most")] = 16
     encode_batch_wait_ms: Annotated[int, _d("how long encode waits to fill a batch")] = 2

@@ -110,7 +110,8 @@ def children() -> dict[int, str]:
 def test_facts_match_transformers(engine, compute):
     assert engine.name == "vllm"
     assert engine.capabilities.generate and not engine.capabilities.encode
-    assert not engine.capabilities.kv_export and not engine.capabilities.kv_import
+    # prefill and decode apart move the KV engine to engine (tests/engines/test_vllm_pd.py)
+    assert engine.capabilities.remote_kv and not engine.capabilities.prefix_kv
     assert engine.eos_token_ids == compute.eos_token_ids
     assert engine.max_model_len == compute.max_model_len
     assert engine.tokenizer.convert_tokens_to_ids("<|image_pad|>") == compute.placeholder_token_id
