@@ -15,6 +15,8 @@ partly streamed one resumes after its last logged token (see ``services.decode.s
 
 from __future__ import annotations
 
+import msgspec
+
 from services.decode.stream import read_log, stream_completion
 from services.prefill.handler import check_context, embedding_releases, pull_images
 from shared import protocol
@@ -37,10 +39,12 @@ class DecodeHandler:
         if log.done:
             return done
         first = log.tokens[0] if log.tokens else msg.first_token
+        started = None
         if msg.engine_kv is not None:
             await _read_once(ctx, meta)
-            tokens = self._engine.decode_remote(meta.request_id, list(meta.prompt_token_ids), msg.engine_kv, first,
-                                                meta.sampling, resume=log.tokens[1:])
+            started = _Started(self._engine.decode_remote(meta.request_id, list(meta.prompt_token_ids),
+                                                          msg.engine_kv, first, meta.sampling, resume=log.tokens[1:]))
+            tokens = started
         else:
             with timed_transfer():
                 kv = await ctx.transfer.get(msg.owner, msg.kv)  # OwnerGoneError: the runner restarts
@@ -51,7 +55,32 @@ class DecodeHandler:
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=msg.prompt_len,
                                 first_token=first, skip_deltas=log.deltas, cached_tokens=msg.cached_tokens,
                                 aborted=_abort_check(ctx, meta))
+        if started is not None and not started.began:
+            # the completion ended before a token was asked for (eos first, max_tokens 1): read
+            # the KV anyway (one discarded token), so the producer frees it now, not at its lease
+            one = msgspec.structs.replace(meta.sampling, max_tokens=1)
+            async for _ in self._engine.decode_remote(meta.request_id, list(meta.prompt_token_ids), msg.engine_kv,
+                                                      first, one):
+                pass
         return done
+
+
+class _Started:
+    """An async iterator that remembers whether anyone asked it for a value."""
+
+    def __init__(self, tokens) -> None:
+        self._tokens = tokens
+        self.began = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> int:
+        self.began = True
+        return await self._tokens.__anext__()
+
+    async def aclose(self) -> None:
+        await self._tokens.aclose()
 
 
 class GenerateHandler:

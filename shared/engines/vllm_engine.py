@@ -93,7 +93,7 @@ import msgspec
 import torch
 
 from shared import protocol
-from shared.engines import vllm_pd
+from shared.engines import vllm_pd, vllm_process
 from shared.engines.base import Capabilities, EngineError, ImageEmbeds, PrefillOutput
 from shared.transfer.tensors import OwnerGoneError
 
@@ -161,7 +161,7 @@ class VllmEngine:
         model_len = int(text_cfg["max_position_embeddings"])
         self.max_model_len: int = min(max_model_len, model_len) if max_model_len else model_len
         self.tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
-        self.eos_token_ids: frozenset[int] = _eos_ids(self._model_dir, text_cfg, GenerationConfig)
+        self.eos_token_ids: frozenset[int] = vllm_process.eos_ids(self._model_dir, text_cfg, GenerationConfig)
 
         self._llm = None  # vllm AsyncLLM once started
         self._in_flight: set[str] = set()
@@ -222,7 +222,7 @@ class VllmEngine:
                 gpu_memory_utilization=self._gpu_memory_utilization,
                 disable_log_stats=True,
                 trust_remote_code=False,
-                worker_extension_cls=f"{__name__}.EngineProcessExtension",
+                worker_extension_cls=f"{vllm_process.__name__}.EngineProcessExtension",
                 **kv,
             )
             return AsyncLLM.from_engine_args(args)
@@ -249,7 +249,7 @@ class VllmEngine:
             await asyncio.wait([handler])
         procs = list(getattr(getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None),
                              "processes", None) or [])
-        await asyncio.to_thread(_shutdown, llm, procs, self._shutdown_timeout_s)
+        await asyncio.to_thread(vllm_process.shutdown, llm, procs, self._shutdown_timeout_s)
         del llm  # drop the last reference now, not at interpreter exit (its __del__ shuts down again)
 
     async def abort(self, request_id: str) -> None:
@@ -302,16 +302,18 @@ class VllmEngine:
         for token in resume:
             yield token
         remaining = sampling.max_tokens - 1 - len(resume)
-        if remaining <= 0 or (*resume, first_token)[-1] in self.eos_token_ids:
-            return  # nothing to generate: the producer frees the blocks when their lease passes
+        # Nothing left to generate: still read once (one discarded token), which tells the
+        # producer to free the blocks now; unread, its engine core would keep stepping, a busy
+        # loop, until their lease passes.
+        done = remaining <= 0 or (*resume, first_token)[-1] in self.eos_token_ids
         media = vllm_pd.placeholder_media(kv.media, self.hidden_size)
         prompt = self._prompt(list(prompt_ids), media, tail=(first_token, *resume))
-        params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=remaining),
+        params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1 if done else remaining),
                                        kv_transfer=vllm_pd.from_wire(kv))
         produced = 0
         async for out in self._outputs(request_id, prompt, params):
             completion = out.outputs[0] if out.outputs else None
-            if completion is None:
+            if completion is None or done:
                 continue
             if completion.finish_reason == "error":
                 raise OwnerGoneError(f"vllm could not read the prompt's KV from engine {kv.remote_engine_id} at "
@@ -357,9 +359,9 @@ class VllmEngine:
             raise EngineError("vllm engine is not started" if not self._stopping else "vllm engine is stopping")
         if request_id in self._in_flight:
             raise EngineError(f"request {request_id!r} is already running on this engine")
-        rejected = _request_errors()
+        rejected = vllm_process.request_errors()
         try:
-            engine_input = await _render(llm, prompt)
+            engine_input = await vllm_process.render(llm, prompt)
         except rejected as exc:
             raise EngineError(f"vllm rejected the prompt: {exc}") from exc
 
@@ -425,81 +427,3 @@ class VllmEngine:
             detokenize=False,  # the caller detokenises (and applies stop strings)
             extra_args={"kv_transfer_params": kv_transfer} if kv_transfer is not None else None,
         )
-
-
-class EngineProcessExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls``), so it runs in the engine-core
-    process; ``start()`` calls :meth:`mmfleet_setup_engine_process` once via ``collective_rpc``.
-
-    - Parent watchdog: vLLM does not stop the engine core when its parent dies without
-      calling ``stop()`` (SIGKILL, OOM kill): it would live on, holding the model and KV cache.
-      A daemon thread polls the parent pid every second; once the process is re-parented it
-      SIGTERMs its own process (vLLM's orderly engine-core shutdown) and exits hard if that
-      has not ended it within 15 s.
-    - Fast exit: the interpreter's final garbage collection over the engine core's heap takes
-      3–5 s on 2 busy cores, past vLLM's 5 s grace before it SIGKILLs the process (and then
-      never reaps it). ``gc.freeze()`` at exit skips that scan (what vLLM itself does on ROCm);
-      the OS reclaims the memory."""
-
-    def mmfleet_setup_engine_process(self) -> int:
-        import atexit
-        import gc
-        import signal
-        import threading
-
-        atexit.register(gc.freeze)
-        parent = os.getppid()
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(1.0)
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(15.0)
-            os._exit(1)
-
-        threading.Thread(target=watch, name="mmfleet-parent-watch", daemon=True).start()
-        return parent
-
-
-def _request_errors() -> tuple[type[BaseException], ...]:
-    """vLLM's exceptions that mean "this request cannot be served" (its 4xx family and the
-    plain ValueError/TypeError of input validation); engine failures (EngineDeadError, ...)
-    propagate as they are."""
-    errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
-    try:
-        from vllm.exceptions import GracefulHTTPError, VLLMClientError
-    except ImportError:
-        return errors
-    return (*errors, VLLMClientError, GracefulHTTPError)
-
-
-def _shutdown(llm, procs: list, timeout_s: float) -> None:
-    """``AsyncLLM.shutdown`` (SIGTERM, wait up to ``timeout_s``, then SIGKILL), then reap: vLLM
-    does not join a process it had to kill, which would stay a zombie until this one exits."""
-    llm.shutdown(timeout=timeout_s)
-    for proc in procs:
-        proc.join(timeout=5)
-
-
-async def _render(llm, prompt: dict):
-    """Token prompt (+ multimodal data) → vLLM's engine input, off the event loop.
-
-    vLLM 0.32 wants prompts rendered by its renderer (raw dicts still work but are deprecated);
-    builds without that API take the raw dict."""
-    try:
-        from vllm.renderers.inputs.preprocess import parse_model_prompt
-    except ImportError:
-        return prompt
-    (engine_input,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, prompt)])
-    return engine_input
-
-
-def _eos_ids(model_dir: Path, text_cfg: dict, generation_config_cls) -> frozenset[int]:
-    """The eos list ``generate()`` stops on — the same rule as ``Qwen2VLCompute``."""
-    eos = None
-    with contextlib.suppress(OSError):
-        eos = generation_config_cls.from_pretrained(str(model_dir)).eos_token_id
-    if eos is None:
-        eos = text_cfg.get("eos_token_id")
-    ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return frozenset(int(i) for i in ids)
