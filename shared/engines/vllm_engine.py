@@ -305,7 +305,7 @@ class VllmEngine:
         # Nothing left to generate: still read once (one discarded token), which tells the
         # producer to free the blocks now; unread, its engine core would keep stepping, a busy
         # loop, until their lease passes.
-        done = remaining <= 0 or (*resume, first_token)[-1] in self.eos_token_ids
+        done = remaining <= 0 or (first_token, *resume)[-1] in self.eos_token_ids
         media = vllm_pd.placeholder_media(kv.media, self.hidden_size)
         prompt = self._prompt(list(prompt_ids), media, tail=(first_token, *resume))
         params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1 if done else remaining),
