@@ -277,13 +277,14 @@ class VllmEngine:
         params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1),
                                        kv_transfer={"do_remote_decode": True})
         first, kv_params, prompt_len = None, None, 0
-        async for out in self._outputs(request_id, self._prompt(prompt_ids, images), params):
-            prompt_len = len(out.prompt_token_ids or ()) or prompt_len
-            completion = out.outputs[0] if out.outputs else None
-            if completion is not None and completion.token_ids and first is None:
-                first = int(completion.token_ids[0])
-            if out.finished:
-                kv_params = out.kv_transfer_params
+        async with contextlib.aclosing(self._outputs(request_id, self._prompt(prompt_ids, images), params)) as outs:
+            async for out in outs:
+                prompt_len = len(out.prompt_token_ids or ()) or prompt_len
+                completion = out.outputs[0] if out.outputs else None
+                if completion is not None and completion.token_ids and first is None:
+                    first = int(completion.token_ids[0])
+                if out.finished:
+                    kv_params = out.kv_transfer_params
         if first is None:
             raise EngineError(f"vllm produced no first token for {request_id!r}")
         media = [protocol.MediaShape(getattr(m, "kind", "image"), tuple(m[1]), int(m[0].shape[0])) for m in images]
@@ -311,18 +312,19 @@ class VllmEngine:
         params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1 if done else remaining),
                                        kv_transfer=vllm_pd.from_wire(kv))
         produced = 0
-        async for out in self._outputs(request_id, prompt, params):
-            completion = out.outputs[0] if out.outputs else None
-            if completion is None or done:
-                continue
-            if completion.finish_reason == "error":
-                raise OwnerGoneError(f"vllm could not read the prompt's KV from engine {kv.remote_engine_id} at "
-                                     f"{kv.remote_host}:{kv.remote_port} (producer gone or its lease passed)")
-            for token in completion.token_ids:
-                produced += 1
-                yield int(token)
-                if token in self.eos_token_ids or produced >= remaining:
-                    return
+        async with contextlib.aclosing(self._outputs(request_id, prompt, params)) as outs:
+            async for out in outs:
+                completion = out.outputs[0] if out.outputs else None
+                if completion is None or done:
+                    continue
+                if completion.finish_reason == "error":
+                    raise OwnerGoneError(f"vllm could not read the prompt's KV from engine {kv.remote_engine_id} at "
+                                         f"{kv.remote_host}:{kv.remote_port} (producer gone or its lease passed)")
+                for token in completion.token_ids:
+                    produced += 1
+                    yield int(token)
+                    if token in self.eos_token_ids or produced >= remaining:
+                        return
 
     # ------------------------------------------------------------------ generate
     async def generate(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
@@ -342,18 +344,21 @@ class VllmEngine:
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume))
         produced = 0
         prompt = self._prompt(prompt_ids, images, tail=tuple(resume))
-        async for out in self._outputs(request_id, prompt, self._sampling_params(sampling)):
-            completion = out.outputs[0] if out.outputs else None
-            if completion is not None:
-                for token in completion.token_ids:
-                    produced += 1
-                    yield int(token)
-                    if token in self.eos_token_ids or produced >= sampling.max_tokens:
-                        return
+        async with contextlib.aclosing(self._outputs(request_id, prompt, self._sampling_params(sampling))) as outs:
+            async for out in outs:
+                completion = out.outputs[0] if out.outputs else None
+                if completion is not None:
+                    for token in completion.token_ids:
+                        produced += 1
+                        yield int(token)
+                        if token in self.eos_token_ids or produced >= sampling.max_tokens:
+                            return
 
     async def _outputs(self, request_id: str, prompt: dict, params) -> AsyncIterator:
         """vLLM's outputs for one request until it finishes; closing this iterator early
-        aborts the request. Requests vLLM refuses raise :class:`EngineError`."""
+        aborts the request (callers hold it in ``contextlib.aclosing``, so closing them closes
+        it at once rather than when it is garbage-collected). Requests vLLM refuses raise
+        :class:`EngineError`."""
         llm = self._llm
         if llm is None:
             raise EngineError("vllm engine is not started" if not self._stopping else "vllm engine is stopping")
