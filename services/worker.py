@@ -64,13 +64,25 @@ def _engine_class(name: str):
     raise SystemExit(f"unknown engine {name!r}; choose transformers or vllm")
 
 
-def make_engine(name: str, settings: Settings, model_dir) -> Engine:
+def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...] = ()) -> Engine:
+    """The engine for a worker running ``stages``: a vLLM engine running prefill apart from
+    decode is built as KV producer, one running decode apart as KV consumer (vllm_pd)."""
     cls = _engine_class(name)
     if name == "transformers":
         return cls(model_dir, encode_max_batch_items=settings.encode_max_batch_items,
                    encode_batch_wait_ms=settings.encode_batch_wait_ms, device=settings.device, dtype=settings.dtype,
                    decode_max_batch=settings.decode_max_batch)
-    return cls(model_dir)
+    from shared.engines import vllm_pd
+
+    role = None
+    if "prefill" in stages and "decode" not in stages:
+        role = vllm_pd.PRODUCER
+    elif "decode" in stages and "prefill" not in stages:
+        role = vllm_pd.CONSUMER
+    host = settings.vllm_kv_host
+    if host == "auto":
+        host = socket.gethostbyname(socket.gethostname())
+    return cls(model_dir, kv_role=role, kv_host=host, kv_lease_s=max(1, settings.lease_ttl_ms // 1000))
 
 
 def engine_capabilities(name: str):
@@ -229,7 +241,7 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
 
     async def engine(name: str) -> Engine:
         if name not in engines:
-            eng = make_engine(name, settings, model_dir)
+            eng = make_engine(name, settings, model_dir, stages)
             await eng.start()
             stack.push_async_callback(eng.stop)
             engines[name] = eng

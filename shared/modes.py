@@ -95,5 +95,5 @@ def check_engine(stages: tuple[str, ...], engine: str, caps: Capabilities) -> No
     if missing is not None:
         cap, what = missing
         raise UnsupportedLayout(
-            f"engine {engine!r} cannot run {what}: it has no {cap} capability on this build (its KV "
-            f"transfer does not move data here); modes it supports: {', '.join(supported_modes(caps))}")
+            f"engine {engine!r} cannot run {what}: it has no {cap} capability on this build; "
+            f"modes it supports: {', '.join(supported_modes(caps))}")

@@ -235,11 +235,44 @@ class PrefillRequest(Struct, frozen=True, tag="prefill.request"):
     items: tuple[EmbeddingItem, ...] = ()
 
 
+class MediaShape(Struct, frozen=True):
+    """A prompt item's geometry without its data: enough for an engine to rebuild the prompt's
+    positions (Qwen's M-RoPE needs ``grid_thw``) when the item's KV comes from elsewhere."""
+
+    kind: str
+    grid_thw: tuple[int, int, int]
+    n_tokens: int
+
+
+class EngineKv(Struct, frozen=True, kw_only=True):
+    """KV that stays inside the producing engine until the consumer's engine reads it: vLLM's
+    ``kv_transfer_params`` (NixlConnector, pull mode), typed. The producer keeps the blocks
+    (delay-freed) until they are read or ``lease`` passes; ``remote_*`` names its engine, its
+    request, its side channel (NIXL handshake) and its block ids per KV-cache group;
+    ``remote_num_tokens`` is how many prompt positions they hold. ``media``: the prompt's items
+    in order, so the consumer can rebuild positions without the embeddings."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: tuple[tuple[int, ...], ...]
+    remote_num_tokens: int
+    tp_size: int = 1
+    dcp_size: int = 1
+    pp_size: int = 1
+    transfer_mode: str = ""
+    media: tuple[MediaShape, ...] = ()
+
+
 class DecodeRequest(Struct, frozen=True, tag="decode.request"):
     """prefill → decode: KV by descriptor plus the first sampled token.
 
     ``kv`` is one packed float32 tensor ``[layers, 2, kv_heads, prompt_len, head_dim]``;
     ``rope_delta`` is the M-RoPE offset decode positions need (0 for text-only prompts).
+    With ``engine_kv`` set the KV stayed in the prefill worker's engine (vLLM): ``kv`` is then
+    an empty ref (``nbytes == 0``, ``lease == 0``: nothing in the pool to pull or release) and
+    the decode engine reads the blocks itself.
     """
 
     meta: RequestMeta
@@ -249,6 +282,12 @@ class DecodeRequest(Struct, frozen=True, tag="decode.request"):
     rope_delta: int
     first_token: int
     cached_tokens: int = 0  # prompt positions whose KV came from prefill's prefix cache
+    engine_kv: EngineKv | None = None
+
+
+def empty_tensor_ref(agent: str) -> TensorRef:
+    """A ref naming no bytes (``DecodeRequest.kv`` when the KV travels engine to engine)."""
+    return TensorRef(agent=agent, addr=0, nbytes=0, device_id=0, lease=0, dtype="float32", shape=(0,))
 
 
 MediaFetchMsg = MediaFetchRequest

@@ -115,6 +115,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
 
     # --- compute
     engine: Annotated[str, _d("language-model runtime: transformers | vllm")] = "transformers"
+    vllm_kv_host: Annotated[str, _d(
+        "address other workers reach this worker's vLLM KV side channel at (engine vllm, prefill apart from "
+        "decode); auto: this host's address")] = "127.0.0.1"
     torch_threads: Annotated[int, _d("torch intra-op threads per worker")] = 1
     device: Annotated[str, _d("where this worker's encoder, prefill and decode compute: cpu | cuda | cuda:N "
                               "(a GPU asked for and not visible is a start-up error)")] = "cpu"

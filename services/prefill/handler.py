@@ -3,7 +3,9 @@ sample the first token, keep the KV cache in this worker's pool and send its des
 
 In: ``PrefillRequest`` (text-only requests come straight from the gateway with no items).
 Out: ``DecodeRequest`` on ``mm.decode``; releases encode's embedding slots once produced.
-Needs an engine that exports KV (``capabilities.kv_export``).
+Needs an engine that exports KV (``capabilities.kv_export``): as a packed tensor put in this
+worker's pool, or (``capabilities.remote_kv``, vLLM) left in the engine with its descriptor in
+``DecodeRequest.engine_kv``.
 
 Prefix reuse (with a ``PrefixReuse`` and an engine with ``capabilities.prefix_kv``): the
 longest cached prefix of the prompt's KV blocks is reused and only the rest is computed; the
@@ -83,9 +85,13 @@ class PrefillHandler:
                 out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling,
                                                  prefix_kv=lookup.prefix_kv)
         events = self._prefix.keep(lookup, out.kv, ctx.worker_id) if self._prefix is not None else []
-        with timed_transfer():
-            kv_ref = await ctx.transfer.put_wait(out.kv, timeout_ms=5_000)
-        decode = protocol.DecodeRequest(meta=meta, owner=ctx.transfer.ref(), kv=kv_ref, prompt_len=out.prompt_len,
+        owner = ctx.transfer.ref()
+        if out.engine_kv is not None:  # the KV stays in the engine; decode's engine reads it
+            kv_ref = protocol.empty_tensor_ref(owner.name)
+        else:
+            with timed_transfer():
+                kv_ref = await ctx.transfer.put_wait(out.kv, timeout_ms=5_000)
+        decode = protocol.DecodeRequest(meta=meta, owner=owner, kv=kv_ref, prompt_len=out.prompt_len,
                                         rope_delta=out.rope_delta, first_token=out.first_token,
-                                        cached_tokens=lookup.prefix_len)
+                                        cached_tokens=lookup.prefix_len, engine_kv=out.engine_kv)
         return Outcome([Produce(TOPIC_DECODE, meta.request_id, decode), *events], embedding_releases(msg))

@@ -51,16 +51,22 @@ class Capabilities:
     # ``prefill(prefix_kv=...)`` reuses a given prompt prefix's KV (the prefill worker's own
     # prefix cache, shared.kv); engines without it (vLLM: its own prefix caching) compute all
     prefix_kv: bool = False
+    # ``prefill`` leaves the KV inside the engine and returns its descriptor (``engine_kv``);
+    # ``decode_remote`` has the consumer's engine read it (vLLM's NixlConnector). Without it
+    # the KV is a packed tensor that the stages move through their own NIXL pools.
+    remote_kv: bool = False
 
 
 @dataclass(frozen=True)
 class PrefillOutput:
-    """``kv``: packed float32 ``[layers, 2, kv_heads, prompt_len, head_dim]``."""
+    """``kv``: packed float32 ``[layers, 2, kv_heads, prompt_len, head_dim]``; None when the
+    engine keeps the KV itself (``capabilities.remote_kv``) and ``engine_kv`` describes it."""
 
     first_token: int
-    kv: torch.Tensor
+    kv: torch.Tensor | None
     rope_delta: int
     prompt_len: int
+    engine_kv: protocol.EngineKv | None = None
 
 
 class EngineError(RuntimeError):
@@ -97,6 +103,13 @@ class Engine(Protocol):
                       sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
         """``prefix_kv``: packed KV of the expanded prompt's first positions (fewer than all),
         only with ``capabilities.prefix_kv``; the output's ``kv`` covers the whole prompt."""
+        ...
+
+    def decode_remote(self, request_id: str, prompt_ids: list[int], kv: protocol.EngineKv, first_token: int,
+                      sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
+        """``decode`` for ``capabilities.remote_kv``: the engine reads the prompt's KV from the
+        producing engine named in ``kv`` (OwnerGoneError when it cannot: producer gone, lease
+        passed), then continues as ``decode`` does."""
         ...
 
     def decode(self, request_id: str, kv: torch.Tensor, rope_delta: int, prompt_len: int, first_token: int,

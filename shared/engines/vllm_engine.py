@@ -1,4 +1,5 @@
-"""The vLLM engine: generate only (prefill + decode in one place), on vLLM's v1 ``AsyncLLM``.
+"""The vLLM engine on vLLM's v1 ``AsyncLLM``: generate (prefill + decode in one place), or
+prefill and decode apart with the KV moved engine to engine (:mod:`shared.engines.vllm_pd`).
 
 vLLM is imported lazily, in :meth:`VllmEngine.start` and the request path: importing this
 module needs no vLLM (``make_engine`` / ``engine_capabilities`` import it on every worker). The
@@ -16,9 +17,11 @@ What it serves (``capabilities``):
   the non-deprecated 0.32 path for token prompts.
 - NOT ``encode``: the encode stage keeps the transformers vision encoder
   (``Qwen2VLCompute.encode_images``), so every engine sees the same embeddings.
-- NOT ``kv_export`` / ``kv_import``: vLLM's KV connectors move no data on CPU (DESIGN §6);
-  E/P/D and EP/D layouts need the transformers engine. ``encode``/``prefill``/``decode`` raise
-  :class:`EngineError` naming the capability.
+- ``kv_export`` / ``kv_import`` as ``remote_kv`` (modes e-p-d and ep-d): built with
+  ``kv_role`` producer, :meth:`prefill` samples the first token and returns the KV's descriptor
+  (``protocol.EngineKv``; the blocks stay in this engine until read); built as consumer,
+  :meth:`decode_remote` reads them and continues. The packed-tensor ``decode`` and ``encode``
+  raise :class:`EngineError` naming the capability.
 
 Token stream: each new completion token id as vLLM produces it (``RequestOutputKind.DELTA``,
 ``detokenize=False``: the caller detokenises and applies stop strings). EOS: every id of the
@@ -90,7 +93,9 @@ import msgspec
 import torch
 
 from shared import protocol
+from shared.engines import vllm_pd, vllm_process
 from shared.engines.base import Capabilities, EngineError, ImageEmbeds, PrefillOutput
+from shared.transfer.tensors import OwnerGoneError
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +112,7 @@ _BUILD_ENV = {
 
 class VllmEngine:
     name = "vllm"
-    capabilities = Capabilities(encode=False, generate=True, kv_export=False, kv_import=False)
+    capabilities = Capabilities(encode=False, generate=True, kv_export=True, kv_import=True, remote_kv=True)
 
     def __init__(
         self,
@@ -122,7 +127,13 @@ class VllmEngine:
         seed: int = 0,
         dtype: str = "float32",
         shutdown_timeout_s: float = 20.0,
+        kv_role: str | None = None,
+        kv_host: str = "127.0.0.1",
+        kv_lease_s: int = 30,
     ) -> None:
+        """``kv_role``: None (generate only), ``vllm_pd.PRODUCER`` (prefill apart) or
+        ``vllm_pd.CONSUMER`` (decode apart); ``kv_host``: the address consumers reach this
+        engine's NIXL side channel at; ``kv_lease_s``: how long a producer keeps unread KV."""
         from transformers import AutoTokenizer, GenerationConfig
 
         self._model_dir = Path(model_dir)
@@ -138,15 +149,19 @@ class VllmEngine:
         self._seed = seed
         self._dtype = dtype
         self._shutdown_timeout_s = shutdown_timeout_s
+        self._kv_role = kv_role
+        self._kv_host = kv_host
+        self._kv_lease_s = kv_lease_s
 
         config = json.loads((self._model_dir / "config.json").read_text())
         text_cfg = config.get("text_config", config)
         self.placeholder_token_id: int = int(config["image_token_id"])
         self.merge_size: int = int(config.get("vision_config", {}).get("spatial_merge_size", 2))
+        self.hidden_size: int = int(text_cfg["hidden_size"])
         model_len = int(text_cfg["max_position_embeddings"])
         self.max_model_len: int = min(max_model_len, model_len) if max_model_len else model_len
         self.tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
-        self.eos_token_ids: frozenset[int] = _eos_ids(self._model_dir, text_cfg, GenerationConfig)
+        self.eos_token_ids: frozenset[int] = vllm_process.eos_ids(self._model_dir, text_cfg, GenerationConfig)
 
         self._llm = None  # vllm AsyncLLM once started
         self._in_flight: set[str] = set()
@@ -184,6 +199,12 @@ class VllmEngine:
         saved = dict(os.environ)
         os.environ.update(_BUILD_ENV)
         os.environ["OMP_NUM_THREADS"] = str(self._num_threads)
+        kv = {}
+        if self._kv_role is not None:
+            os.environ.update(vllm_pd.side_channel_env(self._kv_host, vllm_pd.free_port(self._kv_host)))
+            kv["kv_transfer_config"] = vllm_pd.transfer_config(self._kv_role, self._kv_lease_s)
+            if self._kv_role == vllm_pd.CONSUMER:  # zero placeholder embeddings: see vllm_pd
+                kv["enable_prefix_caching"] = False
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -201,7 +222,8 @@ class VllmEngine:
                 gpu_memory_utilization=self._gpu_memory_utilization,
                 disable_log_stats=True,
                 trust_remote_code=False,
-                worker_extension_cls=f"{__name__}.EngineProcessExtension",
+                worker_extension_cls=f"{vllm_process.__name__}.EngineProcessExtension",
+                **kv,
             )
             return AsyncLLM.from_engine_args(args)
         finally:
@@ -227,7 +249,7 @@ class VllmEngine:
             await asyncio.wait([handler])
         procs = list(getattr(getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None),
                              "processes", None) or [])
-        await asyncio.to_thread(_shutdown, llm, procs, self._shutdown_timeout_s)
+        await asyncio.to_thread(vllm_process.shutdown, llm, procs, self._shutdown_timeout_s)
         del llm  # drop the last reference now, not at interpreter exit (its __del__ shuts down again)
 
     async def abort(self, request_id: str) -> None:
@@ -240,16 +262,69 @@ class VllmEngine:
         raise EngineError("vllm engine cannot encode (capability 'encode' is False): "
                           "the encode stage uses the transformers vision encoder")
 
-    async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
-                      sampling: protocol.Sampling) -> PrefillOutput:
-        raise EngineError("vllm engine cannot export KV (capability 'kv_export' is False): "
-                          "vLLM's KV connectors move no data on this build; use generate")
-
     async def decode(self, request_id: str, kv: torch.Tensor, rope_delta: int, prompt_len: int, first_token: int,
-                     sampling: protocol.Sampling) -> AsyncIterator[int]:
-        raise EngineError("vllm engine cannot import KV (capability 'kv_import' is False): "
-                          "vLLM's KV connectors move no data on this build; use generate")
+                     sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
+        raise EngineError("vllm engine cannot import a packed KV tensor: its KV moves engine to engine "
+                          "(capability 'remote_kv', decode_remote)")
         yield  # pragma: no cover  (makes this an async generator, like the protocol's decode)
+
+    # ------------------------------------------------------------------ prefill / decode apart
+    async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+                      sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
+        """Prompt → first token, the KV left in this engine for a consumer (kv_producer only)."""
+        if self._kv_role != vllm_pd.PRODUCER:
+            raise EngineError("this vllm engine was not built as a KV producer (kv_role); it cannot prefill apart")
+        params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1),
+                                       kv_transfer={"do_remote_decode": True})
+        first, kv_params, prompt_len = None, None, 0
+        async with contextlib.aclosing(self._outputs(request_id, self._prompt(prompt_ids, images), params)) as outs:
+            async for out in outs:
+                prompt_len = len(out.prompt_token_ids or ()) or prompt_len
+                completion = out.outputs[0] if out.outputs else None
+                if completion is not None and completion.token_ids and first is None:
+                    first = int(completion.token_ids[0])
+                if out.finished:
+                    kv_params = out.kv_transfer_params
+        if first is None:
+            raise EngineError(f"vllm produced no first token for {request_id!r}")
+        media = [protocol.MediaShape(getattr(m, "kind", "image"), tuple(m[1]), int(m[0].shape[0])) for m in images]
+        return PrefillOutput(first_token=first, kv=None, rope_delta=0, prompt_len=prompt_len,
+                             engine_kv=vllm_pd.to_wire(kv_params, media))
+
+    async def decode_remote(self, request_id: str, prompt_ids: list[int], kv: protocol.EngineKv, first_token: int,
+                            sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
+        """Read the producer's KV, then continue after ``first_token`` (kv_consumer only).
+
+        The request given to vLLM is the prompt + ``first_token`` + ``resume``; the positions
+        after the producer's are computed here. Yields ``resume``, then new tokens. A failed
+        read raises :class:`OwnerGoneError` (the runner restarts the request from its source)."""
+        if self._kv_role != vllm_pd.CONSUMER:
+            raise EngineError("this vllm engine was not built as a KV consumer (kv_role); it cannot decode apart")
+        for token in resume:
+            yield token
+        remaining = sampling.max_tokens - 1 - len(resume)
+        # Nothing left to generate: still read once (one discarded token), which tells the
+        # producer to free the blocks now; unread, its engine core would keep stepping, a busy
+        # loop, until their lease passes.
+        done = remaining <= 0 or (first_token, *resume)[-1] in self.eos_token_ids
+        media = vllm_pd.placeholder_media(kv.media, self.hidden_size)
+        prompt = self._prompt(list(prompt_ids), media, tail=(first_token, *resume))
+        params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1 if done else remaining),
+                                       kv_transfer=vllm_pd.from_wire(kv))
+        produced = 0
+        async with contextlib.aclosing(self._outputs(request_id, prompt, params)) as outs:
+            async for out in outs:
+                completion = out.outputs[0] if out.outputs else None
+                if completion is None or done:
+                    continue
+                if completion.finish_reason == "error":
+                    raise OwnerGoneError(f"vllm could not read the prompt's KV from engine {kv.remote_engine_id} at "
+                                         f"{kv.remote_host}:{kv.remote_port} (producer gone or its lease passed)")
+                for token in completion.token_ids:
+                    produced += 1
+                    yield int(token)
+                    if token in self.eos_token_ids or produced >= remaining:
+                        return
 
     # ------------------------------------------------------------------ generate
     async def generate(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
@@ -266,27 +341,11 @@ class VllmEngine:
         if len(resume) >= sampling.max_tokens or (resume and resume[-1] in self.eos_token_ids):
             return
         if resume:
-            prompt_ids = list(prompt_ids) + list(resume)
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume))
-        llm = self._llm
-        if llm is None:
-            raise EngineError("vllm engine is not started" if not self._stopping else "vllm engine is stopping")
-        if request_id in self._in_flight:
-            raise EngineError(f"request {request_id!r} is already generating on this engine")
-        prompt = self._prompt(prompt_ids, images)
-        params = self._sampling_params(sampling)
-
-        rejected = _request_errors()
-        try:
-            engine_input = await _render(llm, prompt)
-        except rejected as exc:
-            raise EngineError(f"vllm rejected the prompt: {exc}") from exc
-
-        self._in_flight.add(request_id)
-        stream = llm.generate(engine_input, params, request_id)
         produced = 0
-        try:
-            async for out in stream:
+        prompt = self._prompt(prompt_ids, images, tail=tuple(resume))
+        async with contextlib.aclosing(self._outputs(request_id, prompt, self._sampling_params(sampling))) as outs:
+            async for out in outs:
                 completion = out.outputs[0] if out.outputs else None
                 if completion is not None:
                     for token in completion.token_ids:
@@ -294,6 +353,28 @@ class VllmEngine:
                         yield int(token)
                         if token in self.eos_token_ids or produced >= sampling.max_tokens:
                             return
+
+    async def _outputs(self, request_id: str, prompt: dict, params) -> AsyncIterator:
+        """vLLM's outputs for one request until it finishes; closing this iterator early
+        aborts the request (callers hold it in ``contextlib.aclosing``, so closing them closes
+        it at once rather than when it is garbage-collected). Requests vLLM refuses raise
+        :class:`EngineError`."""
+        llm = self._llm
+        if llm is None:
+            raise EngineError("vllm engine is not started" if not self._stopping else "vllm engine is stopping")
+        if request_id in self._in_flight:
+            raise EngineError(f"request {request_id!r} is already running on this engine")
+        rejected = vllm_process.request_errors()
+        try:
+            engine_input = await vllm_process.render(llm, prompt)
+        except rejected as exc:
+            raise EngineError(f"vllm rejected the prompt: {exc}") from exc
+
+        self._in_flight.add(request_id)
+        stream = llm.generate(engine_input, params, request_id)
+        try:
+            async for out in stream:
+                yield out
                 if out.finished:
                     return
         except rejected as exc:  # e.g. prompt longer than max_model_len, caught at add_request
@@ -306,14 +387,16 @@ class VllmEngine:
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
-    def _prompt(self, prompt_ids: list[int], images: list[ImageEmbeds]) -> dict:
+    def _prompt(self, prompt_ids: list[int], images: list[ImageEmbeds], tail: tuple[int, ...] = ()) -> dict:
+        """vLLM's prompt dict; ``tail``: completion tokens appended after the placeholders are
+        counted (a generated token may equal a placeholder id)."""
         other = sorted({getattr(it, "kind", "image") for it in images} - {"image"})
         if other:
             raise EngineError(f"the vllm engine serves image embeddings only, not {', '.join(other)}")
         n_placeholders = sum(1 for t in prompt_ids if t == self.placeholder_token_id)
         if n_placeholders != len(images):
             raise EngineError(f"prompt has {n_placeholders} image placeholders but {len(images)} images given")
-        prompt: dict = {"prompt_token_ids": list(prompt_ids)}
+        prompt: dict = {"prompt_token_ids": [*prompt_ids, *tail]}
         if not images:
             return prompt
         if len(images) > self._max_images:
@@ -332,7 +415,7 @@ class VllmEngine:
         }}
         return prompt
 
-    def _sampling_params(self, sampling: protocol.Sampling):
+    def _sampling_params(self, sampling: protocol.Sampling, kv_transfer: dict | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -347,82 +430,5 @@ class VllmEngine:
             stop_token_ids=sorted(self.eos_token_ids),
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # the caller detokenises (and applies stop strings)
+            extra_args={"kv_transfer_params": kv_transfer} if kv_transfer is not None else None,
         )
-
-
-class EngineProcessExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls``), so it runs in the engine-core
-    process; ``start()`` calls :meth:`mmfleet_setup_engine_process` once via ``collective_rpc``.
-
-    - Parent watchdog: vLLM does not stop the engine core when its parent dies without
-      calling ``stop()`` (SIGKILL, OOM kill): it would live on, holding the model and KV cache.
-      A daemon thread polls the parent pid every second; once the process is re-parented it
-      SIGTERMs its own process (vLLM's orderly engine-core shutdown) and exits hard if that
-      has not ended it within 15 s.
-    - Fast exit: the interpreter's final garbage collection over the engine core's heap takes
-      3–5 s on 2 busy cores, past vLLM's 5 s grace before it SIGKILLs the process (and then
-      never reaps it). ``gc.freeze()`` at exit skips that scan (what vLLM itself does on ROCm);
-      the OS reclaims the memory."""
-
-    def mmfleet_setup_engine_process(self) -> int:
-        import atexit
-        import gc
-        import signal
-        import threading
-
-        atexit.register(gc.freeze)
-        parent = os.getppid()
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(1.0)
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(15.0)
-            os._exit(1)
-
-        threading.Thread(target=watch, name="mmfleet-parent-watch", daemon=True).start()
-        return parent
-
-
-def _request_errors() -> tuple[type[BaseException], ...]:
-    """vLLM's exceptions that mean "this request cannot be served" (its 4xx family and the
-    plain ValueError/TypeError of input validation); engine failures (EngineDeadError, ...)
-    propagate as they are."""
-    errors: tuple[type[BaseException], ...] = (ValueError, TypeError)
-    try:
-        from vllm.exceptions import GracefulHTTPError, VLLMClientError
-    except ImportError:
-        return errors
-    return (*errors, VLLMClientError, GracefulHTTPError)
-
-
-def _shutdown(llm, procs: list, timeout_s: float) -> None:
-    """``AsyncLLM.shutdown`` (SIGTERM, wait up to ``timeout_s``, then SIGKILL), then reap: vLLM
-    does not join a process it had to kill, which would stay a zombie until this one exits."""
-    llm.shutdown(timeout=timeout_s)
-    for proc in procs:
-        proc.join(timeout=5)
-
-
-async def _render(llm, prompt: dict):
-    """Token prompt (+ multimodal data) → vLLM's engine input, off the event loop.
-
-    vLLM 0.32 wants prompts rendered by its renderer (raw dicts still work but are deprecated);
-    builds without that API take the raw dict."""
-    try:
-        from vllm.renderers.inputs.preprocess import parse_model_prompt
-    except ImportError:
-        return prompt
-    (engine_input,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, prompt)])
-    return engine_input
-
-
-def _eos_ids(model_dir: Path, text_cfg: dict, generation_config_cls) -> frozenset[int]:
-    """The eos list ``generate()`` stops on — the same rule as ``Qwen2VLCompute``."""
-    eos = None
-    with contextlib.suppress(OSError):
-        eos = generation_config_cls.from_pretrained(str(model_dir)).eos_token_id
-    if eos is None:
-        eos = text_cfg.get("eos_token_id")
-    ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return frozenset(int(i) for i in ids)

@@ -110,7 +110,8 @@ def children() -> dict[int, str]:
 def test_facts_match_transformers(engine, compute):
     assert engine.name == "vllm"
     assert engine.capabilities.generate and not engine.capabilities.encode
-    assert not engine.capabilities.kv_export and not engine.capabilities.kv_import
+    # prefill and decode apart move the KV engine to engine (tests/engines/test_vllm_pd.py)
+    assert engine.capabilities.remote_kv and not engine.capabilities.prefix_kv
     assert engine.eos_token_ids == compute.eos_token_ids
     assert engine.max_model_len == compute.max_model_len
     assert engine.tokenizer.convert_tokens_to_ids("<|image_pad|>") == compute.placeholder_token_id
@@ -176,7 +177,7 @@ async def test_bad_inputs_raise_engine_error(engine, cases):
         await collect(engine.generate("bad-rows", prompt_ids, [(emb[:-1], grid)], GREEDY))
     with pytest.raises(EngineError, match="maximum context length"):
         await collect(engine.generate("too-long", [100] * (engine.max_model_len + 1), [], GREEDY))
-    with pytest.raises(EngineError, match="kv_export"):
+    with pytest.raises(EngineError, match="not built as a KV producer"):  # a generate-only engine
         await engine.prefill("p", prompt_ids, images, GREEDY)
     with pytest.raises(EngineError, match="encode"):
         await engine.encode(torch.zeros(4, 4), (1, 2, 2), 1)

@@ -1,0 +1,108 @@
+"""Prefill apart from decode on vLLM: the KV-connector configuration and the descriptor that
+crosses Kafka. Imports no vLLM at module level (the engine imports it when it starts).
+
+How the hand-off works (vLLM's ``NixlConnector``, pull mode, ``kv_buffer_device="cpu"``):
+- A prefill worker's engine is a ``kv_producer``. A prefill request carries
+  ``kv_transfer_params={"do_remote_decode": True}`` and ``max_tokens=1``: vLLM computes the
+  prompt's KV, samples the first token, finishes the request but keeps its blocks (delay-free)
+  and returns their descriptor (block ids, engine id, side-channel host/port). The producer's
+  engine core keeps stepping while such blocks wait, and frees them when the consumer says it
+  read them, or when ``kv_lease_s`` passes without the consumer's heartbeat.
+- A decode worker's engine is a ``kv_consumer`` (loaded through :mod:`shared.engines.vllm_connector`,
+  which caps the load at the producer's positions). Its request is the prompt + the first token
+  (+ resumed tokens) with the descriptor; vLLM handshakes with the producer's side channel,
+  READs the blocks over NIXL into its own cache, computes the tail and goes on decoding. A read
+  that fails (producer gone, lease passed) ends the request with finish reason ``error``
+  (``kv_load_failure_policy="fail"``; "recompute" would silently compute without the images).
+- The consumer is given the prompt's media as zero embeddings of the right shapes: vLLM needs
+  them to expand placeholders and to compute M-RoPE positions from ``grid_thw``, but reads no
+  embedding of a position whose KV was loaded. Its prefix cache is off (zeros would give two
+  different images one cache key there).
+Each engine core listens on its own side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+
+from shared import protocol
+
+PRODUCER = "kv_producer"
+CONSUMER = "kv_consumer"
+CONNECTOR = "FleetNixlConnector"
+CONNECTOR_MODULE = "shared.engines.vllm_connector"
+
+
+def free_port(host: str) -> int:
+    """A port free now on ``host`` (the engine core binds it a few seconds later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def transfer_config(role: str, kv_lease_s: int):
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector=CONNECTOR,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role=role,
+        kv_buffer_device="cpu",
+        kv_load_failure_policy="fail",
+        kv_connector_extra_config={"kv_lease_duration": max(1, int(kv_lease_s))},
+    )
+
+
+def side_channel_env(host: str, port: int) -> dict[str, str]:
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+
+
+def to_wire(params: dict | None, media: list[protocol.MediaShape]) -> protocol.EngineKv:
+    """vLLM's ``kv_transfer_params`` of a finished producer request → the typed descriptor."""
+    if not params or not params.get("remote_block_ids"):
+        raise ValueError(f"vLLM returned no KV descriptor for a kv_producer request: {params!r}")
+    groups = params["remote_block_ids"]
+    if groups and isinstance(groups[0], int):  # one KV-cache group given flat
+        groups = [groups]
+    return protocol.EngineKv(
+        remote_engine_id=str(params["remote_engine_id"]),
+        remote_request_id=str(params["remote_request_id"]),
+        remote_host=str(params["remote_host"]),
+        remote_port=int(params["remote_port"]),
+        remote_block_ids=tuple(tuple(int(b) for b in g) for g in groups),
+        remote_num_tokens=int(params.get("remote_num_tokens") or 0),
+        tp_size=int(params.get("tp_size") or 1),
+        dcp_size=int(params.get("dcp_size") or 1),
+        pp_size=int(params.get("pp_size") or 1),
+        transfer_mode=str(params.get("transfer_mode") or ""),
+        media=tuple(media),
+    )
+
+
+def from_wire(kv: protocol.EngineKv) -> dict:
+    """The descriptor → the ``kv_transfer_params`` a consumer request carries."""
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": tuple(list(g) for g in kv.remote_block_ids),
+        "remote_engine_id": kv.remote_engine_id,
+        "remote_request_id": kv.remote_request_id,
+        "remote_host": kv.remote_host,
+        "remote_port": kv.remote_port,
+        "remote_num_tokens": kv.remote_num_tokens,
+        "tp_size": kv.tp_size,
+        "dcp_size": kv.dcp_size,
+        "pp_size": kv.pp_size,
+    }
+    if kv.transfer_mode:
+        params["transfer_mode"] = kv.transfer_mode
+    return params
+
+
+def placeholder_media(media: tuple[protocol.MediaShape, ...], hidden_size: int) -> list:
+    """Zero embeddings of the items' shapes, as the engine's ``MediaEmbeds`` (see module doc)."""
+    from shared.engines.base import MediaEmbeds
+
+    return [MediaEmbeds(torch.zeros(m.n_tokens, hidden_size), tuple(m.grid_thw), m.kind) for m in media]
