@@ -13,6 +13,7 @@ import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 from aiokafka.helpers import create_ssl_context
 
@@ -102,13 +103,13 @@ async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS
             existing = set(await admin.list_topics())
             missing = [t for t in topics if t not in existing]
             if missing:
+                replicas = await replication_factor(admin, settings)
                 try:
-                    await admin.create_topics(
-                        [NewTopic(t, num_partitions=settings.topic_partitions, replication_factor=1) for t in missing]
-                    )
+                    await admin.create_topics([NewTopic(t, num_partitions=settings.topic_partitions,
+                                                        replication_factor=replicas) for t in missing])
                 except TopicAlreadyExistsError:
                     pass  # another process raced us: fine
-                log.info("created topics %s", missing)
+                log.info("created topics %s (%d replicas)", missing, replicas)
             return
         except (KafkaConnectionError, OSError) as exc:
             if loop.time() > deadline:
@@ -116,6 +117,22 @@ async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS
             await asyncio.sleep(0.3)
         finally:
             await admin.close()
+
+
+async def replication_factor(admin: AIOKafkaAdminClient, settings: Settings) -> int:
+    """``settings.topic_replication_factor``, or when 0 the broker's ``default.replication.factor``
+    (asked for: aiokafka speaks CreateTopics v0-v3, and "-1 = the broker's default" is v4),
+    or 1 where the broker does not state it (the embedded tansu broker)."""
+    if settings.topic_replication_factor > 0:
+        return settings.topic_replication_factor
+    cluster = await admin.describe_cluster()
+    broker = str(cluster["controller_id"] if cluster["controller_id"] >= 0 else cluster["brokers"][0]["node_id"])
+    for response in await admin.describe_configs([ConfigResource(ConfigResourceType.BROKER, broker)]):
+        for resource in response.resources:
+            for entry in resource[4]:  # config_entries: (name, value, ...)
+                if entry[0] == "default.replication.factor" and entry[1]:
+                    return int(entry[1])
+    return 1
 
 
 async def send_retrying(producer: AIOKafkaProducer, topic: str, value: bytes, key: bytes, *,
