@@ -107,7 +107,10 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         router = Router(redis, keys, settings, placeholder)
         load = LoadTracker()
         kv_worker = "prefill" in stages and "decode" not in stages
-        reuse = PrefixReuse(PrefixCache(settings.prefix_cache_bytes, settings.kv_block_size), placeholder) \
+        # the metric label leaves out pid and random suffix: a restart continues the same series
+        # (processes on one host are told apart by the scrape target, Prometheus' `instance`)
+        reuse = PrefixReuse(PrefixCache(settings.prefix_cache_bytes, settings.kv_block_size), placeholder,
+                            metric_label=f"{'+'.join(stages)}@{socket.gethostname()}") \
             if kv_worker and settings.prefix_cache_bytes > 0 else None
         reporter = LoadReporter(redis, keys, worker_id, load, settings) if kv_worker else None
         handlers = await _build_handlers(stages, settings, model_dir, stack,

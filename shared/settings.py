@@ -216,6 +216,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, not {self.log_format!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
 
     def with_overrides(self, **changes: Any) -> Settings:
         return msgspec.structs.replace(self, **{k: v for k, v in changes.items() if v is not None})

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 SETTINGS = web.AppKey("settings", Settings)
 STATE = web.AppKey("state", "GatewayState")
+GATEWAY_ID = web.AppKey("gateway_id", str)
 
 
 class GatewayState:
@@ -69,7 +70,7 @@ async def _lifecycle(app: web.Application):
     producer = make_producer(settings)
     redis = make_redis(settings)
     auth = Authenticator(settings, redis, keys)
-    gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"
+    gateway_id = app[GATEWAY_ID]
     transfer = TransferAgent(gateway_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms)
     await producer.start()
     await transfer.start()
@@ -101,9 +102,11 @@ async def _lifecycle(app: web.Application):
         await redis.aclose()
 
 
-def create_app(settings: Settings) -> web.Application:
+def create_app(settings: Settings, gateway_id: str | None = None) -> web.Application:
+    """``gateway_id``: this process's one id (its liveness record, NIXL agent and ingress claims)."""
     app = web.Application(client_max_size=settings.max_request_bytes)
     app[SETTINGS] = settings
+    app[GATEWAY_ID] = gateway_id or f"gateway-{uuid.uuid4().hex[:12]}"
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

@@ -37,7 +37,7 @@ def advertised_url(host: str, port: int) -> str:
 async def run_gateway(settings: Settings) -> int:
     gateway_id = f"gateway-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     logs.set_process(gateway_id)
-    runner = web.AppRunner(create_app(settings), access_log=None)
+    runner = web.AppRunner(create_app(settings, gateway_id), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.gateway_host, settings.gateway_port)
     await site.start()
