@@ -28,7 +28,9 @@ $(VLLM_STAMP): $(STAMP)
 	$(BIN)/python -m shared.torchvision_guard --install
 	touch $(VLLM_STAMP)
 
+# lint first (pyflakes, import order, pycodestyle; [tool.ruff] in pyproject.toml): seconds, not minutes
 test: install $(VLLM_STAMP)
+	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # a short standard benchmark suite (a few minutes); results under loadtest/results/<time>/
