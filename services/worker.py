@@ -25,7 +25,6 @@ import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
-from shared.redis_conn import make_redis
 import torch
 
 from shared import logs, metrics, protocol
@@ -37,10 +36,11 @@ from shared.kv.reuse import PrefixReuse
 from shared.kv.router import Router
 from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
 from shared.ledger import StageLedger
-from shared.metrics import MetricsServer
 from shared.liveness import heartbeat
-from shared.modes import check_engine, entry_stages, normalise
+from shared.metrics import MetricsServer
 from shared.models.registry import family_of, placeholder_token_id, resolve_model_path, served_modalities
+from shared.modes import check_engine, entry_stages, normalise
+from shared.redis_conn import make_redis
 from shared.runner import StageRunner
 from shared.settings import Settings
 from shared.stage import Context

@@ -13,7 +13,6 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import blake3
 import openai
