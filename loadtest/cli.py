@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     from loadtest.workloads import KINDS
 
     p = argparse.ArgumentParser(prog="loadtest", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="one benchmark")

@@ -93,7 +93,8 @@ def write(result: dict, out: Path, plots: bool = True) -> Path:
     for name, s in result["policies"].items():
         f, a = s["ttft_ms_followups"], s["ttft_ms_all"]
         lines.append(f"| {name} | {s['ok']}/{s['requests']} | {_pct(s['request_hit_rate'])} | "
-                     f"{_pct(s['token_hit_rate'])} | {_ms(f, 'p50')} / {_ms(f, 'p99')} | {_ms(a, 'p50')} / {_ms(a, 'p99')} |")
+                     f"{_pct(s['token_hit_rate'])} | {_ms(f, 'p50')} / {_ms(f, 'p99')} | "
+                     f"{_ms(a, 'p50')} / {_ms(a, 'p99')} |")
     lines += ["", "| goal | measured | verdict |", "|---|---|---|"]
     lines += [f"| {g['goal']} | {g['measured']} | {'met' if g['met'] else '**not met**'} |" for g in result["goals"]]
     for name, why in result.get("failed", {}).items():

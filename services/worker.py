@@ -26,6 +26,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import torch
+from redis.asyncio import Redis
 
 from shared import logs, metrics, protocol
 from shared.bus import make_producer
@@ -164,7 +165,7 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
 class _CacheParts:
     """What the embedding cache needs from the process (used only when it is on)."""
 
-    redis: aioredis.Redis
+    redis: Redis
     transfer: TransferAgent
     worker_id: str
 

@@ -84,7 +84,8 @@ class Ingress:
         await self._consumer.start()
         try:
             while not self._stopping.is_set():
-                batches = await self._consumer.getmany(timeout_ms=200, max_records=self._front.settings.max_poll_records)
+                batches = await self._consumer.getmany(timeout_ms=200,
+                                                       max_records=self._front.settings.max_poll_records)
                 for tp, records in batches.items():
                     tracker = self._trackers.setdefault(tp, OffsetTracker())
                     for record in records:

@@ -4,9 +4,9 @@ pixels, and hand the pixels to encode by NIXL descriptor.
 In: ``MediaFetchRequest`` (items are http(s) or file:// URLs, or inline bytes held by the
 gateway). Out: one ``EncodeRequest`` on ``mm.encode``. The gateway's inline slots are NOT
 released here: the gateway holds them until the request ends, so a restart from the source
-(after a lost tensor owner downstream) can read them again. Bad media ends the request with a 400/413/422 (``RequestFailed``); the worker
-goes on. mm_hash = BLAKE3 of the raw fetched bytes, so identical content hashes the same
-wherever it came from.
+(after a lost tensor owner downstream) can read them again. Bad media ends the request with a
+400/413/422 (``RequestFailed``); the worker goes on. mm_hash = BLAKE3 of the raw fetched bytes,
+so identical content hashes the same wherever it came from.
 
 Loading: http(s) through the shared :class:`MediaFetcher` (address policy, caps, timeouts),
 with concurrent requests for one URL sharing one download and recent bytes kept in an LRU

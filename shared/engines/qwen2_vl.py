@@ -139,7 +139,8 @@ class Qwen2VLCompute:
         text_cfg = cfg.text_config
         self.n_layers: int = int(text_cfg.num_hidden_layers)
         self.n_kv_heads: int = int(text_cfg.num_key_value_heads)
-        self.head_dim: int = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads)
+        self.head_dim: int = int(getattr(text_cfg, "head_dim", None)
+                                 or text_cfg.hidden_size // text_cfg.num_attention_heads)
         self.eos_token_ids: frozenset[int] = self._eos_ids()
         self.max_model_len: int = int(text_cfg.max_position_embeddings)
         self.preprocess_image = ImagePreprocessor(self.model_dir, processor=self.processor)

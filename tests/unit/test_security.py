@@ -143,7 +143,8 @@ def test_authenticator_identifies_or_refuses_with_401():
 def test_benchmark_reports_record_settings_without_secrets():
     from loadtest.targets import Targets
 
-    shown = Targets._settings_of({"MMFLEET_REDIS_PASSWORD": REDIS_PASSWORD, "MMFLEET_KAFKA_SASL_PASSWORD": SASL_PASSWORD,
+    shown = Targets._settings_of({"MMFLEET_REDIS_PASSWORD": REDIS_PASSWORD,
+                                  "MMFLEET_KAFKA_SASL_PASSWORD": SASL_PASSWORD,
                                   "REDIS_URL": f"redis://u:{REDIS_PASSWORD}@h:1/0", "MMFLEET_POOL_BYTES": "1"})
     assert SASL_PASSWORD not in str(shown) and REDIS_PASSWORD not in str(shown)
     assert shown["MMFLEET_POOL_BYTES"] == "1" and shown["MMFLEET_REDIS_PASSWORD"] == "***"
