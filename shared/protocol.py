@@ -210,12 +210,6 @@ class DecodeRequest(Struct, frozen=True, tag="decode.request"):
     cached_tokens: int = 0  # prompt positions whose KV came from prefill's prefix cache
 
 
-MediaFetchMsg = MediaFetchRequest
-EncodeMsg = EncodeRequest
-PrefillMsg = PrefillRequest
-DecodeMsg = DecodeRequest
-
-
 class DeadLetter(Struct, frozen=True, tag="dead_letter"):
     """A record a stage gave up on: where it came from, why, and the original bytes."""
 
@@ -235,9 +229,6 @@ class KvEvent(Struct, frozen=True, tag="kv.event"):
     stored: tuple[int, ...] = ()
     removed: tuple[int, ...] = ()
     cleared: bool = False  # the worker's cache was emptied (e.g. start-up): forget all its blocks
-
-
-KvEventMsg = KvEvent
 
 
 class WorkerInfo(Struct, frozen=True):

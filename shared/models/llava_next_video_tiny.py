@@ -21,7 +21,6 @@ from shared.models import tokenizer_build as tb
 
 MODEL_NAME = "llava-next-video-tiny"
 VIDEO = "<video>"
-TOKENS_PER_FRAME = lt.TOKENS_PER_IMAGE // 4
 CHAT_TEMPLATE = lt.CHAT_TEMPLATE.replace("'<|vision_start|><|video_pad|><|vision_end|>'", "'<video>'")
 
 
