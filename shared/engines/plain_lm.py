@@ -5,7 +5,7 @@ is packed as ``[n_layers, 2, n_kv_heads, seq, head_dim]`` so decode continues on
 
 A family subclass sets ``model``, ``processor``, ``placeholder_token_id`` and ``kind`` (the
 modality its placeholder holds), calls :meth:`_init_lm`, and adds its preprocessor and
-``encode_images``. Pure and synchronous, like :mod:`shared.engines.qwen2_vl`.
+``encode_media``. Pure and synchronous, like :mod:`shared.engines.qwen2_vl`.
 """
 
 from __future__ import annotations

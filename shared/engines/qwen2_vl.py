@@ -6,9 +6,9 @@ written — positions are always passed explicitly).  Callers run these methods 
 worker thread.  All tensors are float32 on CPU.
 
 Contract per step:
-- ``preprocess_image`` → ``ImagePixels`` exactly as ``AutoProcessor`` would produce
+- ``preprocess_image`` → ``MediaPixels`` exactly as ``AutoProcessor`` would produce
   for that image (same image-processor object and backend as the reference).
-- ``encode_images`` runs ONE vision forward over any number of images (they may
+- ``encode_media`` runs ONE vision forward over any number of images (they may
   belong to different requests) and returns one ``[n_tokens, hidden]`` tensor each.
 - ``prefill`` expands each placeholder token to its image's token count, computes
   M-RoPE positions, merges embeddings, runs the LM over the prompt and returns the
@@ -30,7 +30,7 @@ from PIL import Image
 
 
 @dataclass(frozen=True)
-class ImagePixels:
+class MediaPixels:
     """Processor output for one image (or video: ``kind="video"``).
 
     pixel_values: float32 [n_patches, patch_dim] (patch_dim = C·t_patch·p·p).
@@ -81,16 +81,16 @@ class ImagePreprocessor:
         self._merge = int(self._image_processor.merge_size)
 
     @torch.inference_mode()
-    def __call__(self, img: Image.Image) -> ImagePixels:
+    def __call__(self, img: Image.Image) -> MediaPixels:
         out = self._image_processor(images=[img], return_tensors="pt")
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
         n_tokens = grid[0] * grid[1] * grid[2] // (self._merge**2)
-        return ImagePixels(out["pixel_values"].to(torch.float32).contiguous(), grid, n_tokens)
+        return MediaPixels(out["pixel_values"].to(torch.float32).contiguous(), grid, n_tokens)
 
 
 class VideoPreprocessor:
     """The model's own video processor alone (no weights): what media-fetch runs on sampled
-    frames (``uint8 [frames, h, w, 3]``). Output as :class:`ImagePixels` (``pixel_values`` are
+    frames (``uint8 [frames, h, w, 3]``). Output as :class:`MediaPixels` (``pixel_values`` are
     ``pixel_values_videos``, ``grid_thw`` is ``video_grid_thw``), exactly what ``AutoProcessor``
     gives for ``videos=[frames]``."""
 
@@ -103,15 +103,15 @@ class VideoPreprocessor:
         self._merge = int(self._video_processor.merge_size)
 
     @torch.inference_mode()
-    def __call__(self, frames) -> ImagePixels:
+    def __call__(self, frames) -> MediaPixels:
         out = self._video_processor(videos=[frames], return_tensors="pt")
         grid = tuple(int(x) for x in out["video_grid_thw"][0].tolist())
         n_tokens = grid[0] * grid[1] * grid[2] // (self._merge**2)
-        return ImagePixels(out["pixel_values_videos"].to(torch.float32).contiguous(), grid, n_tokens)
+        return MediaPixels(out["pixel_values_videos"].to(torch.float32).contiguous(), grid, n_tokens)
 
 
 def _kind(item) -> str:
-    """An item's modality: ``MediaEmbeds`` / ``ImagePixels`` carry one; plain tuples are images."""
+    """An item's modality: ``MediaEmbeds`` / ``MediaPixels`` carry one; plain tuples are images."""
     return getattr(item, "kind", "image")
 
 
@@ -168,7 +168,7 @@ class Qwen2VLCompute:
     # ---- encode ---------------------------------------------------------------
 
     @torch.inference_mode()
-    def encode_images(self, items: list[ImagePixels]) -> list[torch.Tensor]:
+    def encode_media(self, items: list[MediaPixels]) -> list[torch.Tensor]:
         """One vision forward per modality present (images, videos) over all items; returns
         float32 [n_tokens, hidden] per item, in the order given."""
         result: list[torch.Tensor | None] = [None] * len(items)
@@ -194,20 +194,20 @@ class Qwen2VLCompute:
 
     # ---- prefill --------------------------------------------------------------
 
-    def expand_prompt(self, prompt_ids: list[int], images: list) -> list[int]:
+    def expand_prompt(self, prompt_ids: list[int], media: list) -> list[int]:
         """Replace the i-th placeholder (image or video token) by items[i]'s token count of it.
 
-        ``images``: ``(embeds, grid_thw[, kind])`` per item in prompt order (``MediaEmbeds``).
+        ``media``: ``(embeds, grid_thw[, kind])`` per item in prompt order (``MediaEmbeds``).
         Raises ValueError when the placeholders differ from the items (count or modality, in
         order) or an embedding's row count disagrees with t·h·w/merge².
         """
         ids_of = {tok: kind for kind, (tok, _) in self._placeholder.items()}
         found = [ids_of[t] for t in prompt_ids if t in ids_of]
-        kinds = [_kind(it) for it in images]
+        kinds = [_kind(it) for it in media]
         if found != kinds:
             raise ValueError(f"prompt has placeholders {found} but items {kinds} given")
         expanded: list[int] = []
-        it = iter(images)
+        it = iter(media)
         for tok in prompt_ids:
             if tok not in ids_of:
                 expanded.append(tok)
@@ -221,7 +221,7 @@ class Qwen2VLCompute:
         return expanded
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], images: list, prefix_kv: torch.Tensor | None = None) -> PrefillResult:
+    def prefill(self, prompt_ids: list[int], media: list, prefix_kv: torch.Tensor | None = None) -> PrefillResult:
         """Run the LM over the prompt with image / video embeddings merged at the placeholders.
 
         ``prefix_kv``: packed KV of the prompt's first ``P < prompt_len`` expanded positions
@@ -232,7 +232,7 @@ class Qwen2VLCompute:
         """
         from transformers import DynamicCache
 
-        expanded = self.expand_prompt(prompt_ids, images)
+        expanded = self.expand_prompt(prompt_ids, media)
         input_ids = torch.tensor([expanded], dtype=torch.long)
         seq_len = input_ids.shape[1]
         token_type = torch.zeros_like(input_ids, dtype=torch.int)
@@ -240,8 +240,8 @@ class Qwen2VLCompute:
             token_type[input_ids == tok] = type_id
         is_media = token_type > 0
 
-        if images:
-            grids = {kind: [it[1] for it in images if _kind(it) == kind] for kind in ("image", "video")}
+        if media:
+            grids = {kind: [it[1] for it in media if _kind(it) == kind] for kind in ("image", "video")}
             vision_pos, deltas = self.model.model.get_rope_index(
                 input_ids, mm_token_type_ids=token_type,
                 image_grid_thw=torch.tensor(grids["image"], dtype=torch.long) if grids["image"] else None,
@@ -257,8 +257,8 @@ class Qwen2VLCompute:
         position_ids = torch.cat([text_pos, vision_pos], dim=0)
 
         embeds = self.model.get_input_embeddings()(input_ids)
-        if images:  # items are in prompt order, so one scatter over every media position
-            media_embeds = torch.cat([it[0].to(embeds.dtype) for it in images], dim=0)
+        if media:  # items are in prompt order, so one scatter over every media position
+            media_embeds = torch.cat([it[0].to(embeds.dtype) for it in media], dim=0)
             embeds = embeds.masked_scatter(is_media.unsqueeze(-1), media_embeds)
 
         start = 0

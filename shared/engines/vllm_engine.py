@@ -15,7 +15,7 @@ What it serves (``capabilities``):
   (``enable_mm_embeds=True``). Prompts go through vLLM's renderer (``render_cmpl_async``),
   the non-deprecated 0.32 path for token prompts.
 - NOT ``encode``: the encode stage keeps the transformers vision encoder
-  (``Qwen2VLCompute.encode_images``), so every engine sees the same embeddings.
+  (``Qwen2VLCompute.encode_media``), so every engine sees the same embeddings.
 - NOT ``kv_export`` / ``kv_import``: vLLM's KV connectors move no data on CPU (DESIGN §6);
   E/P/D and EP/D layouts need the transformers engine. ``encode``/``prefill``/``decode`` raise
   :class:`EngineError` naming the capability.
@@ -90,7 +90,7 @@ import msgspec
 import torch
 
 from shared import protocol
-from shared.engines.base import Capabilities, EngineError, ImageEmbeds, PrefillOutput
+from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ class VllmEngine:
         raise EngineError("vllm engine cannot encode (capability 'encode' is False): "
                           "the encode stage uses the transformers vision encoder")
 
-    async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+    async def prefill(self, request_id: str, prompt_ids: list[int], images: list[MediaEmbeds],
                       sampling: protocol.Sampling) -> PrefillOutput:
         raise EngineError("vllm engine cannot export KV (capability 'kv_export' is False): "
                           "vLLM's KV connectors move no data on this build; use generate")
@@ -252,7 +252,7 @@ class VllmEngine:
         yield  # pragma: no cover  (makes this an async generator, like the protocol's decode)
 
     # ------------------------------------------------------------------ generate
-    async def generate(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+    async def generate(self, request_id: str, prompt_ids: list[int], images: list[MediaEmbeds],
                        sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
         """Prefill + decode in vLLM; yields completion token ids (eos included when produced).
 
@@ -306,7 +306,7 @@ class VllmEngine:
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
-    def _prompt(self, prompt_ids: list[int], images: list[ImageEmbeds]) -> dict:
+    def _prompt(self, prompt_ids: list[int], images: list[MediaEmbeds]) -> dict:
         other = sorted({getattr(it, "kind", "image") for it in images} - {"image"})
         if other:
             raise EngineError(f"the vllm engine serves image embeddings only, not {', '.join(other)}")
