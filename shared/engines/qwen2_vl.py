@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from shared.engines.kv_pack import pack_kv, unpack_kv
+
 
 @dataclass(frozen=True)
 class MediaPixels:
@@ -276,7 +278,7 @@ class Qwen2VLCompute:
             use_cache=True,
             logits_to_keep=1,
         )
-        kv = self.pack_kv(out.past_key_values)
+        kv = pack_kv(out.past_key_values)
         return PrefillResult(
             last_logits=out.logits[0, -1].to(torch.float32).clone(),
             kv=kv,
@@ -284,25 +286,12 @@ class Qwen2VLCompute:
             prompt_len=seq_len,
         )
 
-    @staticmethod
-    def pack_kv(cache) -> torch.Tensor:
-        """DynamicCache (batch 1) → contiguous [n_layers, 2, n_kv_heads, seq, head_dim]."""
-        per_layer = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
-        return torch.stack(per_layer).to(torch.float32).contiguous()
-
     # ---- decode ---------------------------------------------------------------
 
     @torch.inference_mode()
     def start_decode(self, kv_packed: torch.Tensor, rope_delta: int, seq_len: int) -> DecodeState:
         """Rebuild a DynamicCache from a packed KV (copied; the caller keeps its buffer)."""
-        from transformers import DynamicCache
-
-        expected = (self.n_layers, 2, self.n_kv_heads, seq_len, self.head_dim)
-        if tuple(kv_packed.shape) != expected:
-            raise ValueError(f"packed KV shape {tuple(kv_packed.shape)} != {expected}")
-        kv = kv_packed.to(torch.float32)
-        layers = [(kv[i, 0].unsqueeze(0).clone(), kv[i, 1].unsqueeze(0).clone()) for i in range(self.n_layers)]
-        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
+        cache = unpack_kv(kv_packed, (self.n_layers, 2, self.n_kv_heads, seq_len, self.head_dim), self.model.config)
         return DecodeState(cache=cache, rope_delta=int(rope_delta), seq_len=seq_len)
 
     @torch.inference_mode()

@@ -34,13 +34,12 @@ Model facts (what other code may rely on):
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from pathlib import Path
 
 import torch
 
+from shared.models import build_cache
 from shared.models import tokenizer_build as tb
 from shared.models.build_cache import build_once
 
@@ -107,18 +106,7 @@ def vision_config_dict() -> dict:
 
 def recipe_hash(seed: int) -> str:
     """Short hash of everything that determines the built files."""
-    import tokenizers
-    import transformers
-
-    h = hashlib.sha256()
-    for module_file in (Path(__file__), Path(tb.__file__)):
-        h.update(module_file.read_bytes())
-    h.update(json.dumps(
-        {"seed": seed, "torch": torch.__version__, "transformers": transformers.__version__,
-         "tokenizers": tokenizers.__version__},
-        sort_keys=True,
-    ).encode())
-    return h.hexdigest()[:12]
+    return build_cache.recipe_hash(seed, (Path(__file__), Path(tb.__file__)))
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
