@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 from pathlib import Path
 
@@ -34,6 +35,7 @@ _EPILOG = ("every setting, with its environment variable, default and meaning: `
            "honoured as aliases)")
 
 
+@functools.cache
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
