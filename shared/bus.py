@@ -127,9 +127,19 @@ async def replication_factor(admin: AIOKafkaAdminClient, settings: Settings) -> 
         return settings.topic_replication_factor
     cluster = await admin.describe_cluster()
     broker = str(cluster["controller_id"] if cluster["controller_id"] >= 0 else cluster["brokers"][0]["node_id"])
-    for response in await admin.describe_configs([ConfigResource(ConfigResourceType.BROKER, broker)]):
-        for resource in response.resources:
-            for entry in resource[4]:  # config_entries: (name, value, ...)
+    try:
+        responses = await admin.describe_configs([ConfigResource(ConfigResourceType.BROKER, broker)])
+    except KafkaConnectionError:
+        raise
+    except KafkaError as exc:  # e.g. no DescribeConfigs permission: never guess a production default
+        raise RuntimeError(f"cannot read the broker's default.replication.factor ({exc!r}); "
+                           "set MMFLEET_TOPIC_REPLICATION_FACTOR") from exc
+    for response in responses:
+        for resource in response.resources:  # (error_code, error_message, type, name, config_entries)
+            if resource[0]:
+                raise RuntimeError(f"cannot read the broker's default.replication.factor ({resource[1]}); "
+                                   "set MMFLEET_TOPIC_REPLICATION_FACTOR")
+            for entry in resource[4]:  # (name, value, ...)
                 if entry[0] == "default.replication.factor" and entry[1]:
                     return int(entry[1])
     return 1
