@@ -13,7 +13,6 @@ import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 from aiokafka.helpers import create_ssl_context
 
@@ -103,7 +102,7 @@ async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS
             existing = set(await admin.list_topics())
             missing = [t for t in topics if t not in existing]
             if missing:
-                replicas = await replication_factor(admin, settings)
+                replicas = settings.topic_replication_factor
                 try:
                     await admin.create_topics([NewTopic(t, num_partitions=settings.topic_partitions,
                                                         replication_factor=replicas) for t in missing])
@@ -117,32 +116,6 @@ async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS
             await asyncio.sleep(0.3)
         finally:
             await admin.close()
-
-
-async def replication_factor(admin: AIOKafkaAdminClient, settings: Settings) -> int:
-    """``settings.topic_replication_factor``, or when 0 the broker's ``default.replication.factor``
-    (asked for: aiokafka speaks CreateTopics v0-v3, and "-1 = the broker's default" is v4),
-    or 1 where the broker does not state it (the embedded tansu broker)."""
-    if settings.topic_replication_factor > 0:
-        return settings.topic_replication_factor
-    cluster = await admin.describe_cluster()
-    broker = str(cluster["controller_id"] if cluster["controller_id"] >= 0 else cluster["brokers"][0]["node_id"])
-    try:
-        responses = await admin.describe_configs([ConfigResource(ConfigResourceType.BROKER, broker)])
-    except KafkaConnectionError:
-        raise
-    except KafkaError as exc:  # e.g. no DescribeConfigs permission: never guess a production default
-        raise RuntimeError(f"cannot read the broker's default.replication.factor ({exc!r}); "
-                           "set MMFLEET_TOPIC_REPLICATION_FACTOR") from exc
-    for response in responses:
-        for resource in response.resources:  # (error_code, error_message, type, name, config_entries)
-            if resource[0]:
-                raise RuntimeError(f"cannot read the broker's default.replication.factor ({resource[1]}); "
-                                   "set MMFLEET_TOPIC_REPLICATION_FACTOR")
-            for entry in resource[4]:  # (name, value, ...)
-                if entry[0] == "default.replication.factor" and entry[1]:
-                    return int(entry[1])
-    return 1
 
 
 async def send_retrying(producer: AIOKafkaProducer, topic: str, value: bytes, key: bytes, *,

@@ -61,9 +61,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # --- Kafka
     topic_partitions: Annotated[int, _d("partitions per topic when `mmfleet topics` creates them; the most "
                                         "workers one stage can use")] = 4
+    # Not "the broker's default": that is CreateTopics v4 (-1), beyond aiokafka (v0-v3), and asking
+    # with DescribeConfigs upset the embedded tansu broker (a later consumer group hung).
     topic_replication_factor: Annotated[int, _d(
-        "replicas per topic when `mmfleet topics` creates them; 0: the broker's "
-        "default.replication.factor (1 where the broker does not say)")] = 0
+        "replicas per topic when `mmfleet topics` creates them (at most the brokers there are; "
+        "3 is usual in production)")] = 1
     # How long the broker may hold a fetch when no data is waiting. The embedded tansu broker
     # does not answer a waiting fetch when data arrives, so this is the per-hop latency floor
     # there (p50 ~ half of it): 500 ms (aiokafka's default) adds ~250 ms per hop; 10 ms costs

@@ -238,20 +238,3 @@ def test_offset_tracker_commits_only_below_the_oldest_in_flight():
     t.mark_committed(8)
     assert t.committable() is None
 
-
-async def test_topic_replication_factor_is_the_brokers_unless_set(kafka_bootstrap):
-    """0 (the default) asks the broker for its default.replication.factor with DescribeConfigs;
-    the embedded broker states none, so 1. A set value is used as it is."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    from shared.bus import kafka_client_kwargs, replication_factor
-
-    settings = Settings(kafka_bootstrap=kafka_bootstrap)
-    admin = AIOKafkaAdminClient(**kafka_client_kwargs(settings))
-    await admin.start()
-    try:
-        assert await replication_factor(admin, settings) == 1
-        assert await replication_factor(admin, Settings(kafka_bootstrap=kafka_bootstrap,
-                                                        topic_replication_factor=3)) == 3
-    finally:
-        await admin.close()
