@@ -190,11 +190,12 @@ class Fleet:
 
     async def _wait_workers(self, timeout_s: float = 180) -> None:
         """Until every stage group has a live worker holding partitions (its liveness record)."""
-        from collections import Counter
+        from shared.redis_conn import make_redis
 
         from shared.keys import RedisKeys
         from shared.liveness import live_workers
-        from shared.redis_conn import make_redis
+
+        from collections import Counter
 
         wanted = Counter({tuple(stages): group_replicas(tuple(stages), self.replicas) for stages in MODES[self.mode]})
         redis = make_redis(self.settings)

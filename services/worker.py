@@ -25,6 +25,7 @@ import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+from shared.redis_conn import make_redis
 import torch
 from redis.asyncio import Redis
 
@@ -37,11 +38,10 @@ from shared.kv.reuse import PrefixReuse
 from shared.kv.router import Router
 from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
 from shared.ledger import StageLedger
-from shared.liveness import heartbeat
 from shared.metrics import MetricsServer
-from shared.models.registry import family_of, placeholder_token_id, resolve_model_path, served_modalities
+from shared.liveness import heartbeat
 from shared.modes import check_engine, entry_stages, normalise
-from shared.redis_conn import make_redis
+from shared.models.registry import family_of, placeholder_token_id, resolve_model_path, served_modalities
 from shared.runner import StageRunner
 from shared.settings import Settings
 from shared.stage import Context

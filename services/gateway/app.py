@@ -31,10 +31,6 @@ import uuid
 
 from aiohttp import web
 
-from services.gateway.auth import Authenticator
-from services.gateway.frontend import Frontend, new_request_id
-from services.gateway.prompt import PromptBuilder
-from services.gateway.responses import Rejected, error_response, http_reply
 from shared import logs, metrics
 from shared.bus import make_producer
 from shared.keys import INGRESS_STAGE, RedisKeys
@@ -45,6 +41,10 @@ from shared.redis_conn import make_redis
 from shared.settings import Settings
 from shared.streams import TokenStreams
 from shared.transfer import TransferAgent
+from services.gateway.auth import Authenticator
+from services.gateway.frontend import Frontend, new_request_id
+from services.gateway.prompt import PromptBuilder
+from services.gateway.responses import Rejected, error_response, http_reply
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 from prometheus_client import Counter
 
-from services.gateway.frontend import Frontend
-from services.gateway.responses import Rejected, Reply, error_reply
 from shared.bus import OffsetTracker, make_consumer
 from shared.keys import INGRESS_STAGE, TOPIC_REPLY_ERRORS, TOPIC_REQUESTS, consumer_group
 from shared.ledger import StageLedger
+from services.gateway.frontend import Frontend
+from services.gateway.responses import Rejected, Reply, error_reply
 
 log = logging.getLogger(__name__)
 

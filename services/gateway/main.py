@@ -14,14 +14,15 @@ import socket
 import time
 import uuid
 
+
 from aiohttp import web
 
-from services.gateway.app import create_app
 from shared import logs, protocol
 from shared.keys import RedisKeys
-from shared.liveness import keep_record
 from shared.redis_conn import make_redis
+from shared.liveness import keep_record
 from shared.settings import Settings
+from services.gateway.app import create_app
 
 log = logging.getLogger(__name__)
 

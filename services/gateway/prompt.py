@@ -10,20 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gateway import schema
 from shared import protocol
 from shared.media.files import file_url_path
-from shared.media.sources import (
-    MIME_TYPES_BY_KIND,
-    REMOTE_SCHEMES,
-    MediaError,
-    as_allowlist,
-    check_remote_url,
-    decode_data_url,
-    scheme_of,
-)
+from shared.media.sources import (MIME_TYPES_BY_KIND, REMOTE_SCHEMES, MediaError, as_allowlist, check_remote_url,
+                                  decode_data_url, scheme_of)
 from shared.settings import Settings
 from shared.stage import RequestFailed
+from services.gateway import schema
+
 
 # OpenAI's input_audio.format values -> the MIME type its base64 data is checked as
 _INPUT_AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg"}

@@ -10,6 +10,7 @@ a ``MicroBatcher`` and run as one forward. Token loops check for an abort betwee
 from __future__ import annotations
 
 import dataclasses
+
 from collections.abc import AsyncIterator
 from pathlib import Path
 

@@ -59,13 +59,8 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_tiny_llava(out_dir: Path, *, seed: int = 0) -> Path:
-    from transformers import (
-        CLIPImageProcessor,
-        GenerationConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
+    from transformers import (CLIPImageProcessor, GenerationConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

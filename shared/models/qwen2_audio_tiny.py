@@ -86,13 +86,8 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_tiny_qwen2_audio(out_dir: Path, *, seed: int = 0) -> Path:
-    from transformers import (
-        GenerationConfig,
-        Qwen2AudioConfig,
-        Qwen2AudioForConditionalGeneration,
-        Qwen2AudioProcessor,
-        WhisperFeatureExtractor,
-    )
+    from transformers import (GenerationConfig, Qwen2AudioConfig, Qwen2AudioForConditionalGeneration,
+                              Qwen2AudioProcessor, WhisperFeatureExtractor)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

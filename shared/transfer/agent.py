@@ -36,7 +36,6 @@ from typing import Iterable
 import msgspec
 import numpy as np
 import torch
-
 try:  # the meta package's import path, else the variant wheel the project pins
     from nixl._api import nixl_agent, nixl_agent_config
 except ImportError:

@@ -13,6 +13,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import blake3
 import openai

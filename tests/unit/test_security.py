@@ -15,12 +15,12 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from services.gateway.auth import Authenticator, hash_key, parse_key_hashes
-from services.gateway.responses import Rejected
 from shared import settings as settings_mod
 from shared.bus import kafka_client_kwargs
 from shared.keys import RedisKeys
 from shared.redis_conn import redis_kwargs
+from services.gateway.auth import Authenticator, hash_key, parse_key_hashes
+from services.gateway.responses import Rejected
 from tests import procs
 
 SASL_PASSWORD = "sasl-Pa55-word-XYZ"
