@@ -40,7 +40,9 @@ chromium:
 	    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; }; \
 	  else echo "no chromium (needs root and apt-get to install): the /fleet browser test will skip"; fi; }
 
+# lint first (pyflakes, import order, pycodestyle; [tool.ruff] in pyproject.toml): seconds, not minutes
 test: install $(VLLM_STAMP) chromium
+	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # the benchmark suites (~20 minutes); results under loadtest/results/<time>/. The plumbing

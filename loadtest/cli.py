@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     from loadtest.workloads import KINDS
 
     p = argparse.ArgumentParser(prog="loadtest", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="one benchmark")
@@ -127,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     step = sub.add_parser("step", help="step load (idle -> burst -> idle): --autoscale vs a fixed maximal fleet")
     step.add_argument("--burst-rate", type=float, default=3.0, help="requests/s during the burst")
     step.add_argument("--burst-s", type=float, default=30.0)
-    step.add_argument("--max-workers", type=int, default=2, help="per stage: the fixed fleet's size, the autoscaler's bound")
+    step.add_argument("--max-workers", type=int, default=2,
+                      help="per stage: the fixed fleet's size, the autoscaler's bound")
     step.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     step.add_argument("--mode", default="e-pd", choices=["epd", "e-pd", "e-p-d", "ep-d"])
     _common(step)

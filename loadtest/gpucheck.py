@@ -8,7 +8,8 @@ gateway and media-fetch, and forwards each stage's descriptors to the next stage
 processes' stdin/stdout (msgpack frames). Each flow runs twice: as shipped (a consumer on the
 same GPU opens the CUDA IPC handle) and with the IPC handles stripped from the descriptors
 down to the shared pinned pool (same host, no NIXL hop) and to the NIXL staging path (what a
-consumer on another host gets). The agents' counters prove which path each pull took. Exits 0 when every parity holds and every probed byte arrived; 2 with no GPU.
+consumer on another host gets). The agents' counters prove which path each pull took.
+Exits 0 when every parity holds and every probed byte arrived; 2 with no GPU.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _frame(obj) -> bytes:
 # ---------------------------------------------------------------- a stage process
 
 async def _stage(stage: str, model_dir: str, device: str, dtype: str) -> None:
-    from shared.engines.qwen2_vl import ImagePixels
+    from shared.engines.qwen2_vl import MediaPixels
     from shared.engines.transformers_engine import compute_class
     from shared.transfer import TransferAgent
 
@@ -91,7 +92,7 @@ async def _stage(stage: str, model_dir: str, device: str, dtype: str) -> None:
         msg = _IN.decode(await loop.run_in_executor(None, read, struct.unpack("<I", head)[0]))
         try:
             reply = Done(stats=agent.stats()) if isinstance(msg, Stats) else await _work(stage, compute, agent, msg,
-                                                                                          ImagePixels)
+                                                                                          MediaPixels)
         except Exception as exc:  # reported to the driver, which fails the check with it
             reply = Done(error=f"{stage}: {type(exc).__name__}: {exc}")
         out.write(_frame(reply))
@@ -99,13 +100,13 @@ async def _stage(stage: str, model_dir: str, device: str, dtype: str) -> None:
     await agent.stop()
 
 
-async def _work(stage: str, compute, agent, job: Job, ImagePixels) -> Done:
+async def _work(stage: str, compute, agent, job: Job, MediaPixels) -> Done:
     tensors = await agent.get_many([(job.owner, r) for r in job.refs]) if job.refs else []
     if job.refs:
         await agent.release(job.owner, [r.lease for r in job.refs])
     if stage == "encode":
-        items = [ImagePixels(t, g, n) for t, g, n in zip(tensors, job.grids, job.n_tokens, strict=True)]
-        return Done(refs=[agent.put(e) for e in compute.encode_images(items)])
+        items = [MediaPixels(t, g, n) for t, g, n in zip(tensors, job.grids, job.n_tokens, strict=True)]
+        return Done(refs=[agent.put(e) for e in compute.encode_media(items)])
     if stage == "prefill":
         out = compute.prefill(job.prompt_ids, [(t, g, "image") for t, g in zip(tensors, job.grids, strict=True)])
         first = int(out.last_logits.argmax())
@@ -158,7 +159,8 @@ async def _epd(procs: dict[str, _Proc], owners: dict[str, AgentRef], agent, prom
         embeds = _strip(enc.refs, path)
     pre = await procs["prefill"].call(Job(owner=owners["encode"], refs=embeds, grids=grids, prompt_ids=prompt_ids))
     ttft = time.perf_counter() - t0
-    dec = await procs["decode"].call(Job(owner=owners["prefill"], refs=_strip(pre.refs, path), rope_delta=pre.rope_delta,
+    dec = await procs["decode"].call(Job(owner=owners["prefill"], refs=_strip(pre.refs, path),
+                                         rope_delta=pre.rope_delta,
                                          prompt_len=pre.prompt_len, first_token=pre.tokens[0], max_tokens=max_tokens))
     return pre.tokens + dec.tokens, ttft
 

@@ -33,9 +33,9 @@ from aiohttp import web
 
 from services.decode.stream import stream_completion
 from services.gateway import schema
-from services.worker import make_engine
 from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.responses import Shaper, error_response, event_error_response, sse_response, whole_response
+from services.worker import make_engine
 from shared import protocol
 from shared.settings import Settings
 from shared.stage import RequestFailed

@@ -101,7 +101,8 @@ def write(result: dict, out: Path, plots: bool = True) -> Path:
     for name, s in result["policies"].items():
         f, a = s["ttft_ms_followups"], s["ttft_ms_all"]
         lines.append(f"| {name} | {s['ok']}/{s['requests']} | {_pct(s['request_hit_rate'])} | "
-                     f"{_pct(s['token_hit_rate'])} | {_ms(f, 'p50')} / {_ms(f, 'p99')} | {_ms(a, 'p50')} / {_ms(a, 'p99')} |")
+                     f"{_pct(s['token_hit_rate'])} | {_ms(f, 'p50')} / {_ms(f, 'p99')} | "
+                     f"{_ms(a, 'p50')} / {_ms(a, 'p99')} |")
     lines += ["", ("Follow-up turns by what their prefix reuse met (`shared.kv.audit`): hit / cold (no worker "
                    "listed a block) / load (another held more) / evicted (listed, gone by prefill) / moved "
                    "(rebalanced) / unrouted; KV-event lag = produce to routing-table update."), "",

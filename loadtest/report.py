@@ -108,7 +108,8 @@ def summary_md(result: dict, plot_note: str = "") -> str:
     if result.get("skipped") or result.get("failed"):
         lines += ["## Targets not measured", ""]
         lines += [f"- `{t}` skipped: {why}" for t, why in result.get("skipped", {}).items()]
-        lines += [f"- `{t}` FAILED: {why.splitlines()[0] if why else ''}" for t, why in result.get("failed", {}).items()]
+        lines += [f"- `{t}` FAILED: {why.splitlines()[0] if why else ''}"
+                  for t, why in result.get("failed", {}).items()]
         lines.append("")
     lines += _breakdown_md(result["runs"])
     lines += repeats.repeats_md(result["runs"])

@@ -172,7 +172,8 @@ def table(result: dict, on: str = ON, off: str = OFF, vllm: str = VLLM) -> tuple
         measured = "–" if change is None else f"{_f(_m(p50a))} vs {_f(_m(p50b))} ms = {change:.0%} lower"
         missing = "not evaluated: a side did not run"
         if abs(ratio - GOAL_RATIO) < 1e-9:
-            goals.append({"goal": f"TTFT p50 with the cache ≥ {GOAL_REDUCTION:.0%} lower than without at {ratio:.0%} reuse",
+            goals.append({"goal": f"TTFT p50 with the cache ≥ {GOAL_REDUCTION:.0%} lower than without "
+                                  f"at {ratio:.0%} reuse",
                           "measured": measured, "verdict": missing if change is None else
                           ("met" if change >= GOAL_REDUCTION else "**not met**")})
             if _m(p50v) and _m(rv) and _m(p50a) and _m(ra):

@@ -6,14 +6,14 @@ chunks), kept ``stream_ttl_s`` after the request; the last entry is the terminal
 ``protocol.Finish`` carries ``spans: tuple[StageSpan, ...]`` — per stage the request went
 through: ``stage, worker, queue_ms`` (upstream produce → this stage picked it up),
 ``transfer_ms`` (NIXL pulls/puts, media fetches), ``total_ms`` (handler start to end) and
-``compute_ms`` — the span's own field when it has one, else ``total_ms − transfer_ms``.
+``compute_ms`` = ``total_ms − transfer_ms``.
 Read them after a run, before the fleet stops.
 
 The ``inproc`` server times the same steps and serves them in the same shape over HTTP
 (:func:`fetch_spans_http`), so both sides of the comparison read alike.
 
-Degrades, never fails: a protocol without ``StageSpan``, Finish events without spans, or an
-unreachable Redis give ``{"available": False, "reason": ...}`` and the report says so.
+Degrades, never fails: Finish events without spans, or an unreachable Redis give
+``{"available": False, "reason": ...}`` and the report says so.
 """
 
 from __future__ import annotations
@@ -26,17 +26,9 @@ FIELDS = ("queue_ms", "transfer_ms", "compute_ms", "total_ms")
 STAGE_ORDER = ("media-fetch", "encode", "prefill", "decode")
 
 
-def protocol_has_spans() -> bool:
-    from shared import protocol
-
-    return hasattr(protocol, "StageSpan") and "spans" in getattr(protocol.Finish, "__struct_fields__", ())
-
-
 async def fetch_spans(redis_url: str, prefix: str, request_ids: Iterable[str]) -> dict:
     """``{request_id: [span dict, ...]}`` for each request whose stream ends in a Finish, plus
     the reason when there is nothing to report. Returns ``{"spans": {...}, "reason": str|None}``."""
-    if not protocol_has_spans():
-        return {"spans": {}, "reason": "shared.protocol.Finish has no spans field in this checkout"}
     import redis.asyncio as aioredis
 
     from shared import protocol
@@ -87,10 +79,8 @@ async def fetch_spans_http(url: str, request_ids: Iterable[str]) -> dict:
 
 
 def span_dict(span) -> dict:
-    """One ``StageSpan`` as a dict with every field of :data:`FIELDS`."""
-    compute = getattr(span, "compute_ms", None)
-    if compute is None:  # the span counts compute as what is not transfer
-        compute = max(0.0, span.total_ms - span.transfer_ms)
+    """One ``StageSpan`` as a dict with every field of :data:`FIELDS` (compute: what is not transfer)."""
+    compute = max(0.0, span.total_ms - span.transfer_ms)
     return {"stage": span.stage, "worker": span.worker, "queue_ms": span.queue_ms,
             "transfer_ms": span.transfer_ms, "compute_ms": compute, "total_ms": span.total_ms,
             **{f: getattr(span, f, 0.0) for f in ("claim_ms", "start_unix_ms", "first_out_ms")}}

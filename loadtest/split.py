@@ -153,7 +153,8 @@ def markdown(name: str, device: str, res: dict) -> str:
 
 def header(long_tokens: int) -> str:
     return ("| model | device | encode ms | prefill ms | decode ms/token | encode share of TTFT | "
-            f"{long_tokens}-token prefill ms | its share of TTFT | decode / TTFT |\n|---|---|---|---|---|---|---|---|---|")
+            f"{long_tokens}-token prefill ms | its share of TTFT | decode / TTFT |\n"
+            "|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv: list[str] | None = None) -> int:

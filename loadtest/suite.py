@@ -52,7 +52,8 @@ def evaluate_goals(result: dict, *, low: str = f"c={LOW}", sat: str = f"c={SAT}"
         goal = f"`{f}` TTFT p50 − `inproc` TTFT p50 ≤ 10 ms at {low}"
         if fl and il:
             d = fl["ttft_ms"]["p50"] - il["ttft_ms"]["p50"]
-            rows.append({"goal": goal, "measured": f"{fl['ttft_ms']['p50']:.1f} − {il['ttft_ms']['p50']:.1f} = {d:+.1f} ms",
+            rows.append({"goal": goal,
+                         "measured": f"{fl['ttft_ms']['p50']:.1f} − {il['ttft_ms']['p50']:.1f} = {d:+.1f} ms",
                          "verdict": _verdict(d <= 10)})
         else:
             rows.append({"goal": goal, "measured": "–", "verdict": _why_missing(result, f if not fl else "inproc")})
@@ -71,7 +72,8 @@ def evaluate_goals(result: dict, *, low: str = f"c={LOW}", sat: str = f"c={SAT}"
                 rows.append({"goal": goal, "measured": f"{fa['ttft_ms']['p50']:.1f} / {va['ttft_ms']['p50']:.1f} ms "
                                                        f"= {ratio:.2f}×", "verdict": _verdict(ratio <= 1.1)})
             else:
-                rows.append({"goal": goal, "measured": "–", "verdict": _why_missing(result, f if not fa else "vllm-serve")})
+                rows.append({"goal": goal, "measured": "–",
+                             "verdict": _why_missing(result, f if not fa else "vllm-serve")})
     return rows
 
 

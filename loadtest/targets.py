@@ -205,7 +205,8 @@ class Targets:
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.opts.model_dir),
                 "--served-model-name", self.opts.served_model_name, "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-model-len", "4096",
-                "--kv-cache-memory-bytes", str(512 << 20), "--limit-mm-per-prompt", json.dumps({"image": 8, "video": 0}),
+                "--kv-cache-memory-bytes", str(512 << 20),
+                "--limit-mm-per-prompt", json.dumps({"image": 8, "video": 0}),
                 "--disable-log-stats", "--disable-uvicorn-access-log"]
         log = self.opts.log_dir / "vllm-serve.log"
         t0 = time.monotonic()
@@ -227,8 +228,9 @@ def find_vllm_python(explicit: str | None = None) -> str:
         if not py or not Path(py).exists():
             tried.append(f"{py} (missing)")
             continue
-        probe = subprocess.run([py, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-                               capture_output=True, timeout=60)
+        probe = subprocess.run(
+            [py, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+            capture_output=True, timeout=60)
         if probe.returncode == 0:
             return py
         tried.append(f"{py} (no vllm)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 from pathlib import Path
 
@@ -30,20 +31,30 @@ _FLAGS = ("kafka_bootstrap", "redis_url", "model_path", "log_level", "log_format
           "stage_replicas")
 
 
-def _epilog() -> str:
-    return ("settings (environment variable, default, meaning; a config file uses the lower-case name "
-            "without MMFLEET_; KAFKA_BOOTSTRAP and REDIS_URL are honoured as aliases):\n"
-            + settings_mod.help_table())
+_EPILOG = ("every setting, with its environment variable, default and meaning: `mmfleet settings`\n"
+           "(a config file uses the lower-case name without MMFLEET_; KAFKA_BOOTSTRAP and REDIS_URL are\n"
+           "honoured as aliases)")
+
+
+@functools.cache
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mmfleet")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def _parser() -> argparse.ArgumentParser:
     head, _, rest = __doc__.partition("\n\n")
     p = argparse.ArgumentParser(prog="mmfleet", description=head + "\n\n" + rest,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    p.add_argument("--version", action="version", version=f"mmfleet {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, help_: str, **kw) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_, description=help_, epilog=_epilog(),
+        return sub.add_parser(name, help=help_, description=help_, epilog=_EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
     def config(sp: argparse.ArgumentParser) -> None:

@@ -24,10 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
 
-from shared.bus import kafka_client_kwargs
+from shared.bus import ensure_topics, kafka_client_kwargs
 from shared.keys import TOPIC_REQUESTS
 from shared.settings import Settings
 
@@ -85,20 +83,6 @@ def _header(record, name: str) -> str:
     return ""
 
 
-async def _ensure_topic(settings: Settings, topic: str) -> None:
-    admin = AIOKafkaAdminClient(**kafka_client_kwargs(settings), request_timeout_ms=10_000)
-    await admin.start()
-    try:
-        if topic not in set(await admin.list_topics()):
-            try:
-                await admin.create_topics([NewTopic(topic, num_partitions=settings.topic_partitions,
-                                                    replication_factor=1)])
-            except TopicAlreadyExistsError:
-                pass
-    finally:
-        await admin.close()
-
-
 async def submit(settings: Settings, input_path: Path, output_path: Path, *, reply_topic: str | None = None,
                  api_key: str | None = None, max_outstanding: int = 1000, progress: bool = True,
                  idle_timeout_s: float = 600.0) -> SubmitResult:
@@ -113,7 +97,7 @@ async def submit(settings: Settings, input_path: Path, output_path: Path, *, rep
     todo = [r for r in requests if r[0] not in done]
     result = SubmitResult(skipped=len(requests) - len(todo))
     topic = reply_topic or default_reply_topic(input_path)
-    await _ensure_topic(settings, topic)
+    await ensure_topics(settings, (topic,))
     wanted = {rid for rid, _, _ in todo}
     slots = asyncio.Semaphore(max_outstanding)
     if not todo:

@@ -193,12 +193,11 @@ class Fleet:
 
     async def _wait_workers(self, timeout_s: float = 180) -> None:
         """Until every stage group has a live worker holding partitions (its liveness record)."""
-        from shared.redis_conn import make_redis
+        from collections import Counter
 
         from shared.keys import RedisKeys
         from shared.liveness import live_workers
-
-        from collections import Counter
+        from shared.redis_conn import make_redis
 
         wanted = Counter({tuple(stages): group_replicas(tuple(stages), self.replicas) for stages in MODES[self.mode]})
         redis = make_redis(self.settings)

@@ -25,13 +25,13 @@ import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
-from shared.redis_conn import make_redis
-from shared.doorbell import Doorbell
 import torch
+from redis.asyncio import Redis
 
 from shared import hostaddr, logs, metrics, protocol
 from shared.bus import make_producer
 from shared.device import resolve_placement
+from shared.doorbell import Doorbell
 from shared.engines.base import Engine
 from shared.keys import STAGES, TOPIC_PREFILL, RedisKeys
 from shared.kv.prefix_cache import PrefixCache
@@ -39,10 +39,11 @@ from shared.kv.reuse import PrefixReuse
 from shared.kv.router import Router
 from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
 from shared.ledger import StageLedger
-from shared.metrics import MetricsServer
 from shared.liveness import heartbeat
-from shared.modes import check_engine, entry_stages, normalise
+from shared.metrics import MetricsServer
 from shared.models.registry import family_of, placeholder_token_id, resolve_model_path, served_modalities
+from shared.modes import check_engine, entry_stages, normalise
+from shared.redis_conn import make_redis
 from shared.runner import StageRunner
 from shared.settings import Settings
 from shared.stage import Context
@@ -128,7 +129,10 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         router = Router(redis, keys, settings, placeholder)
         load = LoadTracker()
         kv_worker = "prefill" in stages and "decode" not in stages
-        reuse = PrefixReuse(PrefixCache(settings.prefix_cache_bytes, settings.kv_block_size), placeholder) \
+        # the metric label leaves out pid and random suffix: a restart continues the same series
+        # (processes on one host are told apart by the scrape target, Prometheus' `instance`)
+        reuse = PrefixReuse(PrefixCache(settings.prefix_cache_bytes, settings.kv_block_size), placeholder,
+                            metric_label=f"{'+'.join(stages)}@{socket.gethostname()}") \
             if kv_worker and settings.prefix_cache_bytes > 0 else None
         reporter = LoadReporter(redis, keys, worker_id, load, settings) if kv_worker else None
         handlers = await _build_handlers(stages, settings, model_dir, stack,
@@ -191,7 +195,7 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
 class _CacheParts:
     """What the embedding cache needs from the process (used only when it is on)."""
 
-    redis: aioredis.Redis
+    redis: Redis
     transfer: TransferAgent
     worker_id: str
 

@@ -106,13 +106,13 @@ async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS
             existing = set(await admin.list_topics())
             missing = [t for t in topics if t not in existing]
             if missing:
+                replicas = settings.topic_replication_factor
                 try:
-                    await admin.create_topics(
-                        [NewTopic(t, num_partitions=settings.topic_partitions, replication_factor=1) for t in missing]
-                    )
+                    await admin.create_topics([NewTopic(t, num_partitions=settings.topic_partitions,
+                                                        replication_factor=replicas) for t in missing])
                 except TopicAlreadyExistsError:
                     pass  # another process raced us: fine
-                log.info("created topics %s", missing)
+                log.info("created topics %s (%d replicas)", missing, replicas)
             return
         except (KafkaConnectionError, OSError) as exc:
             if loop.time() > deadline:

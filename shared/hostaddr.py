@@ -3,7 +3,8 @@
 A fleet on one host can advertise anything (every peer is local); across hosts each process
 must advertise its own routable address, never 127.0.0.1 or a wildcard. Contract:
 - :func:`advertise_host` — ``settings.advertise_host`` if set; else the bind address
-  (``metrics_host``, or the gateway's ``gateway_host``) unless it is a wildcard; else the host name. It goes into liveness
+  (``metrics_host``, or the gateway's ``gateway_host``) unless it is a wildcard; else the host name.
+  It goes into liveness
   records (worker metrics URL, gateway URL) and into the NIXL agent's ref (``AgentRef.host``),
   so a puller can tell a cross-host READ from a local one.
 - :func:`ucx_env` — the UCX variables a NIXL agent is created under: ``nixl_net_devices`` if

@@ -23,10 +23,10 @@ ALL_TOPICS: tuple[str, ...] = STAGE_TOPICS + (TOPIC_KV_EVENTS, TOPIC_DEAD_LETTER
 
 # stage name -> (topic it consumes, the union decoded from that topic)
 STAGES: dict[str, tuple[str, object]] = {
-    "media-fetch": (TOPIC_MEDIA_FETCH, protocol.MediaFetchMsg),
-    "encode": (TOPIC_ENCODE, protocol.EncodeMsg),
-    "prefill": (TOPIC_PREFILL, protocol.PrefillMsg),
-    "decode": (TOPIC_DECODE, protocol.DecodeMsg),
+    "media-fetch": (TOPIC_MEDIA_FETCH, protocol.MediaFetchRequest),
+    "encode": (TOPIC_ENCODE, protocol.EncodeRequest),
+    "prefill": (TOPIC_PREFILL, protocol.PrefillRequest),
+    "decode": (TOPIC_DECODE, protocol.DecodeRequest),
 }
 
 

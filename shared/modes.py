@@ -31,8 +31,6 @@ MODES: dict[str, list[tuple[str, ...]]] = {
     "ep-d": [("media-fetch", "encode", "prefill"), ("decode",)],
 }
 
-ENGINES = ("transformers", "vllm")
-
 # the stage whose output is a stage's only input (prefill has two: encode and the gateway)
 _ONLY_UPSTREAM = {"encode": "media-fetch", "decode": "prefill"}
 

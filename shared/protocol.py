@@ -290,12 +290,6 @@ def empty_tensor_ref(agent: str) -> TensorRef:
     return TensorRef(agent=agent, addr=0, nbytes=0, device_id=0, lease=0, dtype="float32", shape=(0,))
 
 
-MediaFetchMsg = MediaFetchRequest
-EncodeMsg = EncodeRequest
-PrefillMsg = PrefillRequest
-DecodeMsg = DecodeRequest
-
-
 class DeadLetter(Struct, frozen=True, tag="dead_letter"):
     """A record a stage gave up on: where it came from, why, and the original bytes."""
 
@@ -315,9 +309,6 @@ class KvEvent(Struct, frozen=True, tag="kv.event"):
     stored: tuple[int, ...] = ()
     removed: tuple[int, ...] = ()
     cleared: bool = False  # the worker's cache was emptied (e.g. start-up): forget all its blocks
-
-
-KvEventMsg = KvEvent
 
 
 class WorkerInfo(Struct, frozen=True):

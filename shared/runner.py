@@ -1,39 +1,11 @@
 """The one generic stage runner: consume → handle → produce → release → commit.
 
-Contract (every stage gets the same semantics):
-- At-least-once. An offset is committed only after the handler's outputs were acknowledged by
-  the broker (or the request's terminal error was written to its stream). A crash anywhere
-  before that redelivers the record to some worker of the stage.
-- Bounded. At most ``concurrency`` records are in flight; when full, the assigned partitions
-  are paused (not buffered) and resumed as work completes. ``getmany`` keeps being called
-  while paused, so the consumer stays in its group however long a handler runs.
-- Deadlines. A record whose ``meta.deadline_unix_ms`` has passed is not worked on: the runner
-  writes a 504 terminal event and commits.
-- Idempotent (with a ``StageLedger`` in the context). A record is worked on under a claim on
-  (request, stage, attempt) and marked done once its outputs are acknowledged, so a
-  redelivered record whose work is done, or is being done by a live worker, is not redone.
-- Lost tensors. ``OwnerGoneError`` (the worker holding an input tensor died) restarts the
-  request from its source (media-fetch, or prefill for text) with ``attempt + 1``; decode
-  resumes from the token log, so the client still sees each token once. At most
-  ``max_restarts`` restarts, then a 503 terminal event.
-- Abort. A request whose client went away (abort key set by the gateway) is not worked on.
-- Faults. An unexpected exception is retried in place up to ``max_attempts`` (with backoff);
-  then the record goes to ``mm.dead-letter`` with the error and the client gets a 500 event.
-- Routing. Records for ``mm.prefill`` go to the partition the process's ``router`` picks
-  (KV-aware routing, :mod:`shared.kv.router`); a ``Produce.partition`` set by a handler wins.
-- Local hand-over. Outputs addressed to a topic in ``local_routes`` (a stage this process also
-  runs) are handled right here by that stage's handler, recursively, instead of going through
-  Kafka; the record is committed once the whole local chain's external outputs are acked, and
-  a fault anywhere in the chain retries the chain.
-- Shutdown. ``stop()`` (SIGTERM) stops fetching, waits up to ``drain_timeout_ms`` for in-flight
-  work, commits what finished and cancels the rest, which is therefore redelivered.
-- Doorbell. With a ``doorbell`` (:mod:`shared.doorbell`), the consumer fetches with no
-  broker-side wait and sleeps client-side until a ring or the idle interval; every acked
-  output rings its topic. Rings carry no data: the records still come from Kafka.
-- Observability. While a record is handled, log records carry its request id and stage
-  (``shared.logs.bind``). Each handler call's span feeds the stage histograms, each record's end
-  counts one outcome (``metrics.OUTCOMES``), and the consumer lag per assigned partition is
-  refreshed at most once per ``_LAG_INTERVAL_S`` (``shared.metrics``).
+Every stage gets the same semantics: at-least-once (commit after the outputs are acked),
+bounded (``concurrency`` in flight, partitions paused beyond), deadlines (504 without work),
+idempotent under a ``StageLedger`` claim, restarts from the source on a lost tensor owner,
+retries then dead-letter on faults, a bounded drain on ``stop()``, and (with a doorbell)
+client-side idle waits that an upstream produce cuts short. Each rule, and why:
+docs/runner.md.
 """
 
 from __future__ import annotations

@@ -62,6 +62,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # --- Kafka
     topic_partitions: Annotated[int, _d("partitions per topic when `mmfleet topics` creates them; the most "
                                         "workers one stage can use")] = 4
+    # Not "the broker's default": that is CreateTopics v4 (-1), beyond aiokafka (v0-v3), and asking
+    # with DescribeConfigs upset the embedded tansu broker (a later consumer group hung).
+    topic_replication_factor: Annotated[int, _d(
+        "replicas per topic when `mmfleet topics` creates them (at most the brokers there are; "
+        "3 is usual in production)")] = 1
     # How long the broker may hold a fetch when no data is waiting. The embedded tansu broker
     # does not answer a waiting fetch when data arrives, so this is the per-hop latency floor
     # there (p50 ~ half of it): 500 ms (aiokafka's default) adds ~250 ms per hop; 10 ms costs
@@ -141,8 +146,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     max_request_bytes: Annotated[int, _d("largest HTTP request body, bytes (413 beyond)")] = 32 * _MiB
     max_media_items: Annotated[int, _d("media items per request at most")] = 8
     max_inflight_requests: Annotated[int, _d("gateway admission bound: requests in flight (429 beyond)")] = 256
-    queue_retry_ms: Annotated[int, _d("how long the gateway keeps trying to queue a request while the broker is unreachable (a "
-                                      "restart takes a few seconds) before it answers 503 with Retry-After")] = 15_000
+    queue_retry_ms: Annotated[int, _d(
+        "how long the gateway keeps trying to queue a request while the broker is unreachable (a "
+        "restart takes a few seconds) before it answers 503 with Retry-After")] = 15_000
     stream_maxlen: Annotated[int, _d("entries kept per request token stream in Redis")] = 100_000
     stream_ttl_s: Annotated[int, _d("how long a request's token stream lives in Redis")] = 600
 
@@ -181,20 +187,25 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
                                               "most")] = 30.0
 
     # --- who may send (HTTP and the Kafka ingress alike)
-    api_key_hashes: Annotated[tuple[str, ...], _d("API keys as lowercase hex sha256 (`mmfleet keys hash` prints one), each optionally "
-                                                  "<hash>:<requests per minute>; empty: no key needed (the local demo), set: every request "
-                                                  "must carry Authorization: Bearer <key> (HTTP or Kafka header)")] = ()
-    api_key_rate_per_min: Annotated[int, _d("requests per minute per key for keys without their own :<n>; 0: unlimited")] = 0
+    api_key_hashes: Annotated[tuple[str, ...], _d(
+        "API keys as lowercase hex sha256 (`mmfleet keys hash` prints one), each optionally "
+        "<hash>:<requests per minute>; empty: no key needed (the local demo), set: every request "
+        "must carry Authorization: Bearer <key> (HTTP or Kafka header)")] = ()
+    api_key_rate_per_min: Annotated[int, _d(
+        "requests per minute per key for keys without their own :<n>; 0: unlimited")] = 0
 
     # --- Kafka ingress (mm.requests), run inside the gateway process
     ingress_enabled: Annotated[bool, _d("consume mm.requests in the gateway")] = True
     ingress_concurrency: Annotated[int, _d("requests in flight from Kafka per gateway; beyond it fetching waits")] = 64
-    ingress_fallback_reply_topic: Annotated[str, _d("where error replies go when a Kafka request names no reply_to; empty: mm.replies.errors")] = ""
+    ingress_fallback_reply_topic: Annotated[str, _d(
+        "where error replies go when a Kafka request names no reply_to; empty: mm.replies.errors")] = ""
     ingress_dedupe_ttl_s: Annotated[int, _d("how long a request_id is remembered as answered")] = 86_400
 
     # --- transport security (every aiokafka client and every Redis client)
-    kafka_security_protocol: Annotated[str, _d("Kafka security protocol: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL")] = "PLAINTEXT"
-    kafka_sasl_mechanism: Annotated[str, _d("SASL mechanism: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_* protocols)")] = ""
+    kafka_security_protocol: Annotated[str, _d(
+        "Kafka security protocol: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL")] = "PLAINTEXT"
+    kafka_sasl_mechanism: Annotated[str, _d(
+        "SASL mechanism: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_* protocols)")] = ""
     kafka_sasl_username: Annotated[str, _d("SASL user name (SASL_* protocols)")] = ""
     kafka_sasl_password: Annotated[str, _d("SASL password (a secret: redacted wherever settings are shown)")] = ""
     kafka_ssl_cafile: Annotated[str, _d("CA bundle to verify the brokers; empty: the system's")] = ""
@@ -208,19 +219,24 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     redis_ssl_keyfile: Annotated[str, _d("with a rediss:// URL: its private key")] = ""
 
     # --- KV-aware routing (shared.kv)
-    routing_policy: Annotated[str, _d("how producers of mm.prefill pick its partition: 'kv' (prefix overlap vs load, over the "
-                                      "routing table in Redis) or 'round_robin' (next live prefill worker in turn, for "
-                                      "comparison)")] = "kv"
+    routing_policy: Annotated[str, _d(
+        "how producers of mm.prefill pick its partition: 'kv' (prefix overlap vs load, over the "
+        "routing table in Redis) or 'round_robin' (next live prefill worker in turn, for "
+        "comparison)")] = "kv"
     kv_block_size: Annotated[int, _d("prompt positions per KV block (hashing, prefix cache, routing)")] = 16
-    kv_overlap_weight: Annotated[float, _d("kv routing cost of a worker = weight * prompt blocks it would compute + blocks queued on "
-                                           "it; higher weights favour cache hits over spreading load")] = 1.0
-    prefix_cache_bytes: Annotated[int, _d("prefill worker's prefix KV cache (LRU by block), in bytes; 0: off")] = 64 * _MiB
-    kv_report_interval_ms: Annotated[int, _d("how often a prefill worker refreshes its load + partitions in Redis")] = 500
+    kv_overlap_weight: Annotated[float, _d(
+        "kv routing cost of a worker = weight * prompt blocks it would compute + blocks queued on "
+        "it; higher weights favour cache hits over spreading load")] = 1.0
+    prefix_cache_bytes: Annotated[int, _d(
+        "prefill worker's prefix KV cache (LRU by block), in bytes; 0: off")] = 64 * _MiB
+    kv_report_interval_ms: Annotated[int, _d(
+        "how often a prefill worker refreshes its load + partitions in Redis")] = 500
     kv_report_ttl_ms: Annotated[int, _d("a prefill worker not heard from for this long is not routed to")] = 5_000
 
     # --- fleet layout (mmfleet up)
-    stage_replicas: Annotated[str, _d("worker processes per stage group, 'stage=N,...' (e.g. 'prefill=3,encode=2'); a group of "
-                                      "several stages (mode e-pd, epd, ep-d) gets the largest count among its stages; default 1")] = ""
+    stage_replicas: Annotated[str, _d(
+        "worker processes per stage group, 'stage=N,...' (e.g. 'prefill=3,encode=2'); a group of "
+        "several stages (mode e-pd, epd, ep-d) gets the largest count among its stages; default 1")] = ""
 
     # --- autoscaling (`mmfleet up --autoscale`; deploy/k8s/base/keda.yaml uses the same numbers)
     autoscale_min_workers: Annotated[int, _d("fewest workers per stage under --autoscale (KEDA minReplicaCount)")] = 1
@@ -255,6 +271,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, not {self.log_format!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
 
     def with_overrides(self, **changes: Any) -> Settings:
         return msgspec.structs.replace(self, **{k: v for k, v in changes.items() if v is not None})

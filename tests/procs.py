@@ -39,7 +39,8 @@ def fleet(env_overrides: dict[str, str], log_dir: Path, *, mode: str = "e-p-d", 
     with open(log_dir / "supervisor.log", "ab") as log:
         ready_file = log_dir / f"ready-{port}"
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--mode", mode, "--log-dir",
-                                 str(log_dir), "--ready-file", str(ready_file), *up_args], cwd=REPO, env=env, stdout=log,
+                                 str(log_dir), "--ready-file", str(ready_file), *up_args], cwd=REPO, env=env,
+                                stdout=log,
                                 stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

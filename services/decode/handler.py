@@ -18,7 +18,7 @@ from __future__ import annotations
 import msgspec
 
 from services.decode.stream import read_log, stream_completion
-from services.prefill.handler import check_context, embedding_releases, pull_images
+from services.prefill.handler import check_context, embedding_releases, pull_media
 from shared import protocol
 from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine
@@ -95,8 +95,8 @@ class GenerateHandler:
         log = await read_log(ctx.events, meta.request_id)
         if log.done:
             return Outcome(releases=embedding_releases(msg))
-        images = await pull_images(msg, ctx, self._puller)
-        tokens = self._engine.generate(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling,
+        media = await pull_media(msg, ctx, self._puller)
+        tokens = self._engine.generate(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling,
                                        resume=log.tokens)
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=prompt_len,

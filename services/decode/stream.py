@@ -10,7 +10,7 @@ Resume (no token lost or duplicated): the request's stream is its token log. A d
 runs again for a request (redelivery after a crash, recompute after a lost tensor owner) first
 reads the log (:func:`read_log`): a terminal event means the work is done; otherwise the
 tokens already written are forced back into the engine (``resume``) and the first
-``skip_events`` deltas, which the log already holds, are regenerated but not appended again.
+``skip_deltas`` deltas, which the log already holds, are regenerated but not appended again.
 Deltas are a deterministic function of the token sequence, so the client sees each once.
 """
 
@@ -20,10 +20,9 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from shared import protocol
+from shared import protocol, tracing
 from shared.engines.detok import IncrementalDetokenizer, StopChecker
 from shared.stage import EventSink
-from shared import tracing
 from shared.tracing import path_so_far
 
 log = logging.getLogger(__name__)

@@ -69,8 +69,3 @@ class EncodeHandler:
         return ctx.transfer.ref(), protocol.EmbeddingItem(index=it.index, mm_hash=it.mm_hash, grid_thw=it.grid_thw,
                                                           n_tokens=it.n_tokens, embeds=ref,
                                                           kind=it.kind.removesuffix("_embeds"), meta=it.meta)
-
-    async def _encode(self, pixels, item: protocol.PixelItem):
-        if item.kind.endswith("_embeds"):  # precomputed by the client (checked at the gateway): no encoder
-            return pixels
-        return await self._engine.encode(pixels, item.grid_thw, item.n_tokens, item.kind, item.meta)

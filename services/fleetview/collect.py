@@ -21,11 +21,11 @@ import aiohttp
 import msgspec
 import redis.asyncio as aioredis
 
+from services.fleetview import promstats as ps
+from services.fleetview.snapshot import FleetSnapshot, ProcessRow, build
 from shared.keys import RedisKeys
 from shared.liveness import live_gateways, live_workers
 from shared.modes import STAGE_ORDER
-from services.fleetview import promstats as ps
-from services.fleetview.snapshot import FleetSnapshot, ProcessRow, build
 
 _LOOPBACK = "127.0.0.1"
 

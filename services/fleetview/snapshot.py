@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.modes import STAGE_ORDER
 from services.fleetview import promstats as ps
 from services.fleetview.promstats import Samples
+from shared.modes import STAGE_ORDER
 
 QUANTILES = (0.5, 0.9, 0.99)
 

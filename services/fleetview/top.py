@@ -13,11 +13,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from services.fleetview.collect import FleetCollector
+from services.fleetview.snapshot import FleetSnapshot, HistogramView, Quantiles
 from shared.keys import RedisKeys
 from shared.redis_conn import make_redis
 from shared.settings import Settings
-from services.fleetview.collect import FleetCollector
-from services.fleetview.snapshot import FleetSnapshot, HistogramView, Quantiles
 
 _STATE_STYLE = {"up": "green", "down": "yellow", "gone": "red"}
 
@@ -87,7 +87,8 @@ def render(snap: FleetSnapshot) -> Group:
     fleet.add_row("KV routing", f"hit rate {_pct(r.kv_hit_rate)}  {_pairs(r.decisions)}  "
                                 f"prefix blocks {_pct(r.prefix_hit_rate)}")
     fleet.add_row("NIXL", f"in {_bytes(n.in_bytes_per_s)}/s  out {_bytes(n.out_bytes_per_s)}/s  "
-                          f"pool {_bytes(n.pool_used_bytes)} of {_bytes(n.pool_capacity_bytes)}  pull {_q3(n.transfer)}")
+                          f"pool {_bytes(n.pool_used_bytes)} of {_bytes(n.pool_capacity_bytes)}  "
+                          f"pull {_q3(n.transfer)}")
 
     procs = Table(title="processes", title_justify="left", expand=True)
     for col in ("process", "stages", "state", "host", "pid", "pool in use", "note"):

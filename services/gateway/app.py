@@ -31,6 +31,11 @@ import uuid
 
 from aiohttp import web
 
+from services.fleetview import page as fleet_page
+from services.gateway.auth import Authenticator
+from services.gateway.frontend import Frontend, new_request_id
+from services.gateway.prompt import PromptBuilder
+from services.gateway.responses import Rejected, error_response, http_reply
 from shared import hostaddr, logs, metrics
 from shared.bus import make_producer
 from shared.doorbell import Doorbell
@@ -42,16 +47,12 @@ from shared.redis_conn import make_redis
 from shared.settings import Settings
 from shared.streams import TokenStreams
 from shared.transfer import TransferAgent
-from services.fleetview import page as fleet_page
-from services.gateway.auth import Authenticator
-from services.gateway.frontend import Frontend, new_request_id
-from services.gateway.prompt import PromptBuilder
-from services.gateway.responses import Rejected, error_response, http_reply
 
 log = logging.getLogger(__name__)
 
 SETTINGS = web.AppKey("settings", Settings)
 STATE = web.AppKey("state", "GatewayState")
+GATEWAY_ID = web.AppKey("gateway_id", str)
 
 
 class GatewayState:
@@ -71,7 +72,7 @@ async def _lifecycle(app: web.Application):
     producer = make_producer(settings)
     redis = make_redis(settings)
     auth = Authenticator(settings, redis, keys)
-    gateway_id = f"gateway-{uuid.uuid4().hex[:12]}"
+    gateway_id = app[GATEWAY_ID]
     transfer = TransferAgent(gateway_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms,
                              host=hostaddr.advertise_host(settings, settings.gateway_host))
     await producer.start()
@@ -108,9 +109,11 @@ async def _lifecycle(app: web.Application):
         await redis.aclose()
 
 
-def create_app(settings: Settings) -> web.Application:
+def create_app(settings: Settings, gateway_id: str | None = None) -> web.Application:
+    """``gateway_id``: this process's one id (its liveness record, NIXL agent and ingress claims)."""
     app = web.Application(client_max_size=settings.max_request_bytes)
     app[SETTINGS] = settings
+    app[GATEWAY_ID] = gateway_id or f"gateway-{uuid.uuid4().hex[:12]}"
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

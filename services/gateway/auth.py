@@ -17,9 +17,9 @@ import time
 
 from prometheus_client import Counter
 
+from services.gateway.responses import Rejected
 from shared.keys import RedisKeys
 from shared.settings import Settings
-from services.gateway.responses import Rejected
 
 AUTH_REJECTIONS = Counter("mmfleet_auth_rejections_total", "Requests refused by API-key checks or rate limits",
                           ["via", "reason"])

@@ -30,6 +30,11 @@ import msgspec
 import torch
 from aiokafka.errors import KafkaError
 
+from services.gateway import schema
+from services.gateway.auth import Authenticator
+from services.gateway.prompt import Prepared, PromptBuilder
+from services.gateway.redrive import Redriver
+from services.gateway.responses import Rejected, Reply, Shaper, error_reply, shape_replies
 from shared import metrics, protocol
 from shared.bus import send_retrying
 from shared.keys import TOPIC_PREFILL
@@ -38,11 +43,6 @@ from shared.settings import Settings
 from shared.stage import RequestFailed, entry_message
 from shared.streams import TokenStreams
 from shared.transfer import PoolFullError, TransferAgent
-from services.gateway import schema
-from services.gateway.auth import Authenticator
-from services.gateway.prompt import Prepared, PromptBuilder
-from services.gateway.redrive import Redriver
-from services.gateway.responses import Rejected, Reply, Shaper, error_reply, shape_replies
 
 log = logging.getLogger(__name__)
 

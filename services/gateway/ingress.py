@@ -1,33 +1,9 @@
 """The Kafka way in: OpenAI request bodies on ``mm.requests``, answers on the caller's topic.
 
-Request record (what a client produces onto ``mm.requests``):
-- key: the caller's ``request_id`` (UTF-8; also accepted as a ``request_id`` header). It
-  names the request in every reply and de-duplicates: one request_id is answered once.
-- value: the JSON body exactly as POSTed to ``/v1/chat/completions`` (or ``/v1/completions``
-  with header ``endpoint: completions``).
-- headers: ``reply_to`` (required: the topic to answer on), ``authorization``
-  (``Bearer <key>`` when the fleet has API keys), ``endpoint`` (optional, see above).
-
-Replies (produced to ``reply_to``, keyed by request_id, so one request's replies share a
-partition and arrive in order): the value is the JSON the HTTP API would send — one
-``chat.completion`` body, or with ``"stream": true`` the SSE chunks one per record, or an
-OpenAI error body. Headers: ``request_id``, ``mmfleet-kind`` (completion | chunk | error),
-``mmfleet-status`` (the HTTP status the API would use), ``mmfleet-seq`` (0, 1, ... within
-the request) and ``mmfleet-last`` ("1" on the terminal record, else "0").
-
-Rules:
-- A request refused for any reason (bad JSON, bad key, bad image, ...) gets an error reply,
-  through the same code path and texts as HTTP. With no ``reply_to`` there is nowhere to
-  answer, so the error goes to ``settings.ingress_fallback_reply_topic`` (keyed by the
-  request_id when there is one); operators watch that topic.
-- Load is not an error here: a request refused as ``overloaded`` or ``queue_unavailable``
-  waits in Kafka and is retried (until its deadline), since the broker is the buffer.
-- Duplicates: a request_id is claimed in Redis (``StageLedger``, ``SET NX`` with a lease
-  refreshed while the request runs) and marked done once its replies are acknowledged. A
-  second record with that id is acknowledged without an answer; if the first holder died
-  mid-request its lease lapses and the redelivered record is answered (its replies start again
-  at ``mmfleet-seq`` 0, which tells a reader to drop what it had for that id).
-- At-least-once: an offset is committed after the record's replies are acknowledged.
+Record format (key = request_id, value = the HTTP body, headers ``reply_to``, ``authorization``,
+``endpoint``) and reply format: README "Requests over Kafka". Every refusal is answered; load
+waits in Kafka; a request_id is answered once (claimed in Redis); offsets are committed after
+the replies are acked. Each rule, and why: docs/ingress.md.
 """
 
 from __future__ import annotations
@@ -40,11 +16,11 @@ from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 from prometheus_client import Counter
 
+from services.gateway.frontend import Frontend
+from services.gateway.responses import Rejected, Reply, error_reply
 from shared.bus import OffsetTracker, make_consumer
 from shared.keys import INGRESS_STAGE, TOPIC_REPLY_ERRORS, TOPIC_REQUESTS, consumer_group
 from shared.ledger import StageLedger
-from services.gateway.frontend import Frontend
-from services.gateway.responses import Rejected, Reply, error_reply
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +60,8 @@ class Ingress:
         await self._consumer.start()
         try:
             while not self._stopping.is_set():
-                batches = await self._consumer.getmany(timeout_ms=200, max_records=self._front.settings.max_poll_records)
+                batches = await self._consumer.getmany(timeout_ms=200,
+                                                       max_records=self._front.settings.max_poll_records)
                 for tp, records in batches.items():
                     tracker = self._trackers.setdefault(tp, OffsetTracker())
                     for record in records:

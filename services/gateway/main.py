@@ -14,15 +14,14 @@ import socket
 import time
 import uuid
 
-
 from aiohttp import web
 
+from services.gateway.app import create_app
 from shared import hostaddr, logs, protocol
 from shared.keys import RedisKeys
-from shared.redis_conn import make_redis
 from shared.liveness import keep_record
+from shared.redis_conn import make_redis
 from shared.settings import Settings
-from services.gateway.app import create_app
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +35,9 @@ def advertised_url(settings: Settings, port: int) -> str:
 async def run_gateway(settings: Settings) -> int:
     gateway_id = f"gateway-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     logs.set_process(gateway_id)
-    os.environ.update(hostaddr.ucx_env(settings, settings.gateway_host))  # before the app's NIXL agent exists (UCX reads it then)
-    runner = web.AppRunner(create_app(settings), access_log=None)
+    # before the app's NIXL agent exists (UCX reads it then)
+    os.environ.update(hostaddr.ucx_env(settings, settings.gateway_host))
+    runner = web.AppRunner(create_app(settings, gateway_id), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.gateway_host, settings.gateway_port)
     await site.start()

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.gateway import schema
 from shared import protocol
 from shared.media.files import file_url_path
-from shared.media.sources import (MIME_TYPES_BY_KIND, REMOTE_SCHEMES, MediaError, as_allowlist, check_remote_url,
-                                  decode_data_url, scheme_of)
+from shared.media.sources import (
+    MIME_TYPES_BY_KIND,
+    REMOTE_SCHEMES,
+    MediaError,
+    as_allowlist,
+    check_remote_url,
+    decode_data_url,
+    scheme_of,
+)
 from shared.settings import Settings
 from shared.stage import RequestFailed
-from services.gateway import schema
-
 
 # OpenAI's input_audio.format values -> the MIME type its base64 data is checked as
 _INPUT_AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg"}
@@ -125,7 +131,8 @@ class PromptBuilder:
                     parts.append({"type": "text", "text": text})
                 case schema.ImagePart(image_url=image_url):
                     if msg.role != "user":
-                        raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only", param=param)
+                        raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only",
+                                                        param=param)
                     if image_url.detail not in (None, "auto", "low", "high"):
                         raise RequestFailed.bad_request(f"{param}: image_url.detail must be one of auto, low, high",
                                                         param=param)
@@ -135,7 +142,8 @@ class PromptBuilder:
                 case schema.VideoPart(video_url=video_url):
                     self._check_modality("video", "video_url", param)
                     if msg.role != "user":
-                        raise RequestFailed.bad_request(f"{param}: videos are accepted in user messages only", param=param)
+                        raise RequestFailed.bad_request(f"{param}: videos are accepted in user messages only",
+                                                        param=param)
                     item = self._media("video", video_url.url, param)
                     item.num_frames, item.fps = self._video_sampling(video_url, param)
                     media.append(item)
@@ -143,7 +151,8 @@ class PromptBuilder:
                 case schema.ImageEmbedsPart(image_embeds=embeds):
                     self._check_modality("image", "image_embeds", param)
                     if msg.role != "user":
-                        raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only", param=param)
+                        raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only",
+                                                        param=param)
                     media.append(self._embeds(embeds, param))
                     parts.append({"type": "image"})
                 case schema.AudioURLPart(audio_url=audio_url):

@@ -4,9 +4,9 @@ pixels, and hand the pixels to encode by NIXL descriptor.
 In: ``MediaFetchRequest`` (items are http(s) or file:// URLs, or inline bytes held by the
 gateway). Out: one ``EncodeRequest`` on ``mm.encode``. The gateway's inline slots are NOT
 released here: the gateway holds them until the request ends, so a restart from the source
-(after a lost tensor owner downstream) can read them again. Bad media ends the request with a 400/413/422 (``RequestFailed``); the worker
-goes on. mm_hash = BLAKE3 of the raw fetched bytes, so identical content hashes the same
-wherever it came from.
+(after a lost tensor owner downstream) can read them again. Bad media ends the request with a
+400/413/422 (``RequestFailed``); the worker goes on. mm_hash = BLAKE3 of the raw fetched bytes,
+so identical content hashes the same wherever it came from.
 
 Loading: http(s) through the shared :class:`MediaFetcher` (address policy, caps, timeouts),
 with concurrent requests for one URL sharing one download and recent bytes kept in an LRU
@@ -36,21 +36,21 @@ from collections.abc import Callable
 import blake3
 
 from shared import metrics, protocol
-from shared.tracing import timed_transfer
 from shared.compute import ComputeLane
 from shared.embcache.identity import cache_key
 from shared.embcache.index import EmbeddingIndex
 from shared.embcache.metrics import HITS, MISSES
 from shared.keys import TOPIC_ENCODE, TOPIC_PREFILL
+from shared.media.audio import decode_audio
 from shared.media.cache import FetchCache
 from shared.media.fetch import MediaFetcher
 from shared.media.files import load_file
-from shared.media.audio import decode_audio
 from shared.media.images import decode_image
-from shared.media.video import VideoLimits, decode_video
 from shared.media.sources import REMOTE_SCHEMES, MediaError, scheme_of
+from shared.media.video import VideoLimits, decode_video
 from shared.settings import Settings
 from shared.stage import Context, Outcome, Produce, RequestFailed
+from shared.tracing import timed_transfer
 
 # image (PIL) or video (uint8 [frames, h, w, 3]) -> object with pixel_values (float32
 # [n_patches, patch_dim]), grid_thw, n_tokens

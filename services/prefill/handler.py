@@ -40,7 +40,7 @@ def check_context(msg: protocol.PrefillRequest, max_model_len: int) -> int:
     return total
 
 
-async def pull_images(msg: protocol.PrefillRequest, ctx: Context,
+async def pull_media(msg: protocol.PrefillRequest, ctx: Context,
                       puller: EmbeddingPuller | None = None) -> list[MediaEmbeds]:
     """The request's embeddings in prompt order, pulled from their owners (through the
     embedding cache's checks and prefill's recent copies when ``puller`` has them)."""
@@ -74,15 +74,15 @@ class PrefillHandler:
         assert ctx.transfer is not None
         meta = msg.meta
         total = check_context(msg, self._engine.max_model_len)
-        images = await pull_images(msg, ctx, self._puller)
+        media = await pull_media(msg, ctx, self._puller)
         lookup = self._prefix.lookup(msg, total) if self._prefix is not None else Lookup([], None, 0, 0)
         if self._audit is not None:  # why this request did (not) reuse KV, beside the request
             self._audit.prefilled(meta.request_id, ctx.worker_id, lookup.hit_blocks)
         with self._load.track(total - lookup.prefix_len):
             if lookup.prefix_kv is None:  # engines without prefix_kv take no such argument
-                out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling)
+                out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling)
             else:
-                out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), images, meta.sampling,
+                out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling,
                                                  prefix_kv=lookup.prefix_kv)
         events = self._prefix.keep(lookup, out.kv, ctx.worker_id) if self._prefix is not None else []
         owner = ctx.transfer.ref()

@@ -1,4 +1,5 @@
-"""Prefill's recent embeddings: a byte-bounded LRU of tensors it pulled, by cache key.
+"""Prefill's recent embeddings: a byte-bounded LRU (``cachetools.LRUCache`` sized in bytes) of
+tensors it pulled, by cache key.
 
 A cache key names content (media bytes + model + processor), so a copy held here is right
 whatever happened to the owner's slot since: a follow-up turn that shows the same image again
@@ -8,32 +9,30 @@ are not kept. Single event loop; not thread-safe.
 
 from __future__ import annotations
 
-import collections
-
 import torch
+from cachetools import LRUCache
 
 from shared.embcache.metrics import POOL_BYTES
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class RecentEmbeddings:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self._items: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
-        self.bytes = 0
+        self._items: LRUCache[str, torch.Tensor] = LRUCache(maxsize=capacity_bytes, getsizeof=_nbytes)
+
+    @property
+    def bytes(self) -> int:
+        return int(self._items.currsize)
 
     def get(self, key: str) -> torch.Tensor | None:
-        t = self._items.get(key)
-        if t is not None:
-            self._items.move_to_end(key)
-        return t
+        return self._items.get(key)
 
     def put(self, key: str, tensor: torch.Tensor) -> None:
-        n = tensor.numel() * tensor.element_size()
-        if not key or n > self.capacity_bytes or key in self._items:
+        if not key or _nbytes(tensor) > self.capacity_bytes or key in self._items:
             return
-        while self.bytes + n > self.capacity_bytes:
-            _, old = self._items.popitem(last=False)
-            self.bytes -= old.numel() * old.element_size()
         self._items[key] = tensor
-        self.bytes += n
         POOL_BYTES.labels(cache="prefill").set(self.bytes)

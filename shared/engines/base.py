@@ -7,7 +7,7 @@ off the event loop inside the engine.
 
 Capabilities decide which stage layouts an engine can serve (checked at worker start-up, so an
 unsupported mode fails loudly before taking traffic, never mid-request):
-- ``encode``: images → embeddings (the encode stage).
+- ``encode``: media (image, video, audio) → embeddings (the encode stage).
 - ``generate``: prompt (+ embeddings) → tokens, prefill and decode in one place (PD and EPD).
 - ``kv_export`` / ``kv_import``: prefill here, decode elsewhere (E/P/D, EP/D): ``prefill``
   returns the packed KV cache, ``decode`` continues from one.
@@ -37,9 +37,6 @@ class MediaEmbeds(NamedTuple):
     grid_thw: tuple[int, int, int]
     kind: str = "image"
 
-
-# a plain ``(embeds, grid_thw)`` pair is an image (what callers before MediaEmbeds passed)
-ImageEmbeds = MediaEmbeds
 
 
 @dataclass(frozen=True)
@@ -92,14 +89,14 @@ class Engine(Protocol):
         geometry, see ``protocol.PixelItem``); concurrent calls are batched."""
         ...
 
-    def generate(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+    def generate(self, request_id: str, prompt_ids: list[int], media: list[MediaEmbeds],
                  sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
         """Prefill + decode; yields completion tokens (eos included when produced).
         ``resume``: the completion's first tokens from an earlier attempt, yielded as they are
         (not re-sampled), after which generation continues."""
         ...
 
-    async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+    async def prefill(self, request_id: str, prompt_ids: list[int], media: list[MediaEmbeds],
                       sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
         """``prefix_kv``: packed KV of the expanded prompt's first positions (fewer than all),
         only with ``capabilities.prefix_kv``; the output's ``kv`` covers the whole prompt."""

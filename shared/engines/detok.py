@@ -1,10 +1,9 @@
 """Incremental detokenisation and stop-string handling for streamed output.
 
-``IncrementalDetokenizer`` turns a stream of token ids into text deltas whose
-concatenation equals ``tokenizer.decode(all_ids, skip_special_tokens=...)``.  A
-byte-level BPE can split one UTF-8 character over several tokens; while the decoded
-tail is incomplete (ends in U+FFFD) the text is held back, and released once the
-character completes (or by ``flush`` at the end).
+``IncrementalDetokenizer`` turns a stream of token ids into text deltas whose concatenation
+equals ``tokenizer.decode(all_ids, skip_special_tokens=True)``; it is `tokenizers`'
+``DecodeStream``, which holds back a UTF-8 character split over several byte-level tokens
+until it completes, plus ``flush`` for a stream that ends inside one (U+FFFD, as ``decode``).
 
 ``StopChecker`` applies OpenAI-style stop strings to that text stream: output is cut
 before the earliest stop string (which is not emitted), and a tail that could still
@@ -16,51 +15,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-_REPLACEMENT = "\ufffd"
-# Tokens decoded again as context before the unread ones; byte-level tokens of one
-# character never span more than 4 bytes, so a small window suffices.
-_CONTEXT_TOKENS = 5
+from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
-    """Per-request, not thread-safe.  ``push(token_id) -> delta``, ``flush() -> rest``."""
+    """Per-request, not thread-safe.  ``push(token_id) -> delta``, ``flush() -> rest``.
+    ``tokenizer``: a transformers fast tokenizer or a ``tokenizers.Tokenizer``."""
 
     def __init__(self, tokenizer, *, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        # ids[_prefix:_read] were already emitted and are re-decoded only as context
-        # (decoding a byte-level token alone can differ from decoding it in sequence).
-        self._prefix = 0
-        self._read = 0
-        self.text = ""  # everything emitted so far
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False
-        )
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # ids pushed since the last text DecodeStream gave back
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text (possibly "")."""
-        self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        full_text = self._decode(self._ids[self._prefix :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
-            return ""  # nothing new, or an incomplete multi-byte character at the end
-        delta = full_text[len(prefix_text) :]
-        self._read = len(self._ids)
-        self._prefix = max(self._prefix, self._read - _CONTEXT_TOKENS)
-        self.text += delta
-        return delta
+        chunk = self._stream.step(self._backend, int(token_id))
+        if chunk is None:
+            self._held.append(int(token_id))
+            return ""
+        self._held.clear()
+        return chunk
 
     def flush(self) -> str:
         """Release held-back text at end of stream (incomplete bytes become U+FFFD)."""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        full_text = self._decode(self._ids[self._prefix :])
-        delta = full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else ""
-        self._read = len(self._ids)
-        self.text += delta
-        return delta
+        held, self._held = self._held, []
+        return self._backend.decode(held, skip_special_tokens=self._skip) if held else ""
 
 
 @dataclass(frozen=True)

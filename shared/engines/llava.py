@@ -4,7 +4,7 @@ interface as the other families' compute classes.
 - ``preprocess_image`` (:class:`LlavaImagePreprocessor`): a PIL image → the processor's
   ``pixel_values`` ``[3, S, S]`` and the LM token count ``(S / patch)²`` (the CLS row is dropped
   by the "default" feature strategy; "full" keeps it: + 1).
-- ``encode_images`` runs ONE vision forward over any number of images (any requests) through
+- ``encode_media`` runs ONE vision forward over any number of images (any requests) through
   ``get_image_features`` — the very features ``forward`` merges at ``<image>`` positions.
 - Prefill and decode come from :class:`shared.engines.plain_lm.PlainLMCompute`.
 """
@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from shared.engines.plain_lm import PlainLMCompute
-from shared.engines.qwen2_vl import ImagePixels, _kind
+from shared.engines.qwen2_vl import MediaPixels, _kind
 
 
 def llava_image_tokens(config) -> int:
@@ -37,9 +37,9 @@ class LlavaImagePreprocessor:
         self._n_tokens = llava_image_tokens(config or AutoConfig.from_pretrained(str(model_dir)))
 
     @torch.inference_mode()
-    def __call__(self, img: Image.Image) -> ImagePixels:
+    def __call__(self, img: Image.Image) -> MediaPixels:
         out = self._image_processor(images=[img], return_tensors="pt")
-        return ImagePixels(out["pixel_values"][0].to(torch.float32).contiguous(), (0, 0, 0), self._n_tokens)
+        return MediaPixels(out["pixel_values"][0].to(torch.float32).contiguous(), (0, 0, 0), self._n_tokens)
 
 
 class LlavaCompute(PlainLMCompute):
@@ -55,7 +55,7 @@ class LlavaCompute(PlainLMCompute):
                                                        config=self.model.config)
 
     @torch.inference_mode()
-    def encode_images(self, items: list[ImagePixels]) -> list[torch.Tensor]:
+    def encode_media(self, items: list[MediaPixels]) -> list[torch.Tensor]:
         """One vision forward over every image; float32 ``[n_tokens, hidden]`` each."""
         if not items:
             return []
@@ -88,9 +88,9 @@ class NextVideoPreprocessor:
         self._per_frame = (int(vision.image_size) // int(vision.patch_size) // int(config.spatial_pool_stride)) ** 2
 
     @torch.inference_mode()
-    def __call__(self, frames) -> ImagePixels:
+    def __call__(self, frames) -> MediaPixels:
         px = self._video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"][0]
-        return ImagePixels(px.to(torch.float32).contiguous(), (0, 0, 0), px.shape[0] * self._per_frame, "video")
+        return MediaPixels(px.to(torch.float32).contiguous(), (0, 0, 0), px.shape[0] * self._per_frame, "video")
 
 
 class LlavaNextVideoCompute(PlainLMCompute):
@@ -108,7 +108,7 @@ class LlavaNextVideoCompute(PlainLMCompute):
                                                       config=self.model.config)
 
     @torch.inference_mode()
-    def encode_images(self, items: list[ImagePixels]) -> list[torch.Tensor]:
+    def encode_media(self, items: list[MediaPixels]) -> list[torch.Tensor]:
         """One vision forward over every frame of every video; float32 ``[n_tokens, hidden]``
         each, frame-major (the order ``forward`` scatters them in)."""
         if not items:

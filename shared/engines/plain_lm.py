@@ -6,7 +6,7 @@ is packed as ``[n_layers, 2, n_kv_heads, seq, head_dim]`` so decode continues on
 A family subclass sets ``model``, ``processor``, ``placeholder_token_id`` and ``kind`` (the
 modality its placeholder holds) — :meth:`_load` sets the first two on the settings' device and
 dtype —, calls :meth:`_init_lm`, and adds its preprocessor and
-``encode_images``. Pure and synchronous, like :mod:`shared.engines.qwen2_vl`.
+``encode_media``. Pure and synchronous, like :mod:`shared.engines.qwen2_vl`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from shared.engines.kv_pack import pack_kv, unpack_kv
 from shared.engines.qwen2_vl import DecodeState, PrefillResult, _kind
 
 
@@ -83,23 +84,12 @@ class PlainLMCompute:
                          past_key_values=DynamicCache(config=self.model.config.text_config), use_cache=True,
                          logits_to_keep=1)
         return PrefillResult(last_logits=out.logits[0, -1].to("cpu", torch.float32),
-                             kv=self.pack_kv(out.past_key_values), rope_delta=0, prompt_len=seq_len)
-
-    @staticmethod
-    def pack_kv(cache) -> torch.Tensor:
-        per_layer = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
-        return torch.stack(per_layer).contiguous()
+                             kv=pack_kv(out.past_key_values), rope_delta=0, prompt_len=seq_len)
 
     @torch.inference_mode()
     def start_decode(self, kv_packed: torch.Tensor, rope_delta: int, seq_len: int) -> DecodeState:
-        from transformers import DynamicCache
-
-        expected = (self.n_layers, 2, self.n_kv_heads, seq_len, self.head_dim)
-        if tuple(kv_packed.shape) != expected:
-            raise ValueError(f"packed KV shape {tuple(kv_packed.shape)} != {expected}")
-        kv = kv_packed.to(self.device, self.dtype)
-        layers = [(kv[i, 0].unsqueeze(0).clone(), kv[i, 1].unsqueeze(0).clone()) for i in range(self.n_layers)]
-        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config.text_config)
+        cache = unpack_kv(kv_packed, (self.n_layers, 2, self.n_kv_heads, seq_len, self.head_dim),
+                          self.model.config.text_config, device=self.device, dtype=self.dtype)
         return DecodeState(cache=cache, rope_delta=0, seq_len=seq_len)
 
     @torch.inference_mode()

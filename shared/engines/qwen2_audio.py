@@ -6,7 +6,7 @@ Contract per step:
 - ``preprocess_audio`` (an :class:`AudioPreprocessor`): float32 mono samples at
   ``sampling_rate`` → the processor's ``input_features`` ``[n_mels, 3000]`` (every clip padded
   to 30 s), ``meta = (valid feature frames,)`` and the clip's LM token count.
-- ``encode_images(items)`` (name shared with Qwen2-VL) runs ONE audio-tower + projector forward
+- ``encode_media(items)`` (name shared with Qwen2-VL) runs ONE audio-tower + projector forward
   over any number of clips and returns each clip's first ``n_tokens`` rows ``[n_tokens, hidden]``
   — exactly the features ``forward`` merges at the ``<|AUDIO|>`` positions.
 - ``prefill`` expands each ``<|AUDIO|>`` placeholder to its clip's token count, merges the
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from shared.engines.plain_lm import PlainLMCompute
-from shared.engines.qwen2_vl import ImagePixels, _kind
+from shared.engines.qwen2_vl import MediaPixels, _kind
 
 
 def n_audio_tokens(valid_frames: int) -> int:
@@ -41,11 +41,11 @@ class AudioPreprocessor:
         self._fe = processor.feature_extractor
         self.sampling_rate = int(self._fe.sampling_rate)
 
-    def __call__(self, samples: np.ndarray) -> ImagePixels:
+    def __call__(self, samples: np.ndarray) -> MediaPixels:
         out = self._fe([samples], sampling_rate=self.sampling_rate, return_attention_mask=True,
                        padding="max_length", return_tensors="pt")
         valid = int(out["attention_mask"][0].sum())
-        return ImagePixels(out["input_features"][0].to(torch.float32).contiguous(), (0, 0, 0),
+        return MediaPixels(out["input_features"][0].to(torch.float32).contiguous(), (0, 0, 0),
                            n_audio_tokens(valid), "audio", (valid,))
 
 
@@ -64,7 +64,7 @@ class Qwen2AudioCompute(PlainLMCompute):
 
     # ---- encode ---------------------------------------------------------------
     @torch.inference_mode()
-    def encode_images(self, items: list[ImagePixels]) -> list[torch.Tensor]:
+    def encode_media(self, items: list[MediaPixels]) -> list[torch.Tensor]:
         """One audio-tower forward over every clip; float32 ``[n_tokens, hidden]`` each."""
         from transformers.masking_utils import create_bidirectional_mask
 
@@ -80,7 +80,8 @@ class Qwen2AudioCompute(PlainLMCompute):
         max_len = (features.shape[-1] - 2) // 2 + 1
         mask_2d = (torch.arange(max_len, device=dev)[None, :] < feat_lengths[:, None]).to(torch.long)
         mask = create_bidirectional_mask(config=tower.config,
-                                         inputs_embeds=torch.zeros(len(items), max_len, 1, device=dev, dtype=self.dtype),
+                                         inputs_embeds=torch.zeros(len(items), max_len, 1, device=dev,
+                                                                 dtype=self.dtype),
                                          attention_mask=mask_2d)
         hidden = tower(features, attention_mask=mask).last_hidden_state
         projected = self.model.model.multi_modal_projector(hidden)

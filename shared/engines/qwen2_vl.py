@@ -8,9 +8,9 @@ by default); inputs may come from any device, encoder outputs and KV stay on the
 in the model dtype, logits come back as float32 on the CPU (sampling runs there).
 
 Contract per step:
-- ``preprocess_image`` → ``ImagePixels`` exactly as ``AutoProcessor`` would produce
+- ``preprocess_image`` → ``MediaPixels`` exactly as ``AutoProcessor`` would produce
   for that image (same image-processor object and backend as the reference).
-- ``encode_images`` runs ONE vision forward over any number of images (they may
+- ``encode_media`` runs ONE vision forward over any number of images (they may
   belong to different requests) and returns one ``[n_tokens, hidden]`` tensor each.
 - ``prefill`` expands each placeholder token to its image's token count, computes
   M-RoPE positions, merges embeddings, runs the LM over the prompt and returns the
@@ -30,9 +30,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from shared.engines.kv_pack import pack_kv, unpack_kv
+
 
 @dataclass(frozen=True)
-class ImagePixels:
+class MediaPixels:
     """Processor output for one image (or video: ``kind="video"``).
 
     pixel_values: float32 [n_patches, patch_dim] (patch_dim = C·t_patch·p·p).
@@ -83,16 +85,16 @@ class ImagePreprocessor:
         self._merge = int(self._image_processor.merge_size)
 
     @torch.inference_mode()
-    def __call__(self, img: Image.Image) -> ImagePixels:
+    def __call__(self, img: Image.Image) -> MediaPixels:
         out = self._image_processor(images=[img], return_tensors="pt")
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
         n_tokens = grid[0] * grid[1] * grid[2] // (self._merge**2)
-        return ImagePixels(out["pixel_values"].to(torch.float32).contiguous(), grid, n_tokens)
+        return MediaPixels(out["pixel_values"].to(torch.float32).contiguous(), grid, n_tokens)
 
 
 class VideoPreprocessor:
     """The model's own video processor alone (no weights): what media-fetch runs on sampled
-    frames (``uint8 [frames, h, w, 3]``). Output as :class:`ImagePixels` (``pixel_values`` are
+    frames (``uint8 [frames, h, w, 3]``). Output as :class:`MediaPixels` (``pixel_values`` are
     ``pixel_values_videos``, ``grid_thw`` is ``video_grid_thw``), exactly what ``AutoProcessor``
     gives for ``videos=[frames]``."""
 
@@ -105,15 +107,15 @@ class VideoPreprocessor:
         self._merge = int(self._video_processor.merge_size)
 
     @torch.inference_mode()
-    def __call__(self, frames) -> ImagePixels:
+    def __call__(self, frames) -> MediaPixels:
         out = self._video_processor(videos=[frames], return_tensors="pt")
         grid = tuple(int(x) for x in out["video_grid_thw"][0].tolist())
         n_tokens = grid[0] * grid[1] * grid[2] // (self._merge**2)
-        return ImagePixels(out["pixel_values_videos"].to(torch.float32).contiguous(), grid, n_tokens)
+        return MediaPixels(out["pixel_values_videos"].to(torch.float32).contiguous(), grid, n_tokens)
 
 
 def _kind(item) -> str:
-    """An item's modality: ``MediaEmbeds`` / ``ImagePixels`` carry one; plain tuples are images."""
+    """An item's modality: ``MediaEmbeds`` / ``MediaPixels`` carry one; plain tuples are images."""
     return getattr(item, "kind", "image")
 
 
@@ -144,7 +146,8 @@ class Qwen2VLCompute:
         text_cfg = cfg.text_config
         self.n_layers: int = int(text_cfg.num_hidden_layers)
         self.n_kv_heads: int = int(text_cfg.num_key_value_heads)
-        self.head_dim: int = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads)
+        self.head_dim: int = int(getattr(text_cfg, "head_dim", None)
+                                 or text_cfg.hidden_size // text_cfg.num_attention_heads)
         self.eos_token_ids: frozenset[int] = self._eos_ids()
         self.max_model_len: int = int(text_cfg.max_position_embeddings)
         self.cache_config = self.model.config  # what DynamicCache is built with for this model
@@ -173,7 +176,7 @@ class Qwen2VLCompute:
     # ---- encode ---------------------------------------------------------------
 
     @torch.inference_mode()
-    def encode_images(self, items: list[ImagePixels]) -> list[torch.Tensor]:
+    def encode_media(self, items: list[MediaPixels]) -> list[torch.Tensor]:
         """One vision forward per modality present (images, videos) over all items; returns
         [n_tokens, hidden] per item (model dtype, on the compute device), in the order given."""
         result: list[torch.Tensor | None] = [None] * len(items)
@@ -199,20 +202,20 @@ class Qwen2VLCompute:
 
     # ---- prefill --------------------------------------------------------------
 
-    def expand_prompt(self, prompt_ids: list[int], images: list) -> list[int]:
+    def expand_prompt(self, prompt_ids: list[int], media: list) -> list[int]:
         """Replace the i-th placeholder (image or video token) by items[i]'s token count of it.
 
-        ``images``: ``(embeds, grid_thw[, kind])`` per item in prompt order (``MediaEmbeds``).
+        ``media``: ``(embeds, grid_thw[, kind])`` per item in prompt order (``MediaEmbeds``).
         Raises ValueError when the placeholders differ from the items (count or modality, in
         order) or an embedding's row count disagrees with t·h·w/merge².
         """
         ids_of = {tok: kind for kind, (tok, _) in self._placeholder.items()}
         found = [ids_of[t] for t in prompt_ids if t in ids_of]
-        kinds = [_kind(it) for it in images]
+        kinds = [_kind(it) for it in media]
         if found != kinds:
             raise ValueError(f"prompt has placeholders {found} but items {kinds} given")
         expanded: list[int] = []
-        it = iter(images)
+        it = iter(media)
         for tok in prompt_ids:
             if tok not in ids_of:
                 expanded.append(tok)
@@ -226,7 +229,7 @@ class Qwen2VLCompute:
         return expanded
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], images: list, prefix_kv: torch.Tensor | None = None) -> PrefillResult:
+    def prefill(self, prompt_ids: list[int], media: list, prefix_kv: torch.Tensor | None = None) -> PrefillResult:
         """Run the LM over the prompt with image / video embeddings merged at the placeholders.
 
         ``prefix_kv``: packed KV of the prompt's first ``P < prompt_len`` expanded positions
@@ -237,7 +240,7 @@ class Qwen2VLCompute:
         """
         from transformers import DynamicCache
 
-        expanded = self.expand_prompt(prompt_ids, images)
+        expanded = self.expand_prompt(prompt_ids, media)
         dev = self.device
         input_ids = torch.tensor([expanded], dtype=torch.long, device=dev)
         seq_len = input_ids.shape[1]
@@ -246,8 +249,8 @@ class Qwen2VLCompute:
             token_type[input_ids == tok] = type_id
         is_media = token_type > 0
 
-        if images:
-            grids = {kind: [it[1] for it in images if _kind(it) == kind] for kind in ("image", "video")}
+        if media:
+            grids = {kind: [it[1] for it in media if _kind(it) == kind] for kind in ("image", "video")}
             vision_pos, deltas = self.model.model.get_rope_index(
                 input_ids, mm_token_type_ids=token_type,
                 image_grid_thw=torch.tensor(grids["image"], dtype=torch.long, device=dev) if grids["image"] else None,
@@ -263,8 +266,8 @@ class Qwen2VLCompute:
         position_ids = torch.cat([text_pos, vision_pos], dim=0)
 
         embeds = self.model.get_input_embeddings()(input_ids)
-        if images:  # items are in prompt order, so one scatter over every media position
-            media_embeds = torch.cat([it[0].to(dev, embeds.dtype) for it in images], dim=0)
+        if media:  # items are in prompt order, so one scatter over every media position
+            media_embeds = torch.cat([it[0].to(dev, embeds.dtype) for it in media], dim=0)
             embeds = embeds.masked_scatter(is_media.unsqueeze(-1), media_embeds)
 
         start = 0
@@ -282,7 +285,7 @@ class Qwen2VLCompute:
             use_cache=True,
             logits_to_keep=1,
         )
-        kv = self.pack_kv(out.past_key_values)
+        kv = pack_kv(out.past_key_values)
         return PrefillResult(
             last_logits=out.logits[0, -1].to("cpu", torch.float32),
             kv=kv,
@@ -290,26 +293,13 @@ class Qwen2VLCompute:
             prompt_len=seq_len,
         )
 
-    @staticmethod
-    def pack_kv(cache) -> torch.Tensor:
-        """DynamicCache (batch 1) → contiguous [n_layers, 2, n_kv_heads, seq, head_dim] (the cache's
-        device and dtype)."""
-        per_layer = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
-        return torch.stack(per_layer).contiguous()
-
     # ---- decode ---------------------------------------------------------------
 
     @torch.inference_mode()
     def start_decode(self, kv_packed: torch.Tensor, rope_delta: int, seq_len: int) -> DecodeState:
         """Rebuild a DynamicCache from a packed KV (copied; the caller keeps its buffer)."""
-        from transformers import DynamicCache
-
-        expected = (self.n_layers, 2, self.n_kv_heads, seq_len, self.head_dim)
-        if tuple(kv_packed.shape) != expected:
-            raise ValueError(f"packed KV shape {tuple(kv_packed.shape)} != {expected}")
-        kv = kv_packed.to(self.device, self.dtype)
-        layers = [(kv[i, 0].unsqueeze(0).clone(), kv[i, 1].unsqueeze(0).clone()) for i in range(self.n_layers)]
-        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
+        cache = unpack_kv(kv_packed, (self.n_layers, 2, self.n_kv_heads, seq_len, self.head_dim), self.model.config,
+                          device=self.device, dtype=self.dtype)
         return DecodeState(cache=cache, rope_delta=int(rope_delta), seq_len=seq_len)
 
     @torch.inference_mode()

@@ -14,7 +14,6 @@ for an abort between steps.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,13 +21,13 @@ import torch
 
 from shared import protocol
 from shared.compute import ComputeLane, MicroBatcher
+from shared.engines.base import Capabilities, MediaEmbeds, PrefillOutput
 from shared.engines.batched import DecodeBatcher
-from shared.engines.base import Capabilities, ImageEmbeds, PrefillOutput
 from shared.engines.sampling import sample_at
 
 
 def compute_class(model_dir: str | Path):
-    """The family's split compute path (one interface: encode_images, prefill, start_decode,
+    """The family's split compute path (one interface: encode_media, prefill, start_decode,
     decode_step, and the model facts)."""
     from shared.models.registry import family_of
 
@@ -72,7 +71,7 @@ class TransformersEngine:
     async def start(self) -> None:
         if self.compute is not None:
             return
-        from shared.engines.qwen2_vl import ImagePixels
+        from shared.engines.qwen2_vl import MediaPixels
 
         self._lane = ComputeLane(f"transformers-{self._model_dir.name}")
         cls = compute_class(self._model_dir)
@@ -82,7 +81,7 @@ class TransformersEngine:
         compute = self.compute
 
         def encode_batch(items):
-            return compute.encode_images([ImagePixels(*item) for item in items])
+            return compute.encode_media([MediaPixels(*item) for item in items])
 
         self._batcher = MicroBatcher(encode_batch, self._lane, max_items=self._batch_items,
                                      max_wait_ms=self._batch_wait_ms)
@@ -126,17 +125,17 @@ class TransformersEngine:
                      kind: str = "image", meta: tuple[int, ...] = ()) -> torch.Tensor:
         return await self._batcher.submit((pixels, grid_thw, n_tokens, kind, tuple(meta)))
 
-    async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+    async def prefill(self, request_id: str, prompt_ids: list[int], media: list[MediaEmbeds],
                       sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
-        args = (prompt_ids, images) if prefix_kv is None else (prompt_ids, images, prefix_kv)
+        args = (prompt_ids, media) if prefix_kv is None else (prompt_ids, media, prefix_kv)
         result = await self._lane.run(self.compute.prefill, *args)
         first = sample_at(result.last_logits, sampling, step=0)
         return PrefillOutput(first_token=first, kv=result.kv, rope_delta=result.rope_delta,
                              prompt_len=result.prompt_len)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+    async def generate(self, request_id: str, prompt_ids: list[int], media: list[MediaEmbeds],
                        sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
-        out = await self.prefill(request_id, prompt_ids, images, sampling)
+        out = await self.prefill(request_id, prompt_ids, media, sampling)
         first = resume[0] if resume else out.first_token
         yield first
         async for token in self.decode(request_id, out.kv, out.rope_delta, out.prompt_len, first, sampling,

@@ -16,7 +16,7 @@ What it serves (``capabilities``):
   (``enable_mm_embeds=True``). Prompts go through vLLM's renderer (``render_cmpl_async``),
   the non-deprecated 0.32 path for token prompts.
 - NOT ``encode``: the encode stage keeps the transformers vision encoder
-  (``Qwen2VLCompute.encode_images``), so every engine sees the same embeddings.
+  (``Qwen2VLCompute.encode_media``), so every engine sees the same embeddings.
 - ``kv_export`` / ``kv_import`` as ``remote_kv`` (modes e-p-d and ep-d): built with
   ``kv_role`` producer, :meth:`prefill` samples the first token and returns the KV's descriptor
   (``protocol.EngineKv``; the blocks stay in this engine until read); built as consumer,
@@ -94,7 +94,7 @@ import torch
 
 from shared import protocol
 from shared.engines import vllm_pd, vllm_process
-from shared.engines.base import Capabilities, EngineError, ImageEmbeds, PrefillOutput
+from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput
 from shared.transfer.tensors import OwnerGoneError
 
 log = logging.getLogger(__name__)
@@ -269,7 +269,7 @@ class VllmEngine:
         yield  # pragma: no cover  (makes this an async generator, like the protocol's decode)
 
     # ------------------------------------------------------------------ prefill / decode apart
-    async def prefill(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+    async def prefill(self, request_id: str, prompt_ids: list[int], images: list[MediaEmbeds],
                       sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
         """Prompt → first token, the KV left in this engine for a consumer (kv_producer only)."""
         if self._kv_role != vllm_pd.PRODUCER:
@@ -327,7 +327,7 @@ class VllmEngine:
                         return
 
     # ------------------------------------------------------------------ generate
-    async def generate(self, request_id: str, prompt_ids: list[int], images: list[ImageEmbeds],
+    async def generate(self, request_id: str, prompt_ids: list[int], images: list[MediaEmbeds],
                        sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
         """Prefill + decode in vLLM; yields completion token ids (eos included when produced).
 
@@ -387,7 +387,7 @@ class VllmEngine:
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
-    def _prompt(self, prompt_ids: list[int], images: list[ImageEmbeds], tail: tuple[int, ...] = ()) -> dict:
+    def _prompt(self, prompt_ids: list[int], images: list[MediaEmbeds], tail: tuple[int, ...] = ()) -> dict:
         """vLLM's prompt dict; ``tail``: completion tokens appended after the placeholders are
         counted (a generated token may equal a placeholder id)."""
         other = sorted({getattr(it, "kind", "image") for it in images} - {"image"})

@@ -34,9 +34,14 @@ class Lookup:
 
 
 class PrefixReuse:
-    def __init__(self, cache: PrefixCache, placeholder_id: "int | frozenset[int]") -> None:
+    """``metric_label``: the ``worker`` label of this process's series; stable across restarts
+    (a restarted worker continues its series instead of starting new ones)."""
+
+    def __init__(self, cache: PrefixCache, placeholder_id: "int | frozenset[int]", *,
+                 metric_label: str = "prefill") -> None:
         self.cache = cache
         self._placeholder = placeholder_id
+        self._label = metric_label
 
     def lookup(self, msg: protocol.PrefillRequest, prompt_len: int) -> Lookup:
         """``prompt_len``: the expanded prompt's length (positions)."""
@@ -51,10 +56,10 @@ class PrefixReuse:
 
     def keep(self, lookup: Lookup, kv: torch.Tensor, worker_id: str) -> list[Produce]:
         """Store the prompt's blocks from its full packed ``kv``; the KV event to produce, if any."""
-        BLOCKS_HIT.labels(worker_id).inc(lookup.hit_blocks)
-        BLOCKS_COMPUTED.labels(worker_id).inc(len(lookup.hashes) - lookup.hit_blocks)
+        BLOCKS_HIT.labels(self._label).inc(lookup.hit_blocks)
+        BLOCKS_COMPUTED.labels(self._label).inc(len(lookup.hashes) - lookup.hit_blocks)
         changes = self.cache.store(lookup.hashes, kv)
-        CACHE_BYTES.labels(worker_id).set(self.cache.bytes)
+        CACHE_BYTES.labels(self._label).set(self.cache.bytes)
         if not (changes.stored or changes.removed):
             return []
         event = protocol.KvEvent(worker_id=worker_id, stored=tuple(changes.stored), removed=tuple(changes.removed))

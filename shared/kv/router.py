@@ -63,7 +63,8 @@ class Decision:
 
 
 class Router:
-    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, settings: Settings, placeholder_id: "int | frozenset[int]", *,
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, settings: Settings,
+                 placeholder_id: "int | frozenset[int]", *,
                  topic: str = TOPIC_PREFILL, rng: random.Random | None = None) -> None:
         if settings.routing_policy not in POLICIES:
             raise ValueError(f"routing_policy {settings.routing_policy!r}: choose one of {', '.join(POLICIES)}")

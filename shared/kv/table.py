@@ -153,7 +153,7 @@ class KvTableUpdater:
         self._keys = keys
         self._ttl_ms = settings.kv_report_ttl_ms
         self._consumer = make_consumer(settings, TOPIC_KV_EVENTS, consumer_group("kv-table"))
-        self._decoder = protocol.decoder_for(protocol.KvEventMsg)
+        self._decoder = protocol.decoder_for(protocol.KvEvent)
         self._stopping = asyncio.Event()
         self.applied = 0
 

@@ -7,8 +7,10 @@ or ``MediaError``:
   else — video-only files, images, garbage — is a 400.
 - The duration is checked from the header before the samples are decoded (``max_duration_s``,
   413); PyAV decoding also stops once the decoded audio passes the cap (a header may lie).
-- Channels are averaged to mono; resampling to ``rate_hz`` is FFmpeg's (PyAV
-  ``AudioResampler``) for every format, so one resampler serves the whole fleet.
+- Every format is decoded at its own rate, its channels averaged to mono here (FFmpeg's
+  ``layout="mono"`` would sum stereo at -3 dB and clip), then resampled to ``rate_hz`` by
+  soxr (one resampler for every format; flatter passband and ~45 dB more alias rejection
+  than FFmpeg's default at a third of its time, README "Audio").
 - Empty or entirely silent audio (every sample 0) is a 400: there is nothing to listen to.
 - Every exception the decoders raise on untrusted bytes becomes a ``MediaError``.
 """
@@ -50,9 +52,9 @@ def decode_audio(raw: bytes, *, rate_hz: int, max_duration_s: float, param: str)
     try:
         if fmt in ("WAV", "FLAC", "OGG"):
             samples, rate = _read_soundfile(raw, fmt, max_duration_s, param)
-            samples = _resample(samples, rate, rate_hz)
         else:
-            samples = _read_av(raw, fmt, rate_hz, max_duration_s, param)
+            samples, rate = _read_av(raw, fmt, max_duration_s, param)
+        samples = _resample(samples, rate, rate_hz)
     except MediaError:
         raise
     except Exception as exc:  # noqa: BLE001 - libsndfile / FFmpeg errors on untrusted bytes
@@ -86,16 +88,12 @@ def _read_soundfile(raw: bytes, fmt: str, max_duration_s: float, param: str) -> 
 def _resample(mono: np.ndarray, rate: int, rate_hz: int) -> np.ndarray:
     if rate == rate_hz or mono.size == 0:
         return mono
-    import av
+    import soxr
 
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(mono, np.float32)[None, :], format="flt", layout="mono")
-    frame.sample_rate = rate
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=rate_hz)
-    chunks = [f.to_ndarray().reshape(-1) for f in (*resampler.resample(frame), *resampler.resample(None))]
-    return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    return soxr.resample(np.ascontiguousarray(mono, np.float32), rate, rate_hz, quality="HQ")
 
 
-def _read_av(raw: bytes, fmt: str, rate_hz: int, max_duration_s: float, param: str) -> np.ndarray:
+def _read_av(raw: bytes, fmt: str, max_duration_s: float, param: str) -> tuple[np.ndarray, int]:
     import av
 
     with av.open(io.BytesIO(raw), mode="r", metadata_errors="ignore") as container:
@@ -104,18 +102,21 @@ def _read_av(raw: bytes, fmt: str, rate_hz: int, max_duration_s: float, param: s
         stream = container.streams.audio[0]
         if container.duration is not None and container.duration / 1_000_000 > max_duration_s:
             raise _too_long(container.duration / 1_000_000, max_duration_s, param)
-        resampler = av.AudioResampler(format="flt", layout="mono", rate=rate_hz)
+        # planar float at the stream's own rate and layout: one row per channel, averaged below
+        to_float = av.AudioResampler(format="fltp")
         chunks: list[np.ndarray] = []
-        total = 0
-        cap = int(max_duration_s * rate_hz)
+        rate = total = 0
         for frame in container.decode(stream):
-            for out in resampler.resample(frame):
-                chunks.append(out.to_ndarray().reshape(-1))
+            rate = rate or frame.sample_rate
+            for out in to_float.resample(frame):
+                chunks.append(out.to_ndarray().mean(axis=0))
                 total += chunks[-1].size
-            if total > cap:  # the header understated the duration
-                raise _too_long(total / rate_hz, max_duration_s, param)
-        chunks.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(None))
-    return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+            if rate and total > max_duration_s * rate:  # the header understated the duration
+                raise _too_long(total / rate, max_duration_s, param)
+        chunks.extend(out.to_ndarray().mean(axis=0) for out in to_float.resample(None))
+    if not chunks or rate <= 0:
+        return np.zeros(0, np.float32), rate or 1
+    return np.concatenate(chunks).astype(np.float32, copy=False), rate
 
 
 def _short(exc: BaseException) -> str:

@@ -1,5 +1,6 @@
 """Fetched-bytes cache for media-fetch: concurrent requests for one URL share one download
-(in-flight de-duplication), and recent results are kept in an LRU bounded in bytes.
+(in-flight de-duplication), and recent results are kept in an LRU bounded in bytes
+(``cachetools.TTLCache`` sized by ``len``).
 
 - Only successful fetches are cached; an error reaches every request that was waiting on that
   download (each gets it with its own param prefix) and the next request tries again.
@@ -13,47 +14,34 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
+
+from cachetools import TTLCache
 
 
 class FetchCache:
     def __init__(self, max_bytes: int, *, ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
-        self._clock = clock
-        self._entries: OrderedDict[Hashable, tuple[float, bytes]] = OrderedDict()
+        self._entries: TTLCache[Hashable, bytes] = TTLCache(maxsize=max_bytes, ttl=ttl_s, timer=clock, getsizeof=len)
         self._inflight: dict[Hashable, asyncio.Task[bytes]] = {}
-        self.bytes = 0
         self.hits = self.misses = self.joined = 0
 
     def __len__(self) -> int:
+        self._entries.expire()
         return len(self._entries)
 
+    @property
+    def bytes(self) -> int:
+        return int(self._entries.currsize)
+
     def get(self, key: Hashable) -> bytes | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        stored_at, data = entry
-        if self._clock() - stored_at > self.ttl_s:
-            self._drop(key)
-            return None
-        self._entries.move_to_end(key)
-        return data
+        return self._entries.get(key)
 
     def put(self, key: Hashable, data: bytes) -> None:
-        if key in self._entries:
-            self._drop(key)
-        if len(data) > self.max_bytes:
-            return
-        while self.bytes + len(data) > self.max_bytes and self._entries:
-            self._drop(next(iter(self._entries)))
-        self._entries[key] = (self._clock(), data)
-        self.bytes += len(data)
-
-    def _drop(self, key: Hashable) -> None:
-        _, data = self._entries.pop(key)
-        self.bytes -= len(data)
+        self._entries.pop(key, None)
+        if len(data) <= self.max_bytes:  # a larger one is served, not kept
+            self._entries[key] = data
 
     async def get_or_fetch(self, key: Hashable, fetch: Callable[[], Awaitable[bytes]]) -> bytes:
         """Cached bytes for ``key``, else the result of the one running ``fetch()`` for it."""

@@ -7,14 +7,30 @@ the winner's. A marker file written last inside the temp dir means "complete".
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 MARKER = "mmfleet_build.json"
+
+
+def recipe_hash(seed: int, recipe_files: Iterable[Path], extra: dict | None = None) -> str:
+    """Short hash of everything that determines a build: the recipe's source files, the seed,
+    ``extra`` (e.g. the size chosen) and the torch / transformers / tokenizers versions."""
+    import tokenizers
+    import torch
+    import transformers
+
+    h = hashlib.sha256()
+    for module_file in recipe_files:
+        h.update(Path(module_file).read_bytes())
+    h.update(json.dumps({"seed": seed, "torch": torch.__version__, "transformers": transformers.__version__,
+                         "tokenizers": tokenizers.__version__, **(extra or {})}, sort_keys=True).encode())
+    return h.hexdigest()[:12]
 
 
 def build_once(final: Path, build: Callable[[Path], object], *, seed: int) -> Path:

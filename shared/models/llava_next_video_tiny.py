@@ -21,14 +21,18 @@ from shared.models import tokenizer_build as tb
 
 MODEL_NAME = "llava-next-video-tiny"
 VIDEO = "<video>"
-TOKENS_PER_FRAME = lt.TOKENS_PER_IMAGE // 4
 CHAT_TEMPLATE = lt.CHAT_TEMPLATE.replace("'<|vision_start|><|video_pad|><|vision_end|>'", "'<video>'")
 
 
 def build_tiny_llava_next_video(out_dir: Path, *, seed: int = 0) -> Path:
-    from transformers import (GenerationConfig, LlavaNextImageProcessor, LlavaNextVideoConfig,
-                              LlavaNextVideoForConditionalGeneration, LlavaNextVideoProcessor,
-                              LlavaNextVideoVideoProcessor)
+    from transformers import (
+        GenerationConfig,
+        LlavaNextImageProcessor,
+        LlavaNextVideoConfig,
+        LlavaNextVideoForConditionalGeneration,
+        LlavaNextVideoProcessor,
+        LlavaNextVideoVideoProcessor,
+    )
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

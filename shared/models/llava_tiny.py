@@ -15,12 +15,12 @@ image; text model as the other tiny builds (hidden 128, 2 layers, plain RoPE).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from pathlib import Path
 
 import torch
 
+from shared.models import build_cache
 from shared.models import qwen2_vl_tiny as vl
 from shared.models import tokenizer_build as tb
 from shared.models.build_cache import build_once
@@ -35,15 +35,7 @@ CHAT_TEMPLATE = tb.CHAT_TEMPLATE.replace("'<|vision_start|><|image_pad|><|vision
 
 
 def recipe_hash(seed: int) -> str:
-    import tokenizers
-    import transformers
-
-    h = hashlib.sha256()
-    for module_file in (Path(__file__), Path(tb.__file__), Path(vl.__file__)):
-        h.update(module_file.read_bytes())
-    h.update(json.dumps({"seed": seed, "torch": torch.__version__, "transformers": transformers.__version__,
-                         "tokenizers": tokenizers.__version__}, sort_keys=True).encode())
-    return h.hexdigest()[:12]
+    return build_cache.recipe_hash(seed, (Path(__file__), Path(tb.__file__), Path(vl.__file__)))
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
@@ -67,8 +59,13 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_tiny_llava(out_dir: Path, *, seed: int = 0) -> Path:
-    from transformers import (CLIPImageProcessor, GenerationConfig, LlavaConfig, LlavaForConditionalGeneration,
-                              LlavaProcessor)
+    from transformers import (
+        CLIPImageProcessor,
+        GenerationConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -23,13 +23,12 @@ Model facts:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from pathlib import Path
 
 import torch
 
+from shared.models import build_cache
 from shared.models import qwen2_vl_tiny as vl
 from shared.models import tokenizer_build as tb
 from shared.models.build_cache import build_once
@@ -62,15 +61,7 @@ CHAT_TEMPLATE = (
 
 
 def recipe_hash(seed: int) -> str:
-    import tokenizers
-    import transformers
-
-    h = hashlib.sha256()
-    for module_file in (Path(__file__), Path(tb.__file__), Path(vl.__file__)):
-        h.update(module_file.read_bytes())
-    h.update(json.dumps({"seed": seed, "torch": torch.__version__, "transformers": transformers.__version__,
-                         "tokenizers": tokenizers.__version__}, sort_keys=True).encode())
-    return h.hexdigest()[:12]
+    return build_cache.recipe_hash(seed, (Path(__file__), Path(tb.__file__), Path(vl.__file__)))
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
@@ -95,8 +86,13 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_tiny_qwen2_audio(out_dir: Path, *, seed: int = 0) -> Path:
-    from transformers import (GenerationConfig, Qwen2AudioConfig, Qwen2AudioForConditionalGeneration,
-                              Qwen2AudioProcessor, WhisperFeatureExtractor)
+    from transformers import (
+        GenerationConfig,
+        Qwen2AudioConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        WhisperFeatureExtractor,
+    )
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

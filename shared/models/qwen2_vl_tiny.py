@@ -38,14 +38,13 @@ Model facts (what other code may rely on):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from shared.models import build_cache
 from shared.models import tokenizer_build as tb
 from shared.models.build_cache import build_once
 
@@ -150,18 +149,7 @@ def vision_config_dict(size: Qwen2VLSize = TINY) -> dict:
 
 def recipe_hash(seed: int, size: Qwen2VLSize = TINY) -> str:
     """Short hash of everything that determines the built files."""
-    import tokenizers
-    import transformers
-
-    h = hashlib.sha256()
-    for module_file in (Path(__file__), Path(tb.__file__)):
-        h.update(module_file.read_bytes())
-    h.update(json.dumps(
-        {"seed": seed, "size": dataclasses.asdict(size), "torch": torch.__version__, "transformers": transformers.__version__,
-         "tokenizers": tokenizers.__version__},
-        sort_keys=True,
-    ).encode())
-    return h.hexdigest()[:12]
+    return build_cache.recipe_hash(seed, (Path(__file__), Path(tb.__file__)), extra={"size": dataclasses.asdict(size)})
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:

@@ -16,10 +16,6 @@ from pathlib import Path
 
 from shared.settings import Settings
 
-MODALITIES = ("image", "video", "audio")
-# the request part(s) that carry each modality, for messages
-PARTS_BY_MODALITY = {"image": "image_url", "video": "video_url", "audio": "audio_url / input_audio"}
-
 
 @dataclass(frozen=True)
 class Family:

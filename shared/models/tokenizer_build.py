@@ -40,7 +40,8 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 # Same split regex as transformers' Qwen2Tokenizer; training with it keeps the merges
 # consistent with the pipeline Qwen2Tokenizer rebuilds at load time.
 _QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 # Qwen2-VL style template.  Content is a string or a list of parts; image parts

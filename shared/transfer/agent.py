@@ -43,6 +43,7 @@ from typing import Iterable
 import msgspec
 import numpy as np
 import torch
+
 try:  # the meta package's import path, else the variant wheel the project pins
     from nixl._api import nixl_agent, nixl_agent_config
 except ImportError:
@@ -51,8 +52,8 @@ except ImportError:
 from shared import metrics
 from shared.protocol import AgentRef, TensorRef
 from shared.transfer.leases import SlotHolders
-from shared.transfer.peers import Peers
 from shared.transfer.paths import DevicePaths
+from shared.transfer.peers import Peers
 from shared.transfer.pool import SlotAllocator
 from shared.transfer.tensors import DTYPES, OwnerGoneError, PoolFullError, TransferError, as_bytes, check_ref
 

@@ -263,7 +263,8 @@ async def doctor_report(device: str, sizes_mib: tuple[int, ...] = (1, 16, 256)) 
         lines.append(f"device {dev}: {props.name}, {props.total_memory / 2**30:.0f} GiB, dtype auto = "
                      f"{str(placement.dtype).removeprefix('torch.')}")
     else:
-        lines.append(f"device cpu (GPUs visible to torch: {torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+        n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        lines.append(f"device cpu (GPUs visible to torch: {n_gpus})")
     lines.append(describe_paths(dev, 256 * MIB, ipc=True))
     lines.append(format_rows(await probe(str(dev), sizes_mib)))
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import io
 import json
@@ -121,13 +122,18 @@ def ours(compose: dict) -> dict[str, dict]:
     return {n: s for n, s in services.items() if n in built or s.get("image") in images}
 
 
+@functools.cache
+def _mmfleet_parser():
+    return _parser()  # built once: ~140 parses per full check (argparse construction dominated)
+
+
 def mmfleet_args(svc: dict):
     """The service's command parsed by the real ``mmfleet`` parser; ValueError with argparse's
     message when it would exit instead."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return _parser().parse_args(as_list(svc.get("command")))
+            return _mmfleet_parser().parse_args(as_list(svc.get("command")))
     except SystemExit:
         raise ValueError((err.getvalue().strip().splitlines() or ["exits without running"])[-1]) from None
 
@@ -270,9 +276,16 @@ def check_kafka(compose: dict, dockerfile: str) -> list[str]:
             if node != env.get("KAFKA_NODE_ID") or host != name or controller not in listeners \
                     or int(port) != listeners[controller][1]:
                 problems.append(f"{name}: quorum voter {voter} is not this node's controller listener")
+        published = {(pub, target) for pub, target in ports_of(svc)}
         for lname, (host, port) in advertised.items():
-            if host != name or listeners.get(lname, (None, None))[1] != port:
+            if listeners.get(lname, (None, None))[1] != port:
                 problems.append(f"{name}: advertised listener {lname}://{host}:{port} is not {name}'s own")
+            elif host != name and (host not in ("localhost", "127.0.0.1") or (str(port), port) not in published):
+                # one for the machine running compose: its port must be published as itself
+                problems.append(f"{name}: advertised listener {lname}://{host}:{port} is not {name}'s own "
+                                "nor a port it publishes to the host")
+        if not any(host in ("localhost", "127.0.0.1") for host, _ in advertised.values()):
+            problems.append(f"{name}: no listener reachable from the host (mmfleet submit outside compose)")
         log_dir = env.get("KAFKA_LOG_DIRS")
         if not any(src and target == log_dir for src, target in volumes_of(svc)):
             problems.append(f"{name}: its log dir {log_dir} is not on a named volume")
@@ -293,6 +306,13 @@ def check_kafka(compose: dict, dockerfile: str) -> list[str]:
 def check_redis(compose: dict, dockerfile: str) -> list[str]:
     problems = []
     services = compose["services"]
+    for name, svc in services.items():
+        if str(svc.get("image", "")).startswith("redis"):
+            argv = as_list(svc.get("command"))
+            aof = argv[argv.index("--appendonly") + 1] if "--appendonly" in argv[:-1] else "no"
+            if aof != "yes" or not any(src and target == "/data" for src, target in volumes_of(svc)):
+                problems.append(f"{name}: no append-only file on a named volume (dedupe and done-marks "
+                                "would die with Redis)")
     for name, svc in ours(compose).items():
         s = _settings_or_none(svc, dockerfile)
         if s is None:
@@ -528,6 +548,11 @@ MUTATIONS = [
     ("bootstrap: wrong host", _set("encode.environment.KAFKA_BOOTSTRAP", "localhost:9092"), "no kafka service"),
     ("advertised listener elsewhere",
      _set("kafka.environment.KAFKA_ADVERTISED_LISTENERS", "PLAINTEXT://localhost:9092"), "advertised listener"),
+    ("host listener not published", _set("kafka.ports", DELETE), "nor a port it publishes"),
+    ("no host listener", _set("kafka.environment.KAFKA_ADVERTISED_LISTENERS", "PLAINTEXT://kafka:9092"),
+     "no listener reachable from the host"),
+    ("redis without AOF", _set("redis.command", ["redis-server", "--appendonly", "no"]), "append-only"),
+    ("redis AOF not on a volume", _set("redis.volumes", DELETE), "append-only"),
     ("quorum voter mismatch", _set("kafka.environment.KAFKA_CONTROLLER_QUORUM_VOTERS", "2@kafka:9093"), "voter"),
     ("topic auto-create", _set("kafka.environment.KAFKA_AUTO_CREATE_TOPICS_ENABLE", "true"), "auto-create"),
     ("broker log dir not durable", _set("kafka.volumes", DELETE), "named volume"),
@@ -619,7 +644,7 @@ def _compose_cli() -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("profile", [None, "epd"])
+@pytest.mark.parametrize("profile", [None, "epd", "e-pd", "ep-d"])
 def test_compose_cli_accepts_the_file(profile) -> None:
     cli = _compose_cli()
     if cli is None:

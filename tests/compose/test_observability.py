@@ -24,8 +24,17 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from tests.compose.test_compose import (COMPOSE_DIR, COMPOSE_FILE, DOCKERFILE, as_list, check_services,
-                                        effective_settings, mmfleet_args, ours, volumes_of)
+from tests.compose.test_compose import (
+    COMPOSE_DIR,
+    COMPOSE_FILE,
+    DOCKERFILE,
+    as_list,
+    check_services,
+    effective_settings,
+    mmfleet_args,
+    ours,
+    volumes_of,
+)
 
 REPO = COMPOSE_DIR.parent
 OBS_FILE = COMPOSE_DIR / "observability.yml"

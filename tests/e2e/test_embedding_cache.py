@@ -13,7 +13,6 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import blake3
 import openai
@@ -74,7 +73,8 @@ async def ask(client: openai.AsyncOpenAI, imgs) -> str:
                {"type": "text", "text": TEXT}]
     pieces = []
     stream = await client.chat.completions.create(model="mmfleet-demo", stream=True, temperature=0,
-                                                  max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": content}])
+                                                  max_tokens=MAX_TOKENS,
+                                                  messages=[{"role": "user", "content": content}])
     async for chunk in stream:
         if chunk.choices:
             pieces.append(chunk.choices[0].delta.content or "")

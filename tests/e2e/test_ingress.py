@@ -209,7 +209,8 @@ def test_a_duplicate_request_id_is_answered_once(fleet):
 
     async def go():
         await _topic(fleet["bootstrap"], topic)
-        metas = await _produce(fleet["bootstrap"], [(b"d-1", value, [(k, v.encode()) for k, v in std(topic=topic).items()])] * 3)
+        headers = [(k, v.encode()) for k, v in std(topic=topic).items()]
+        metas = await _produce(fleet["bootstrap"], [(b"d-1", value, headers)] * 3)
         first = await _replies(fleet["bootstrap"], topic, {"d-1"})
         # once the ingress has committed past every copy, all of them were handled
         probe = AIOKafkaConsumer(bootstrap_servers=fleet["bootstrap"], group_id="mmfleet.ingress",

@@ -12,6 +12,7 @@ never sees the images)."""
 from __future__ import annotations
 
 import importlib.util
+
 import openai
 import pytest
 

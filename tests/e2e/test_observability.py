@@ -183,8 +183,10 @@ def _records(page_rows: dict, stage: str) -> float:
 
 async def _drive_fleet_page(base: str, redis_url: str) -> None:
     rows_js = ("Object.fromEntries([...document.querySelectorAll('#stages tr[data-stage]')].map(r => [r.dataset.stage,"
-               " Object.fromEntries([...r.querySelectorAll('[data-field]')].map(c => [c.dataset.field, c.textContent]))]))")
-    state_js = "Object.fromEntries([...document.querySelectorAll('#processes tr[data-process]')].map(r => [r.dataset.process, r.dataset.state]))"
+               " Object.fromEntries([...r.querySelectorAll('[data-field]')]"
+               ".map(c => [c.dataset.field, c.textContent]))]))")
+    state_js = ("Object.fromEntries([...document.querySelectorAll('#processes tr[data-process]')]"
+                ".map(r => [r.dataset.process, r.dataset.state]))")
     _gateways, workers = await _endpoints(redis_url)
     async with browser.chromium() as page:
         await page.goto(base + "/fleet")

@@ -357,7 +357,7 @@ def test_precomputed_image_embeds_answer_like_the_image(client, model_dir):
     compute = Qwen2VLCompute(model_dir)
     img = noise_image(11)
     px = compute.preprocess_image(img)
-    (emb,) = compute.encode_images([px])
+    (emb,) = compute.encode_media([px])
     buf = io.BytesIO()
     np.save(buf, emb.numpy())
     part = {"type": "image_embeds", "image_embeds": {"data": base64.b64encode(buf.getvalue()).decode(),

@@ -65,7 +65,7 @@ def cases(model_dir, compute, reference):
         imgs = [images[k] for k in keys]
         msgs = messages_for(len(imgs))
         pixels = [compute.preprocess_image(im) for im in imgs]
-        feats = compute.encode_images(pixels)
+        feats = compute.encode_media(pixels)
         expected = reference_generate(model_dir, msgs, imgs, MAX_NEW_TOKENS, loaded=reference)
         assert len(set(expected)) > 1, "degenerate model: one token repeated"
         out[name] = (compute.render_prompt_ids(msgs), [(f, p.grid_thw) for f, p in zip(feats, pixels)], expected)

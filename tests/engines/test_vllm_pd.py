@@ -41,19 +41,19 @@ async def handoff(pair, rid: str, prompt_ids, images, sampling=GREEDY, resume=()
 
 
 @pytest.mark.parametrize("name", list(CASES))
-async def test_greedy_handoff_matches_generate(pair, cases, name):
+async def test_greedy_handoff_matches_generate(pair, cases, name):  # noqa: F811 (fixture)
     prompt_ids, images, expected = cases[name]
     assert await handoff(pair, f"pd-{name}", prompt_ids, images) == expected
 
 
-async def test_resume_continues_after_logged_tokens(pair, cases):
+async def test_resume_continues_after_logged_tokens(pair, cases):  # noqa: F811 (fixture)
     """A decode that runs again (a restarted attempt) forces the logged tokens and goes on."""
     prompt_ids, images, expected = cases["one_image"]
     got = await handoff(pair, "pd-resume", prompt_ids, images, resume=tuple(expected[1:5]))
     assert got == expected
 
 
-async def test_unreachable_producer_is_owner_gone(pair, cases):
+async def test_unreachable_producer_is_owner_gone(pair, cases):  # noqa: F811 (fixture)
     """A producer that cannot be reached (here: an engine id nobody has, at a closed port; in a
     fleet: a prefill worker that died) ends the read with OwnerGoneError, which makes the runner
     restart the request from its source; the consumer never computes without the KV."""

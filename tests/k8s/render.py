@@ -35,7 +35,8 @@ def render(directory: Path) -> list[dict]:
             docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
     docs = copy.deepcopy(docs)
     for patch in kz.get("patches", []):
-        ops = yaml.safe_load((directory / patch["path"]).read_text()) if "path" in patch else yaml.safe_load(patch["patch"])
+        text = (directory / patch["path"]).read_text() if "path" in patch else patch["patch"]
+        ops = yaml.safe_load(text)
         if not isinstance(ops, list):
             raise ValueError(f"{directory}: only JSON 6902 patches are resolved here, not {patch}")
         target = patch["target"]

@@ -222,12 +222,8 @@ def test_goodput_and_errors_count_correctly():
 def test_span_aggregation():
     from shared import protocol
 
-    if not spans.protocol_has_spans():
-        pytest.skip("shared.protocol.Finish has no spans in this checkout")
-    fields = protocol.StageSpan.__struct_fields__
-    mk = lambda stage, q, t, tot: protocol.StageSpan(**{"stage": stage, "worker": "w", "queue_ms": q,  # noqa: E731
-                                                        "transfer_ms": t, "total_ms": tot,
-                                                        **({"compute_ms": tot - t} if "compute_ms" in fields else {})})
+    mk = lambda stage, q, t, tot: protocol.StageSpan(stage=stage, worker="w", queue_ms=q,  # noqa: E731
+                                                     transfer_ms=t, total_ms=tot)
     fin = protocol.Finish(reason="length", usage=protocol.Usage(3, 4),
                           spans=(mk("media-fetch", 1, 2, 5), mk("decode", 3, 1, 20)))
     decoded = protocol.decode_event(protocol.encode(fin))
@@ -259,23 +255,22 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
     assert [r["text"] for r in fleet_run["records"]] == [r["text"] for r in inproc_run["records"]]
     stages = ["media-fetch", "encode", "prefill", "decode"]
     assert list(inproc_run["spans"]["stages"]) == stages
-    if spans.protocol_has_spans():
-        sp = fleet_run["spans"]
-        assert sp["available"], sp
-        assert list(sp["stages"]) == stages
-        assert all(st["n"] == 4 and st["total_ms"]["n"] == 4 for st in sp["stages"].values())
-        assert all(len(r["spans"]) == 4 for r in fleet_run["records"])
-        for r in fleet_run["records"]:  # the TTFT split of a real fleet request adds up to its TTFT
-            parts = ttft_split.split_fleet(r)
-            assert parts is not None, r["spans"]
-            assert sum(parts.values()) == pytest.approx(r["ttft_ms"])
-            assert parts["compute"] > 0 and parts["gateway"] > 0 and parts["stream read"] > 0
+    sp = fleet_run["spans"]
+    assert sp["available"], sp
+    assert list(sp["stages"]) == stages
+    assert all(st["n"] == 4 and st["total_ms"]["n"] == 4 for st in sp["stages"].values())
+    assert all(len(r["spans"]) == 4 for r in fleet_run["records"])
+    for r in fleet_run["records"]:  # the TTFT split of a real fleet request adds up to its TTFT
+        parts = ttft_split.split_fleet(r)
+        assert parts is not None, r["spans"]
+        assert sum(parts.values()) == pytest.approx(r["ttft_ms"])
+        assert parts["compute"] > 0 and parts["gateway"] > 0 and parts["stream read"] > 0
     assert inproc_run["cpu"]["load_pct"] is None or inproc_run["cpu"]["load_pct"] > 0
     write_all(result, tmp_path, plots=False)
     summary = (tmp_path / "summary.md").read_text()
     assert "Per-stage breakdown" in summary and "same text as" in summary
     assert "Medians over repetitions" in summary
-    assert "## TTFT split" in summary or not spans.protocol_has_spans()
+    assert "## TTFT split" in summary
 
 
 def test_ttft_split_adds_up_to_the_ttft():

@@ -30,15 +30,18 @@ def soundfile_bytes(data: np.ndarray, rate: int, fmt: str, subtype: str | None =
 
 
 def av_bytes(data: np.ndarray, rate: int, container: str, codec: str) -> bytes:
+    """``data`` (samples,) or (samples, 2) encoded by FFmpeg as a mono or stereo file."""
     import av
 
+    layout = "stereo" if data.ndim == 2 else "mono"
+    planar = data.T if data.ndim == 2 else data[None, :]
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=container) as out:
-        stream = out.add_stream(codec, rate=rate, layout="mono")
+        stream = out.add_stream(codec, rate=rate, layout=layout)
         frame_len = 1152
-        for start in range(0, len(data), frame_len):
-            chunk = np.ascontiguousarray(data[start:start + frame_len], np.float32)[None, :]
-            frame = av.AudioFrame.from_ndarray(chunk, format="flt", layout="mono")
+        for start in range(0, planar.shape[1], frame_len):
+            chunk = np.ascontiguousarray(planar[:, start:start + frame_len], np.float32)
+            frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout=layout)
             frame.sample_rate = rate
             frame.pts = start
             for packet in stream.encode(frame):
@@ -65,6 +68,32 @@ def test_av_formats(container, codec, fmt):
     assert sniff_audio(raw) == fmt
     out = decode_audio(raw, rate_hz=RATE, max_duration_s=10, param="p")
     assert abs(out.size - RATE) < RATE * 0.1 and float(np.abs(out).max()) > 0.1
+
+
+def test_stereo_is_averaged_alike_in_every_format():
+    """One 0.8-peak stereo clip (a different tone each side) as WAV and as MP3 gives the same
+    mono signal and the same log-mel features: channels are averaged, never summed and clipped."""
+    from transformers import WhisperFeatureExtractor
+
+    rate = 44_100
+    t = np.arange(rate) / rate
+    left, right = 0.8 * np.sin(2 * np.pi * 440 * t), 0.8 * np.sin(2 * np.pi * 660 * t)
+    stereo = np.stack([left, right], axis=1).astype(np.float32)
+    want = decode_audio(soundfile_bytes(((left + right) / 2).astype(np.float32), rate, "WAV"),
+                        rate_hz=RATE, max_duration_s=10, param="p")
+    clips = {"WAV": soundfile_bytes(stereo, rate, "WAV"),
+             "MP3": av_bytes(stereo, rate, "mp3", "libmp3lame")}
+    fe = WhisperFeatureExtractor(feature_size=80, sampling_rate=RATE)
+    features = {}
+    for fmt, raw in clips.items():
+        out = decode_audio(raw, rate_hz=RATE, max_duration_s=10, param="p")
+        assert abs(float(np.abs(out).max()) - float(np.abs(want).max())) < 0.05, fmt  # not 1.13, not clipped
+        assert abs(out.size - want.size) < 0.02 * want.size, fmt
+        features[fmt] = fe(out, sampling_rate=RATE, return_tensors="np")["input_features"][0]
+    wav_f = fe(want, sampling_rate=RATE, return_tensors="np")["input_features"][0]
+    assert np.abs(features["WAV"] - wav_f).max() < 0.02  # both 16-bit PCM, written apart
+    # MP3 is lossy: the log-mel (range ~[-1, 1.5]) agrees to a few hundredths on average
+    assert float(np.abs(features["MP3"] - wav_f).mean()) < 0.05
 
 
 def fails(raw: bytes, max_duration_s: float = 10) -> MediaError:

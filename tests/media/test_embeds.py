@@ -34,7 +34,8 @@ def safetensors_bytes(**tensors) -> bytes:
 
 def test_parse_both_formats():
     arr = np.random.default_rng(0).standard_normal((4, HIDDEN)).astype(np.float32)
-    for raw, fmt in ((npy(arr), "npy"), (safetensors_bytes(x=arr), "safetensors"), (npy(arr.astype(np.float16)), "npy")):
+    for raw, fmt in ((npy(arr), "npy"), (safetensors_bytes(x=arr), "safetensors"),
+                     (npy(arr.astype(np.float16)), "npy")):
         out = parse_embeddings(raw, fmt=fmt, hidden_size=HIDDEN, max_rows=16, param="p")
         assert out.dtype == np.float32 and np.allclose(out, arr, atol=1e-2)
 

@@ -12,8 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.media.netguard import AllowList, refusal_reason
-from shared.media.sources import (IMAGE_MIME_TYPES, MediaError, check_remote_url, decode_data_url,
-                                  parse_remote_url, scheme_of)
+from shared.media.sources import (
+    IMAGE_MIME_TYPES,
+    MediaError,
+    check_remote_url,
+    decode_data_url,
+    parse_remote_url,
+    scheme_of,
+)
 from tests.media import samples
 
 P = "messages[0].content[1]"

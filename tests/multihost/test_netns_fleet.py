@@ -41,7 +41,8 @@ pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no network namesp
 
 
 def _env(host: netns.Host, infra: netns.Host, model_dir) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMFLEET_") and k not in ("KAFKA_BOOTSTRAP", "REDIS_URL")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MMFLEET_") and k not in ("KAFKA_BOOTSTRAP", "REDIS_URL")}
     env.update({
         "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "UCX_TLS": "tcp",
         "KAFKA_BOOTSTRAP": f"{infra.addr}:9092", "REDIS_URL": f"redis://{infra.addr}:6379/0",
@@ -57,8 +58,10 @@ def _records(redis_url: str) -> tuple[list[protocol.WorkerInfo], list[protocol.G
     r = redis.Redis.from_url(redis_url)
     keys = RedisKeys(PREFIX)
     try:
-        workers = [msgspec.msgpack.decode(r.get(k), type=protocol.WorkerInfo) for k in r.scan_iter(keys.workers_pattern())]
-        gateways = [msgspec.msgpack.decode(r.get(k), type=protocol.GatewayInfo) for k in r.scan_iter(keys.gateways_pattern())]
+        workers = [msgspec.msgpack.decode(r.get(k), type=protocol.WorkerInfo)
+                   for k in r.scan_iter(keys.workers_pattern())]
+        gateways = [msgspec.msgpack.decode(r.get(k), type=protocol.GatewayInfo)
+                    for k in r.scan_iter(keys.gateways_pattern())]
     finally:
         r.close()
     return workers, gateways

@@ -9,11 +9,11 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from services.gateway.auth import Authenticator, hash_key
+from services.gateway.responses import Rejected
 from shared import settings as settings_mod
 from shared.keys import RedisKeys
 from shared.redis_conn import make_redis
-from services.gateway.auth import Authenticator, hash_key
-from services.gateway.responses import Rejected
 from tests import procs
 
 PASSWORD = "redis-acl-Pa55-7781"

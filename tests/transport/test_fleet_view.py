@@ -13,12 +13,12 @@ import time
 import aiohttp
 from aiohttp import web
 
+from services.fleetview import page as fleet_page
+from services.gateway.auth import hash_key
 from shared import metrics, protocol
 from shared import settings as settings_mod
 from shared.keys import RedisKeys
 from shared.redis_conn import make_redis
-from services.fleetview import page as fleet_page
-from services.gateway.auth import hash_key
 from tests import procs
 
 PREFIX = "fleetview"

@@ -67,7 +67,7 @@ class Echo:
 
 def _runner(env, handler, stage: str) -> StageRunner:
     ctx = Context(stage=stage, worker_id="w", events=env["streams"])
-    return StageRunner(stage=stage, topic=env["in"], union=protocol.PrefillMsg, handler=handler, ctx=ctx,
+    return StageRunner(stage=stage, topic=env["in"], union=protocol.PrefillRequest, handler=handler, ctx=ctx,
                        producer=env["producer"], settings=env["settings"])
 
 
@@ -116,7 +116,7 @@ async def test_outputs_produced_and_offsets_committed(env):
     for i in range(5):
         await _send(env, protocol.PrefillRequest(meta=_meta(f"r{i}")))
     out = await _drain_topic(env["settings"].kafka_bootstrap, env["out"], 5)
-    assert sorted(protocol.decoder_for(protocol.PrefillMsg).decode(v).meta.request_id for v in out) == \
+    assert sorted(protocol.decoder_for(protocol.PrefillRequest).decode(v).meta.request_id for v in out) == \
         [f"r{i}" for i in range(5)]
     await _until(lambda: runner.processed == 5)
     runner.stop()
@@ -237,3 +237,4 @@ def test_offset_tracker_commits_only_below_the_oldest_in_flight():
     assert t.committable() == 8
     t.mark_committed(8)
     assert t.committable() is None
+

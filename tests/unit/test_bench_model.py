@@ -63,7 +63,7 @@ def test_split_path_matches_generate(bench_dir, compute):
     expected = reference_generate(bench_dir, msgs, [img], MAX_NEW_TOKENS, loaded=load_reference(bench_dir))
 
     mine, other = compute.preprocess_image(img), compute.preprocess_image(_image(224, 224, 2))
-    feats = compute.encode_images([other, mine])
+    feats = compute.encode_media([other, mine])
     prefill = compute.prefill(compute.render_prompt_ids(msgs), [(feats[1], mine.grid_thw)])
     decoder = Qwen2VLCompute(bench_dir)  # a second instance, as a decode worker would be
     state = decoder.start_decode(prefill.kv.clone(), prefill.rope_delta, prefill.prompt_len)

@@ -1,6 +1,6 @@
-"""Help is complete: every setting, with its variable, default and description, appears in
-``mmfleet --help``, each subcommand's ``--help`` and ``mmfleet settings``, all from
-shared/settings.py; the README's configuration table is that same table."""
+"""Help: every setting, with its variable, default and description, appears in ``mmfleet
+settings`` (from shared/settings.py), to which every ``--help`` points instead of repeating it;
+the README's configuration table is that same table. ``--version``; a bad value is a clean exit."""
 
 from __future__ import annotations
 
@@ -38,13 +38,38 @@ def test_every_setting_has_a_description():
 
 
 @pytest.mark.parametrize("argv", [[], *([c] for c in SUBCOMMANDS)], ids=lambda a: " ".join(a) or "mmfleet")
-def test_help_lists_every_setting(argv):
+def test_help_points_to_the_settings_command(argv):
     text = squash(help_text(argv))
+    assert "`mmfleet settings`" in text
+    assert "MMFLEET_MEDIA_CACHE_BYTES" not in text  # the table lives in `mmfleet settings` alone
+    if argv:
+        assert "--config FILE" in text
+
+
+def test_settings_command_lists_every_setting():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["settings"]) == 0
+    text = squash(out.getvalue())
     for d in settings_mod.describe():
         assert f"{d.env} (default {d.default or chr(34) * 2})" in text, d.env
         assert squash(d.description) in text, d.env
-    if argv:
-        assert "--config FILE" in text
+
+
+def test_version():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and re.fullmatch(r"mmfleet \S+.*\n", out.getvalue())
+
+
+def test_invalid_log_level_is_a_clean_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["worker", "--stages", "encode", "--log-level", "LOUD"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "mmfleet worker: " in err and "log_level must be DEBUG, INFO, WARNING or ERROR, not 'LOUD'" in err
+    assert "Traceback" not in err
 
 
 def test_settings_command_prints_the_same_table():

@@ -63,7 +63,7 @@ def test_split_path_matches_generate(llava_dir, compute, decode_compute, referen
     imgs = [image(10 + i, size=(80 + 30 * i, 64)) for i in range(n)]
     expected = reference_generate(llava_dir, msgs(n), imgs, MAX_NEW_TOKENS, loaded=reference)
     mine = [compute.preprocess_image(im) for im in imgs]
-    feats = compute.encode_images([compute.preprocess_image(image(99)), *mine])[1:]  # batched with others
+    feats = compute.encode_media([compute.preprocess_image(image(99)), *mine])[1:]  # batched with others
     prefill = compute.prefill(compute.render_prompt_ids(msgs(n)), [MediaEmbeds(f, (0, 0, 0)) for f in feats])
     got = greedy_decode(decode_compute, _shipped(prefill), MAX_NEW_TOKENS)
     assert got == expected
@@ -106,7 +106,7 @@ def test_next_video_split_path_matches_generate(next_video, n_frames):
     expected = reference_generate(path, vmsgs(len(videos)), [], MAX_NEW_TOKENS, loaded=reference, videos=videos)
     mine = [compute.preprocess_video(v) for v in videos]
     assert [p.n_tokens for p in mine] == [4 * n for n in n_frames]
-    feats = compute.encode_images([compute.preprocess_video(frames(9, 2)), *mine])[1:]  # batched with others
+    feats = compute.encode_media([compute.preprocess_video(frames(9, 2)), *mine])[1:]  # batched with others
     prefill = compute.prefill(compute.render_prompt_ids(vmsgs(len(videos))),
                               [MediaEmbeds(f, (0, 0, 0), "video") for f in feats])
     got = greedy_decode(decoder, _shipped(prefill), MAX_NEW_TOKENS)

@@ -62,7 +62,7 @@ def test_split_path_matches_generate(audio_model_dir, compute, decode_compute, r
                                   audios=audios)
     mine = [compute.preprocess_audio(a) for a in audios]
     other = compute.preprocess_audio(clip(900, seconds=2.5))
-    feats = compute.encode_images([other, *mine])[1:]  # batched with another request's clip
+    feats = compute.encode_media([other, *mine])[1:]  # batched with another request's clip
     items = [MediaEmbeds(f, p.grid_thw, "audio") for f, p in zip(feats, mine)]
     prefill = compute.prefill(compute.render_prompt_ids(msgs(len(audios))), items)
     assert prefill.rope_delta == 0
@@ -81,4 +81,4 @@ def test_expand_rejects_mismatch(compute):
     with pytest.raises(ValueError, match="audio placeholders"):
         compute.expand_prompt(compute.render_prompt_ids(msgs(1)), [])
     with pytest.raises(ValueError):
-        compute.encode_images([type(compute.preprocess_audio(clip(440)))(torch.zeros(4, 4), (1, 2, 2), 1)])
+        compute.encode_media([type(compute.preprocess_audio(clip(440)))(torch.zeros(4, 4), (1, 2, 2), 1)])

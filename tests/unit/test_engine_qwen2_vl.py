@@ -161,9 +161,9 @@ def test_expand_rejects_mismatch(compute, images):
 
 def test_batched_encode_equals_single(compute, images):
     pixels = [compute.preprocess_image(images[n]) for n in ("noise1", "green_big", "vgrad")]
-    batched = compute.encode_images(pixels)
+    batched = compute.encode_media(pixels)
     for p, b in zip(pixels, batched):
-        (single,) = compute.encode_images([p])
+        (single,) = compute.encode_media([p])
         assert b.dtype == torch.float32 and b.is_contiguous() and b.shape == (p.n_tokens, compute.hidden_size)
         torch.testing.assert_close(b, single, rtol=1e-5, atol=1e-5)
 
@@ -181,7 +181,7 @@ def test_split_path_matches_generate(model_dir, compute, decode_compute, referen
     others_before = [compute.preprocess_image(images["blue"])]
     others_after = [compute.preprocess_image(images["green_big"])]
     mine = [compute.preprocess_image(im) for im in imgs]
-    feats = compute.encode_images(others_before + mine + others_after)
+    feats = compute.encode_media(others_before + mine + others_after)
     my_feats = feats[len(others_before) : len(others_before) + len(mine)]
 
     prefill = compute.prefill(compute.render_prompt_ids(msgs), [(f, p.grid_thw) for f, p in zip(my_feats, mine)])
@@ -208,7 +208,7 @@ def _shipped(prefill):
 def test_rope_delta_is_load_bearing(compute, images):
     """Negative control: dropping rope_delta must change the tokens, else parity proves little."""
     pixels = [compute.preprocess_image(images["noise_big"])]
-    feats = compute.encode_images(pixels)
+    feats = compute.encode_media(pixels)
     prefill = compute.prefill(compute.render_prompt_ids(messages_for(1)), [(feats[0], pixels[0].grid_thw)])
     assert prefill.rope_delta != 0
     assert greedy_decode(compute, prefill, MAX_NEW_TOKENS) != greedy_decode(compute, prefill, MAX_NEW_TOKENS, 0)

@@ -75,7 +75,7 @@ def test_split_path_matches_generate_with_video(model_dir, compute, decode_compu
     mine = [type(p)(p.pixel_values, p.grid_thw, p.n_tokens, kind) for p, kind in zip(mine, layout)]
     other = compute.preprocess_video(clip(7, n=2))
     other = type(other)(other.pixel_values, other.grid_thw, other.n_tokens, "video")
-    feats = compute.encode_images([other, *mine, other])[1:-1]  # batched with another request's items
+    feats = compute.encode_media([other, *mine, other])[1:-1]  # batched with another request's items
     items = [MediaEmbeds(f, p.grid_thw, p.kind) for f, p in zip(feats, mine)]
     prefill = compute.prefill(compute.render_prompt_ids(msgs(layout)), items)
     assert prefill.rope_delta != 0

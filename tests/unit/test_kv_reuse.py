@@ -31,7 +31,7 @@ def greedy(compute: Qwen2VLCompute, result, n: int = 10) -> list[int]:
 
 def request(compute: Qwen2VLCompute, img: Image.Image, turns: list[str], mm_hash: str):
     px = compute.preprocess_image(img)
-    emb = compute.encode_images([px])[0]
+    emb = compute.encode_media([px])[0]
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": turns[0]}]}]
     for t in turns[1:]:
         messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": t}]

@@ -33,7 +33,8 @@ def test_unknown_family_and_demo(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "whisper"}))
     with pytest.raises(ValueError, match="model type 'whisper'"):
         family_of(tmp_path)
-    with pytest.raises(ValueError, match="unknown demo_model 'gpt'; choose from qwen2-vl, qwen2-vl:bench, qwen2-audio, llava, llava-next-video"):
+    with pytest.raises(ValueError, match="unknown demo_model 'gpt'; choose from qwen2-vl, qwen2-vl:bench, "
+                                         "qwen2-audio, llava, llava-next-video"):
         resolve_model_path(Settings(demo_model="gpt", cache_dir=str(tmp_path)))
 
 

@@ -15,12 +15,12 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
+from services.gateway.auth import Authenticator, hash_key, parse_key_hashes
+from services.gateway.responses import Rejected
 from shared import settings as settings_mod
 from shared.bus import kafka_client_kwargs
 from shared.keys import RedisKeys
 from shared.redis_conn import redis_kwargs
-from services.gateway.auth import Authenticator, hash_key, parse_key_hashes
-from services.gateway.responses import Rejected
 from tests import procs
 
 SASL_PASSWORD = "sasl-Pa55-word-XYZ"
@@ -143,7 +143,8 @@ def test_authenticator_identifies_or_refuses_with_401():
 def test_benchmark_reports_record_settings_without_secrets():
     from loadtest.targets import Targets
 
-    shown = Targets._settings_of({"MMFLEET_REDIS_PASSWORD": REDIS_PASSWORD, "MMFLEET_KAFKA_SASL_PASSWORD": SASL_PASSWORD,
+    shown = Targets._settings_of({"MMFLEET_REDIS_PASSWORD": REDIS_PASSWORD,
+                                  "MMFLEET_KAFKA_SASL_PASSWORD": SASL_PASSWORD,
                                   "REDIS_URL": f"redis://u:{REDIS_PASSWORD}@h:1/0", "MMFLEET_POOL_BYTES": "1"})
     assert SASL_PASSWORD not in str(shown) and REDIS_PASSWORD not in str(shown)
     assert shown["MMFLEET_POOL_BYTES"] == "1" and shown["MMFLEET_REDIS_PASSWORD"] == "***"

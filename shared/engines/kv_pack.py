@@ -1,0 +1,31 @@
+"""The packed KV layout the transformers compute paths exchange, written once.
+
+Packed: one contiguous tensor ``[layers, 2 (key, value), kv_heads, seq, head_dim]`` of a
+batch-1 ``DynamicCache``, in the cache's device and dtype (float32 on CPU, the model dtype on a GPU):
+what prefill exports over NIXL, the prefix cache stores by block and
+decode imports. :func:`unpack_kv` copies, so the caller keeps its buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack_kv(cache) -> torch.Tensor:
+    """``DynamicCache`` (batch 1) → the packed tensor."""
+    per_layer = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
+    return torch.stack(per_layer).contiguous()
+
+
+def unpack_kv(kv_packed: torch.Tensor, expected: tuple[int, int, int, int, int], config, *,
+              device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """The packed tensor → a ``DynamicCache`` for ``config`` (its text config) on the model's
+    ``device`` / ``dtype``; ``expected``: the shape it must have, ``(layers, 2, kv_heads, seq,
+    head_dim)`` (ValueError otherwise)."""
+    from transformers import DynamicCache
+
+    if tuple(kv_packed.shape) != expected:
+        raise ValueError(f"packed KV shape {tuple(kv_packed.shape)} != {expected}")
+    kv = kv_packed.to(device, dtype)
+    layers = [(kv[i, 0].unsqueeze(0).clone(), kv[i, 1].unsqueeze(0).clone()) for i in range(expected[0])]
+    return DynamicCache(ddp_cache_data=layers, config=config)
