@@ -1,9 +1,9 @@
 """Every message that crosses a process boundary: Kafka records and Redis stream entries.
 
 Contracts:
-- Each Kafka topic carries exactly one tagged union (``MediaFetchMsg``, ``EncodeMsg``, ...);
-  a record's value is the msgpack encoding of one member, decoded with the topic's typed
-  decoder (:func:`decoder_for`). No tensors ride in messages: tensors stay in the producer's
+- Each Kafka topic carries one tagged message type (``MediaFetchRequest``, ``EncodeRequest``,
+  ...); a record's value is its msgpack encoding, decoded with the topic's typed decoder
+  (:func:`decoder_for`). No tensors ride in messages: tensors stay in the producer's
   NIXL-registered pool and messages carry :class:`TensorRef` descriptors plus the owner's
   :class:`AgentRef` (agent metadata, ~0.5 KiB), so a record stays a few KiB whatever the media.
 - Schema evolution: new fields always get defaults; fields are never renamed or re-typed.

@@ -78,14 +78,14 @@ def context(sink: ListSink, ledger: MemoryLedger) -> Context:
 def test_descriptor_survives_the_wire_and_returns_as_vllm_params():
     kv = vllm_pd.to_wire(VLLM_PARAMS, MEDIA)
     msg = message(first=5)
-    back = protocol.decoder_for(protocol.DecodeMsg).decode(protocol.encode(msg))
+    back = protocol.decoder_for(protocol.DecodeRequest).decode(protocol.encode(msg))
     assert back.engine_kv == kv and back.engine_kv.media == tuple(MEDIA)
     params = vllm_pd.from_wire(back.engine_kv)
     expected = {k: v for k, v in VLLM_PARAMS.items() if k != "remote_blocks_expiry_time"}
     assert {**params, "remote_block_ids": tuple(params["remote_block_ids"])} == expected
     # a record written before engine_kv existed still decodes (new fields have defaults)
     old = protocol.encode(msgspec_replace(msg, engine_kv=None))
-    assert protocol.decoder_for(protocol.DecodeMsg).decode(old).engine_kv is None
+    assert protocol.decoder_for(protocol.DecodeRequest).decode(old).engine_kv is None
     with pytest.raises(ValueError):
         vllm_pd.to_wire({"remote_block_ids": []}, [])
 
