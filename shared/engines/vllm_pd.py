@@ -23,7 +23,9 @@ Each engine core listens on its own side-channel port (``VLLM_NIXL_SIDE_CHANNEL_
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 
 import torch
 
@@ -36,10 +38,30 @@ CONNECTOR_MODULE = "shared.engines.vllm_connector"
 
 
 def free_port(host: str) -> int:
-    """A port free now on ``host`` (the engine core binds it a few seconds later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free now on ``host`` (the engine core binds it a few seconds later), drawn below
+    the kernel's ephemeral range: a port the OS handed out for ``bind(0)`` is free again at once,
+    and vLLM's own zmq sockets (bound to port 0 meanwhile) took one in CI before the side
+    channel bound it, which killed the handshake listener and hung the worker."""
+    low, high = _EPHEMERAL_LOW - 12_000, _EPHEMERAL_LOW
+    for _ in range(64):
+        port = random.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free side-channel port on {host} in [{low}, {high})")
+
+
+def _ephemeral_low() -> int:
+    try:  # Linux; elsewhere the IANA dynamic range's start
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
 
 
 def transfer_config(role: str, kv_lease_s: int):
