@@ -264,8 +264,8 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
         parts = ttft_split.split_fleet(r)
         assert parts is not None, r["spans"]
         assert sum(parts.values()) == pytest.approx(r["ttft_ms"])
-        # "stream read" is the remainder after decode stamps its first output, and decode stamps
-        # it after the XADD the gateway may already have read: it can be a little negative
+        # "stream read" is a remainder of stamps taken in different processes (the client's send,
+        # decode's first output): it came out -1.5 ms in one CI run, so no sign is asserted
         assert parts["compute"] > 0 and parts["gateway"] > 0
     assert inproc_run["cpu"]["load_pct"] is None or inproc_run["cpu"]["load_pct"] > 0
     write_all(result, tmp_path, plots=False)
