@@ -121,6 +121,18 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def worker_count(supervisor_pid: int) -> int:
+    """Worker processes (``mmfleet worker --stages ...``) among a supervisor's children."""
+    n = 0
+    for pid in children_of(supervisor_pid):
+        try:
+            if b"--stages" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"

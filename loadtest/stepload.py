@@ -53,17 +53,6 @@ class StepConfig:
         return out
 
 
-def _workers(supervisor_pid: int) -> int:
-    n = 0
-    for pid in procs.children_of(supervisor_pid):
-        try:
-            if b"--stages" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                n += 1
-        except OSError:
-            pass
-    return n
-
-
 async def _load(base: str, bodies: list[dict], arrivals: list[float], timeout_s: float) -> list[dict]:
     url = base + "/v1/chat/completions"
     t0 = time.perf_counter()
@@ -97,7 +86,7 @@ def run_fleet(label: str, up_args: list[str], env: dict[str, str], cfg: StepConf
 
         def sample() -> None:
             while not stop.is_set():
-                samples.append((time.perf_counter() - t0, _workers(proc.pid)))
+                samples.append((time.perf_counter() - t0, procs.worker_count(proc.pid)))
                 time.sleep(0.5)
 
         sampler = threading.Thread(target=sample, daemon=True)

@@ -12,7 +12,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # the harness and the tests start brokers, redis-servers and check children the same way
-from loadtest.procs import alive, broker, children_of, free_port, redis_server, wait_port  # noqa: F401
+from loadtest.procs import (  # noqa: F401
+    alive,
+    broker,
+    children_of,
+    free_port,
+    redis_server,
+    wait_port,
+    worker_count,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

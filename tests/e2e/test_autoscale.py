@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
 
 import openai
 
@@ -18,17 +17,6 @@ from tests.chaos.load import PROMPTS, one, reference_texts
 
 BURST = 32
 TEXT_ONLY = [i for i, (imgs, _) in enumerate(PROMPTS) if not imgs]
-
-
-def _workers(supervisor_pid: int) -> int:
-    n = 0
-    for pid in procs.children_of(supervisor_pid):
-        try:
-            if b"--stages" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                n += 1
-        except OSError:
-            pass
-    return n
 
 
 async def _burst(base: str) -> list:
@@ -53,7 +41,7 @@ def test_autoscale_adds_a_worker_under_a_burst_and_removes_it_after(kafka_bootst
 
         def watch() -> None:
             while not stop.is_set():
-                counts.append((time.monotonic(), _workers(supervisor.pid)))
+                counts.append((time.monotonic(), procs.worker_count(supervisor.pid)))
                 time.sleep(0.2)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -63,7 +51,7 @@ def test_autoscale_adds_a_worker_under_a_burst_and_removes_it_after(kafka_bootst
             results = asyncio.run(_burst(base))
             answered = time.monotonic()
             deadline = answered + 90
-            while _workers(supervisor.pid) > 1 and time.monotonic() < deadline:
+            while procs.worker_count(supervisor.pid) > 1 and time.monotonic() < deadline:
                 time.sleep(0.5)
             settled = time.monotonic()
         finally:
