@@ -3,9 +3,10 @@ the KEDA ScaledObjects of deploy/k8s use.
 
 Contract, per group, at each tick:
 - ``wanted = ceil(lag / lag_per_worker)`` (KEDA's kafka scaler), clamped to [min, max];
-- a group that prefills or decodes and still has lag gets at least one more worker than it has
-  while the fleet's TTFT p99 is above the SLO (the lag alone can look small while each record
-  is slow);
+- a group that prefills or decodes gets at least one more worker than it has while the fleet's
+  TTFT p99 is above the SLO and more records are unfinished than it has workers (the lag alone
+  can look small while each record is slow; with no more records than workers, each may
+  already be on its own worker and one more would sit idle — the idle tail of a burst);
 - up: at once, to ``wanted``; down: only after ``wanted < current`` held for
   ``scale_down_after_s`` without a break, then by one worker, and the wait starts over
   (hysteresis: a burst's tail or a noisy p99 never makes the fleet flap).
@@ -54,7 +55,7 @@ class GroupScaler:
         wanted = math.ceil(max(lag, 0) / b.lag_per_worker)
         why = f"lag {lag}"
         slow = ttft_p99_s is not None and ttft_p99_s > b.ttft_slo_s
-        if slow and lag > 0 and TTFT_STAGES & set(self.stages):
+        if slow and lag > current and TTFT_STAGES & set(self.stages):
             wanted = max(wanted, current + 1)
             why += f", TTFT p99 {ttft_p99_s:.2f} s > SLO {b.ttft_slo_s:.2f} s"
         wanted = min(max(wanted, b.min_workers), b.max_workers)

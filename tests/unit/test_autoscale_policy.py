@@ -17,6 +17,15 @@ def test_scales_up_at_once_to_ceil_lag_over_threshold_within_bounds():
 def test_ttft_above_slo_adds_a_worker_only_where_it_prefills_or_decodes_and_has_lag():
     assert GroupScaler(("decode",), B).decide(1, 3, 2.5, 0)[0] == 2
     assert GroupScaler(("decode",), B).decide(1, 0, 2.5, 0)[0] == 1  # nothing queued: more workers won't help
+    # a burst's idle tail: one record in flight per worker at most; another worker would sit idle
+    assert GroupScaler(("decode",), B).decide(2, 2, 2.5, 0)[0] == 2
+    assert GroupScaler(("decode",), B).decide(2, 3, 2.5, 0)[0] == 3
+
+
+def test_a_slow_tail_with_a_record_per_worker_scales_down_after_the_window():
+    s = GroupScaler(("decode",), B)
+    assert s.decide(2, 1, 2.5, 0)[0] == 2
+    assert s.decide(2, 1, 2.5, 10)[0] == 1
     assert GroupScaler(("encode",), B).decide(1, 3, 2.5, 0)[0] == 1
     assert GroupScaler(("decode",), B).decide(1, 3, 1.5, 0)[0] == 1
 
