@@ -45,14 +45,15 @@ test: install $(VLLM_STAMP) chromium
 	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# the benchmark suites (~20 minutes); results under loadtest/results/<time>/. The plumbing
-# overhead suite runs the tiny model (compute should be small there); the bench model
+# the benchmark suites (~25 minutes); results under loadtest/results/<time>/. The plumbing
+# overhead suite (with the vLLM-engine fleets and vLLM's own client beside ours: `engines`)
+# runs the tiny model (compute should be small there); the bench model
 # (qwen2-vl:bench, a 2B-class VLM's encode / prefill / decode proportions) serves the
 # compute split, the KV-routing and the reuse (cache on / off / vllm serve) suites.
 BENCH_MODEL ?= qwen2-vl:bench
-bench: install
+bench: install $(VLLM_STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest suite $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest engines $(BENCH_ARGS)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 MMFLEET_DEMO_MODEL=$(BENCH_MODEL) $(BIN)/python -m loadtest split
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 MMFLEET_DEMO_MODEL=$(BENCH_MODEL) $(BIN)/python -m loadtest kv $(KV_BENCH_ARGS)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 MMFLEET_DEMO_MODEL=$(BENCH_MODEL) $(BIN)/python -m loadtest reuse $(REUSE_BENCH_ARGS)

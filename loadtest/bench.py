@@ -54,8 +54,10 @@ class BenchConfig:
         return d
 
 
-def run_bench(cfg: BenchConfig, opts: TargetOptions) -> dict:
-    """Runs everything; returns ``{"config", "runs": [...], "skipped": {target: reason}}``."""
+def run_bench(cfg: BenchConfig, opts: TargetOptions, after=None) -> dict:
+    """Runs everything; returns ``{"config", "runs": [...], "skipped": {target: reason}}``.
+    ``after(endpoint) -> dict``: run against each target once our load is done, while it is
+    still up (another client); its results land under ``result["after"][target]``."""
     specs = workloads.build(cfg.workload)
     warm_specs = workloads.build(replace(cfg.workload, seed=cfg.workload.seed + 10_007,
                                          num_requests=max(1, cfg.warmup)))[:cfg.warmup]
@@ -78,6 +80,8 @@ def run_bench(cfg: BenchConfig, opts: TargetOptions) -> dict:
                     log.info("%s ready at %s", spec, ep.base_url)
                     result["targets"][spec] = {"base_url": ep.base_url, **ep.info}
                     result["runs"] += asyncio.run(_run_target(ep, cfg, specs, warm_specs, media_base))
+                    if after is not None:
+                        result.setdefault("after", {})[spec] = after(ep)
             except TargetSkipped as exc:
                 log.warning("%s skipped: %s", spec, exc)
                 result["skipped"][spec] = str(exc)

@@ -7,6 +7,8 @@
                 fleet, TTFT p99 vs the SLO and worker-seconds, with a plot
   reuse         the embedding cache on vs off over image reuse ratios 0/50/80/90 %
                 (fleet:e-p-d vs fleet:e-p-d,embedding_cache_bytes=0 vs vllm-serve), with its goals
+  engines       the suite's targets plus the fleet with the vLLM engine (e-p-d, e-pd, epd), with
+                our client and vLLM's own (vllm.benchmarks.serve); what `make bench` runs
   split         a Qwen2-VL's encode / prefill / decode split in one process (the bench model's
                 proportions against Qwen2-VL-2B's shapes)
   media-server  serve deterministic images at /img/<seed>-<w>x<h>.png (latency injection)
@@ -116,6 +118,13 @@ def _parser() -> argparse.ArgumentParser:
     suite.add_argument("--duration-s", type=float, default=60)
     _common(suite)
 
+    engines = sub.add_parser("engines", help="vLLM-engine fleets vs vllm serve, our client and vLLM's")
+    engines.add_argument("--target", action="append", default=[], help="override the targets (repeatable)")
+    engines.add_argument("--low-requests", type=int, default=16, help="requests at concurrency 1 (each client)")
+    engines.add_argument("--sat-requests", type=int, default=32, help="requests at concurrency 8 (each client)")
+    engines.add_argument("--duration-s", type=float, default=60)
+    _common(engines)
+
     kv = sub.add_parser("kv", help="KV-aware routing vs round-robin on multi-turn sessions (issue #7)")
     kv.add_argument("--sessions", type=int, default=13,
                     help="sessions (not a multiple of --prefill-replicas: round-robin would pin sessions by accident)")
@@ -172,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from loadtest import metrics, report, suite
+    from loadtest import metrics, report, suite, vllmclient
     from loadtest.bench import BenchConfig, run_bench
     from loadtest.loadgen import LoadShape
     from loadtest.targets import TargetOptions, parse_spec
@@ -210,8 +219,8 @@ def _bench(args: argparse.Namespace) -> int:
         print(stepload.write(result, out, plots=not args.no_plots).read_text())
         print(f"results in {out}", file=sys.stderr)
         return 1 if any(f["failed"] for f in result["fleets"].values()) else 0
-    if args.command == "suite":
-        targets = args.target or suite.TARGETS
+    if args.command in ("suite", "engines"):
+        targets = args.target or (suite.TARGETS if args.command == "suite" else vllmclient.TARGETS)
         workload = suite.suite_workload(max(args.low_requests, args.sat_requests))
         shapes = suite.suite_shapes(args.low_requests, args.sat_requests, args.duration_s)
         delivery, media_latency, temperature = "http", (0.0, 0.0), 0.0
@@ -245,9 +254,20 @@ def _bench(args: argparse.Namespace) -> int:
     opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
                          extra_env=extra_env, vllm_python=args.vllm_python, ready_timeout_s=args.ready_timeout_s,
                          redis_url=redis_url, redis_prefix=redis_prefix)
-    result = run_bench(cfg, opts)
-    goals = suite.evaluate_goals(result) if args.command == "suite" else None
+    after = None
+    if args.command == "engines":
+        def after(ep):
+            return vllmclient.run_client(ep, model=args.model, tokenizer=opts.model_dir, out_dir=out,
+                                         num_prompts={1: args.low_requests, 8: args.sat_requests})
+    result = run_bench(cfg, opts, after=after)
+    goals = suite.evaluate_goals(result) if args.command in ("suite", "engines") else None
     summary = report.write_all(result, out, goals=goals, plots=not args.no_plots)
+    if args.command == "engines":
+        theirs = result.get("after", {})
+        png = None if args.no_plots else vllmclient.plot(theirs, out)
+        with open(summary, "a") as f:
+            f.write("\n" + "\n".join(vllmclient.table_md(theirs) + vllmclient.goals_md(theirs))
+                    + (f"\n![vLLM's client]({png})\n" if png else ""))
     print(summary.read_text())
     print(f"results in {out}", file=sys.stderr)
     return 1 if result["failed"] or not result["runs"] else 0
