@@ -278,9 +278,10 @@ def _reuse(args: argparse.Namespace, out: Path, logs: Path, slos: dict, extra_en
     from loadtest.bench import BenchConfig
     from loadtest.targets import TargetOptions, parse_spec
 
-    targets = args.target or [reuse.ON, reuse.OFF, reuse.VLLM]
-    if len(targets) not in (2, 3):
-        print("loadtest reuse: give two or three --target (cache on, off, then a baseline) or none", file=sys.stderr)
+    targets = args.target or [reuse.ON, reuse.OFF, reuse.VLLM, reuse.VLLM_FLEET]
+    if len(targets) not in (2, 3, 4):
+        print("loadtest reuse: give two to four --target (cache on, off, then a baseline, then a second fleet "
+              "compared with it) or none", file=sys.stderr)
         return 2
     for t in targets:
         parse_spec(t)
@@ -291,9 +292,9 @@ def _reuse(args: argparse.Namespace, out: Path, logs: Path, slos: dict, extra_en
     opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
                          extra_env=extra_env, vllm_python=args.vllm_python, ready_timeout_s=args.ready_timeout_s)
     result = reuse.run_reuse(cfg, opts, ratios=args.ratios, repeats=args.repeats)
-    goals, lines = reuse.table(result, *targets)
+    goals, lines = reuse.table(result, *targets)  # on, off[, baseline[, second fleet]]
     summary = report.write_all(result, out, goals=goals, plots=not args.no_plots)
-    extra = reuse.plot(result, out, *targets) if not args.no_plots else None
+    extra = reuse.plot(result, out, *targets[:3]) if not args.no_plots else None
     text = summary.read_text() + "\n" + "\n".join(lines) + "\n" + (f"\nPlot: `{extra}`\n" if extra else "")
     summary.write_text(text)
     print(text)

@@ -327,3 +327,9 @@ def test_fleet_spec_settings_and_reuse_table():
     assert any(line.startswith("| 80% | 40.0 (20–50) / 100.0 / 110.0 (100–120) | -60% |") for line in lines), lines
     vs = [g for g in goals if "vllm serve" in g["goal"]]
     assert vs and vs[0]["verdict"] == "met" and "2.00×" in vs[0]["measured"], goals
+    # a fourth side: the fleet with the vLLM engine, its own rows and its own goal against vllm serve
+    result["runs"] += [run(reuse.VLLM_FLEET, 0.8, 90, rate=1.2)]
+    goals, lines = reuse.table(result, reuse.ON, reuse.OFF, reuse.VLLM, reuse.VLLM_FLEET)
+    vs = [g for g in goals if g["goal"].startswith(f"`{reuse.VLLM_FLEET}`")]
+    assert vs and vs[0]["verdict"] == "**not met**" and "1.20×" in vs[0]["measured"], goals
+    assert "| 80% | 90.0 | 180.0 | 1.2 | 0 |" in lines, lines
