@@ -49,12 +49,14 @@ async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str, str]:
 
 
 async def load_with_fault(base: str, requests: int, concurrency: int,
-                          fault: Callable[[list[asyncio.Task]], Awaitable[T]]) -> tuple[list, T, list]:
+                          fault: Callable[[list[asyncio.Task]], Awaitable[T]],
+                          timeout_ms: int = TIMEOUT_MS) -> tuple[list, T, list]:
     """``requests`` streamed requests, ``concurrency`` at a time; ``fault(tasks)`` runs while they
     do. Returns (results, what the fault returned, one more round of every prompt after it). A
-    request still unfinished 3 deadlines later fails the gather: a hang is an error."""
+    request still unfinished 3 deadlines (``timeout_ms``: the fleet's request deadline) later
+    fails the gather: a hang is an error."""
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
-                                timeout=TIMEOUT_MS / 1000 + 30)
+                                timeout=timeout_ms / 1000 + 30)
     sem = asyncio.Semaphore(concurrency)
 
     async def guarded(i: int):
@@ -64,7 +66,7 @@ async def load_with_fault(base: str, requests: int, concurrency: int,
     try:
         tasks = [asyncio.create_task(guarded(i)) for i in range(requests)]
         injected = await fault(tasks)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=TIMEOUT_MS / 1000 * 3)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout_ms / 1000 * 3)
         after = [await one(client, i) for i in range(len(PROMPTS))]  # the service after the fault
     finally:
         await client.close()

@@ -20,6 +20,7 @@ from tests.chaos.load import PROMPTS, TIMEOUT_MS, load_with_fault, reference_tex
 
 REQUESTS = int(os.environ.get("CHAOS_REQUESTS", "48"))
 CONCURRENCY = 6
+VLLM_TIMEOUT_MS = 240_000  # above two vLLM engines' restart at once on 2 shared cores
 
 
 def _stage_pids(supervisor_pid: int) -> dict[str, int]:
@@ -80,9 +81,11 @@ def test_kill_each_stage_worker_under_load(kafka_bootstrap, redis_url, model_dir
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed")
-# Not yet passing, so not in make test: each kill restarts a vLLM engine, and on 2 cores 6 of 24
-# requests ran past their deadline (504) while it restarted (none lost silently, none wrong or
-# duplicated). `make chaos` runs it (CHAOS_VLLM=1).
+# In make chaos (CHAOS_VLLM=1), not make test: a killed vLLM worker's engine takes a minute or
+# more to start again on 2 shared cores (two of them at once here). With the transformers
+# deadline (90 s), 6 of 24 requests ran past it (504: none lost silently, none wrong or
+# duplicated); requests that must outlive an engine restart need a deadline above it, so
+# this fleet runs with VLLM_TIMEOUT_MS.
 @pytest.mark.skipif(not os.environ.get("CHAOS_VLLM"),
                     reason="vLLM chaos runs in make chaos (CHAOS_VLLM=1)")
 def test_kill_vllm_decode_and_prefill_under_load(kafka_bootstrap, redis_url, model_dir, logs_dir, references):
@@ -92,7 +95,7 @@ def test_kill_vllm_decode_and_prefill_under_load(kafka_bootstrap, redis_url, mod
     fresh attempt, a read from a dead producer restarts the request from its source."""
     env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
            "MMFLEET_ENGINE": "vllm", "MMFLEET_REDIS_PREFIX": "chaos-vllm",
-           "MMFLEET_REQUEST_TIMEOUT_MS": str(TIMEOUT_MS), "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024),
+           "MMFLEET_REQUEST_TIMEOUT_MS": str(VLLM_TIMEOUT_MS), "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024),
            "MMFLEET_STAGE_LEASE_MS": "6000"}
     log_dir = logs_dir / "chaos-vllm"
     log_dir.mkdir()
@@ -110,7 +113,8 @@ def test_kill_vllm_decode_and_prefill_under_load(kafka_bootstrap, redis_url, mod
 
     with procs.fleet(env, log_dir, mode="e-p-d", ready_timeout_s=300) as (base, supervisor):
         before = _stage_pids(supervisor.pid)
-        results, killed, after = asyncio.run(load_with_fault(base, requests, CONCURRENCY, kill_decode_then_prefill))
+        results, killed, after = asyncio.run(load_with_fault(base, requests, CONCURRENCY, kill_decode_then_prefill,
+                                                             timeout_ms=VLLM_TIMEOUT_MS))
         pids_after = _stage_pids(supervisor.pid)
     outcomes = Counter(kind for _, kind, _ in results)
     wrong = [(i, text) for i, kind, text in results if kind == "completed" and text != references[i % len(PROMPTS)]]
@@ -119,5 +123,5 @@ def test_kill_vllm_decode_and_prefill_under_load(kafka_bootstrap, redis_url, mod
     assert all(pids_after[s] != before[s] for s in killed), "every killed worker was restarted"
     assert len(results) == requests
     assert not wrong, f"{len(wrong)} completed streams differ from the reference: {wrong[:3]}"
-    assert outcomes["completed"] >= requests * 0.9, outcomes
+    assert outcomes["completed"] == requests, outcomes  # the deadline outlives the restarts: none may fail
     assert [t for _, _, t in after] == references
