@@ -132,11 +132,14 @@ def run_step(out: Path, model_dir: Path, cfg: StepConfig, *, ready_timeout_s: fl
     }
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    result = {"config": asdict(cfg), "fleets": {}}
+    # the machine's other load skews every figure on 2 shared cores: recorded around each fleet
+    result = {"config": asdict(cfg), "fleets": {}, "load_average_1m": {}}
     with procs.broker(logs) as bootstrap, procs.redis_server(logs) as redis_url:
         for label, (args, env) in fleets.items():
+            before = os.getloadavg()[0]
             result["fleets"][label] = run_fleet(label, args, {**base_env, **env}, cfg, bodies,
                                                 (bootstrap, redis_url), logs, ready_timeout_s)
+            result["load_average_1m"][label] = [before, os.getloadavg()[0]]
     return result
 
 
@@ -153,6 +156,10 @@ def write(result: dict, out: Path, *, plots: bool = True) -> Path:
         lines.append(f"| {label} | {f['requests']} | {f['failed']} | {f['ttft_p50_ms']} / {f['ttft_p99_ms']} | "
                      f"{f['burst_ttft_p50_ms']} / {f['burst_ttft_p99_ms']} | {within} | {f['worker_seconds']} | "
                      f"{f['peak_workers']} |")
+    loads = result.get("load_average_1m") or {}
+    if loads:
+        lines += ["", "Load average (1 min) before / after each fleet's run (other work on the machine skews "
+                      "every figure): " + "; ".join(f"{k} {a:.1f} / {b:.1f}" for k, (a, b) in loads.items())]
     if plots:
         lines += ["", f"Plot: {plot(result, out)}"]
     path = out / "step.md"
