@@ -30,10 +30,11 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from services.modes import MODES, check_engine, group_replicas, parse_replicas
+from services.stages import fleet_topics
 from shared import settings as settings_mod
-from shared.bus import ensure_topics, fleet_topics
+from shared.bus import ensure_topics
 from shared.models.registry import resolve_model_path
-from shared.modes import MODES, check_engine, group_replicas, parse_replicas
 from shared.redis_conn import make_redis
 from shared.settings import Settings
 

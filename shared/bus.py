@@ -17,7 +17,6 @@ from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExists
 from aiokafka.helpers import create_ssl_context
 
 from shared import protocol
-from shared.keys import ALL_TOPICS
 from shared.settings import Settings
 from shared.stage import Produce
 
@@ -90,13 +89,7 @@ def make_consumer(settings: Settings, topic: str, group_id: str,
     return consumer
 
 
-def fleet_topics(settings: Settings) -> tuple[str, ...]:
-    """Every topic the fleet needs, including a configured ingress fallback reply topic."""
-    extra = settings.ingress_fallback_reply_topic
-    return ALL_TOPICS + ((extra,) if extra and extra not in ALL_TOPICS else ())
-
-
-async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS, *, timeout_s: float = 30.0) -> None:
+async def ensure_topics(settings: Settings, topics: tuple[str, ...], *, timeout_s: float = 30.0) -> None:
     """Create missing topics with ``settings.topic_partitions`` partitions (idempotent);
     retries until the broker answers or ``timeout_s`` passes."""
     loop = asyncio.get_running_loop()
