@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from loadtest.metrics import summarize
+from services.stages import STAGE_ORDER
 
 FIELDS = ("queue_ms", "transfer_ms", "compute_ms", "total_ms")
-STAGE_ORDER = ("media-fetch", "encode", "prefill", "decode")
 
 
 async def fetch_spans(redis_url: str, prefix: str, request_ids: Iterable[str]) -> dict:

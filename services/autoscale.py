@@ -25,11 +25,12 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.modes import MODES, entry_stages
+from services.stages import BY_NAME
 from shared import settings as settings_mod
 from shared.autoscale import Bounds, GroupScaler, p99_from_buckets
 from shared.bus import kafka_client_kwargs
-from shared.keys import STAGES, consumer_group
-from shared.modes import MODES, entry_stages
+from shared.keys import consumer_group
 
 log = logging.getLogger("mmfleet.autoscale")
 
@@ -126,7 +127,7 @@ class Autoscaler:
         for group, scaler in self.scalers.items():
             lag = 0
             for stage in entry_stages(group):
-                lag += await lags.lag(consumer_group(stage), STAGES[stage][0])
+                lag += await lags.lag(consumer_group(stage), BY_NAME[stage].topic)
             current = len(self.workers(group))
             target, why = scaler.decide(current, lag, p99, now)
             if target != current:

@@ -74,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
 
     up = add("up", "start the whole fleet and supervise it (Ctrl-C stops it)")
     common(up)
-    up.add_argument("--mode", default="e-p-d", choices=["epd", "e-pd", "e-p-d", "ep-d"],
+    from services.modes import MODES, STAGE_ORDER  # the stage registry (services/stages.py)
+
+    up.add_argument("--mode", default="e-p-d", choices=list(MODES),
                     help="which stages share a worker: epd (one worker), e-pd (encode apart), e-p-d (all "
                          "apart), ep-d (decode apart)")
     up.add_argument("--port", type=int, dest="gateway_port", help="gateway port (env MMFLEET_GATEWAY_PORT)")
@@ -88,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     worker = add("worker", "run one worker process")
     common(worker)
     worker.add_argument("--stages", required=True,
-                        help="comma-separated stages: media-fetch, encode, prefill, decode")
+                        help=f"comma-separated stages: {', '.join(STAGE_ORDER)}")
 
     gw = add("gateway", "run the HTTP gateway")
     common(gw)
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return asyncio.run(run_gateway(settings))
     if args.command == "topics":
-        from shared.bus import ensure_topics, fleet_topics
+        from services.stages import fleet_topics
+        from shared.bus import ensure_topics
 
         asyncio.run(ensure_topics(settings, fleet_topics(settings)))
         print("\n".join(fleet_topics(settings)))

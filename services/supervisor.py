@@ -30,10 +30,11 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from services.modes import MODES, check_engine, group_replicas, parse_replicas
+from services.stages import fleet_topics
 from shared import settings as settings_mod
-from shared.bus import ensure_topics, fleet_topics
+from shared.bus import ensure_topics
 from shared.models.registry import resolve_model_path
-from shared.modes import MODES, check_engine, group_replicas, parse_replicas
 from shared.redis_conn import make_redis
 from shared.settings import Settings
 
@@ -191,7 +192,7 @@ class Fleet:
         await self._wait_workers()
         await self._wait_ready()
 
-    async def _wait_workers(self, timeout_s: float = 180) -> None:
+    async def _wait_workers(self) -> None:
         """Until every stage group has a live worker holding partitions (its liveness record)."""
         from collections import Counter
 
@@ -202,6 +203,7 @@ class Fleet:
         wanted = Counter({tuple(stages): group_replicas(tuple(stages), self.replicas) for stages in MODES[self.mode]})
         redis = make_redis(self.settings)
         loop = asyncio.get_running_loop()
+        timeout_s = self.settings.up_ready_timeout_s
         deadline = loop.time() + timeout_s
         try:
             while True:
@@ -236,9 +238,10 @@ class Fleet:
         self.infra.append(child)
         await _wait_port(host, port, 20, child)
 
-    async def _wait_ready(self, timeout_s: float = 180) -> None:
+    async def _wait_ready(self) -> None:
         url = f"http://{self.settings.gateway_host}:{self.settings.gateway_port}/ready"
         loop = asyncio.get_running_loop()
+        timeout_s = self.settings.up_ready_timeout_s
         deadline = loop.time() + timeout_s
         async with aiohttp.ClientSession() as session:
             while loop.time() < deadline:

@@ -1,6 +1,7 @@
-"""A worker process: builds the handlers of the stages it runs and drives each entry stage with
-the generic runner. The set of stages is configuration (``--stages encode,prefill,decode``),
-see :mod:`shared.modes` for the layouts and what crosses Kafka.
+"""A worker process: builds the stages it runs (each from its ``StageSpec`` in the registry,
+``services.stages``) and drives each entry stage with the generic runner. The set of stages is
+configuration (``--stages encode,prefill,decode``), see :mod:`services.modes` for the layouts
+and what crosses Kafka.
 
 Shared per process: one Kafka producer, one Redis client, one NIXL agent, one engine per kind
 (the language-model engine chosen by ``settings.engine``; the transformers vision encoder for
@@ -23,30 +24,27 @@ import socket
 import time
 import uuid
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 
 import torch
 from redis.asyncio import Redis
 
+from services.modes import check_engine, entry_stages, normalise
+from services.stages import BY_NAME, SPECS
 from shared import hostaddr, logs, metrics, protocol
 from shared.bus import make_producer
 from shared.device import resolve_placement
 from shared.doorbell import Doorbell
 from shared.engines.base import Engine
-from shared.keys import STAGES, TOPIC_PREFILL, RedisKeys
-from shared.kv.prefix_cache import PrefixCache
-from shared.kv.reuse import PrefixReuse
+from shared.keys import RedisKeys
 from shared.kv.router import Router
-from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
 from shared.ledger import StageLedger
 from shared.liveness import heartbeat
 from shared.metrics import MetricsServer
 from shared.models.registry import family_of, placeholder_token_id, resolve_model_path, served_modalities
-from shared.modes import check_engine, entry_stages, normalise
 from shared.redis_conn import make_redis
 from shared.runner import StageRunner
 from shared.settings import Settings
-from shared.stage import Context
+from shared.stage import Context, StageParts
 from shared.streams import TokenStreams
 from shared.transfer import TransferAgent
 
@@ -123,50 +121,37 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
                                ttl_s=settings.stream_ttl_s)
         keys = RedisKeys(settings.redis_prefix)
-        placeholder = placeholder_token_id(model_dir)
-        # KV-aware routing: every process may produce to mm.prefill (restarts included), so each
-        # routes; a prefill worker apart from decode keeps a prefix cache and reports to the table
-        router = Router(redis, keys, settings, placeholder)
-        load = LoadTracker()
-        kv_worker = "prefill" in stages and "decode" not in stages
-        # the metric label leaves out pid and random suffix: a restart continues the same series
-        # (processes on one host are told apart by the scrape target, Prometheus' `instance`)
-        reuse = PrefixReuse(PrefixCache(settings.prefix_cache_bytes, settings.kv_block_size), placeholder,
-                            metric_label=f"{'+'.join(stages)}@{socket.gethostname()}") \
-            if kv_worker and settings.prefix_cache_bytes > 0 else None
-        reporter = LoadReporter(redis, keys, worker_id, load, settings) if kv_worker else None
-        handlers = await _build_handlers(stages, settings, model_dir, stack,
-                                         _CacheParts(redis, transfer, worker_id), reuse, load,
-                                         router.audit if reuse is not None else None)
-        ledger = StageLedger(redis, RedisKeys(settings.redis_prefix), lease_ms=settings.stage_lease_ms,
-                             done_ttl_s=settings.done_ttl_s)
+        # KV-aware routing: every process may produce to mm.prefill (restarts included), so each routes
+        router = Router(redis, keys, settings, placeholder_token_id(model_dir))
+        parts = StageParts(settings=settings, model_dir=model_dir, stages=stages, stack=stack,
+                           engine=_engines(settings, model_dir, stages, stack), redis=redis, keys=keys,
+                           transfer=transfer, worker_id=worker_id, router=router, index=_index(settings, redis, keys))
+        built = {}
+        for spec in SPECS:  # pipeline order: engines start in it
+            if spec.name in stages and (b := await spec.build(parts)) is not None:
+                built[spec.name] = b
+        ledger = StageLedger(redis, keys, lease_ms=settings.stage_lease_ms, done_ttl_s=settings.done_ttl_s)
         contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer, ledger=ledger)
                     for s in stages}
-        local = {STAGES[s][0]: (h, contexts[s]) for s, h in handlers.items()}
+        local = {BY_NAME[s].topic: (b.handler, contexts[s]) for s, b in built.items()}
         doorbell = None
         if settings.doorbell:
             doorbell = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=settings.idle_fetch_interval_ms)
             stack.push_async_callback(doorbell.close)
-        runners = []
-        for stage in entry_stages(stages):
-            topic, union = STAGES[stage]
-            concurrency = settings.decode_concurrency if stage in ("decode", "prefill") and "decode" in stages \
-                else None
-            runners.append(StageRunner(stage=stage, topic=topic, union=union, handler=handlers[stage],
-                                       ctx=contexts[stage], producer=producer, settings=settings,
-                                       concurrency=concurrency, local_routes=local, router=router,
-                                       rebalance_listener=reporter if topic == TOPIC_PREFILL else None,
-                                       doorbell=doorbell))
-        updater = KvTableUpdater(redis, keys, settings) if kv_worker else None
+        runners = [StageRunner(stage=stage, topic=BY_NAME[stage].topic, union=BY_NAME[stage].message,
+                               handler=built[stage].handler, ctx=contexts[stage], producer=producer, settings=settings,
+                               concurrency=built[stage].concurrency, local_routes=local, router=router,
+                               rebalance_listener=built[stage].listener, doorbell=doorbell)
+                   for stage in entry_stages(stages)]
+        # a stage's own consumers (prefill apart: the KV table) end the process like a runner's end
+        consumers = [*runners, *(c for b in built.values() for c in b.consumers)]
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: [r.stop() for r in [*runners, *([updater] if updater else [])]])
+            loop.add_signal_handler(sig, lambda: [c.stop() for c in consumers])
         log.info("worker %s running stages %s (engine %s, model %s, device %s, dtype %s)", worker_id, stages,
                  settings.engine, model_dir, placement.device, str(placement.dtype).removeprefix("torch."))
-        tasks = [asyncio.create_task(r.run(), name=r.stage) for r in runners]
-        if updater is not None:  # it ending (broker gone) ends the process like a runner's end
-            tasks.append(asyncio.create_task(updater.run(), name="kv-table"))
-        background = [asyncio.create_task(reporter.run(), name="kv-report")] if reporter else []
+        tasks = [asyncio.create_task(c.run(), name=getattr(c, "stage", type(c).__name__)) for c in consumers]
+        background = [asyncio.create_task(run()) for b in built.values() for run in b.background]
         info = protocol.WorkerInfo(worker_id=worker_id, stages=stages, pid=os.getpid(),
                                    host=hostaddr.advertise_host(settings), started_unix_ms=int(time.time() * 1000),
                                    metrics_port=metrics_server.port,
@@ -176,8 +161,8 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
                                              lambda: all(r.assigned.is_set() for r in runners)))
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stopping_at = time.monotonic()
-        for r in [*runners, *([updater] if updater else [])]:  # one ending (stop or fatal) ends the process
-            r.stop()
+        for c in consumers:  # one ending (stop or fatal) ends the process
+            c.stop()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for t in [beat, *background]:
             t.cancel()
@@ -191,57 +176,20 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     return 1 if failed else 0
 
 
-@dataclass
-class _CacheParts:
-    """What the embedding cache needs from the process (used only when it is on)."""
+def _index(settings: Settings, redis: Redis, keys: RedisKeys):
+    """The embedding index (shared by media-fetch, encode and prefill), None with the cache off."""
+    if settings.embedding_cache_bytes <= 0:
+        return None
+    from shared.embcache.index import EmbeddingIndex
 
-    redis: Redis
-    transfer: TransferAgent
-    worker_id: str
-
-
-def _hidden_size(model_dir) -> int:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    return int(getattr(config, "text_config", config).hidden_size)
+    return EmbeddingIndex(redis, keys, ttl_s=settings.embedding_index_ttl_s,
+                          lease_ms=settings.embedding_coalesce_lease_ms)
 
 
-def _preprocessors(model_dir, served: frozenset[str]) -> dict:
-    """modality -> the model's own processor for it (no weights), for the modalities served."""
-    out: dict = {}
-    family = family_of(model_dir).name
-    if family == "qwen2_audio":
-        from shared.engines.qwen2_audio import AudioPreprocessor
-
-        out["audio"] = AudioPreprocessor(model_dir)
-    elif family == "llava":
-        from shared.engines.llava import LlavaImagePreprocessor
-
-        out["image"] = LlavaImagePreprocessor(model_dir)
-    elif family == "llava_next_video":
-        from shared.engines.llava import NextVideoPreprocessor
-
-        out["video"] = NextVideoPreprocessor(model_dir)
-    else:
-        from shared.engines.qwen2_vl import ImagePreprocessor, VideoPreprocessor
-
-        out["image"] = ImagePreprocessor(model_dir)
-        if "video" in served:
-            out["video"] = VideoPreprocessor(model_dir)
-    return {m: p for m, p in out.items() if m in served}
-
-
-async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir, stack: AsyncExitStack,
-                          parts: _CacheParts, reuse: PrefixReuse | None = None,
-                          load: LoadTracker | None = None, audit=None) -> dict:
+def _engines(settings: Settings, model_dir, stages: tuple[str, ...], stack: AsyncExitStack):
+    """``engine(kind)``: the process's one engine of that kind, started on first use and stopped
+    with the worker."""
     engines: dict[str, Engine] = {}
-    index = None
-    if settings.embedding_cache_bytes > 0:
-        from shared.embcache.index import EmbeddingIndex
-
-        index = EmbeddingIndex(parts.redis, RedisKeys(settings.redis_prefix), ttl_s=settings.embedding_index_ttl_s,
-                               lease_ms=settings.embedding_coalesce_lease_ms)
 
     async def engine(name: str) -> Engine:
         if name not in engines:
@@ -251,64 +199,4 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
             engines[name] = eng
         return engines[name]
 
-    handlers: dict = {}
-    if "media-fetch" in stages:
-        from services.media_fetch.handler import MediaFetchHandler
-        from shared.compute import ComputeLane
-        from shared.media.fetch import MediaFetcher
-
-        fetcher = await stack.enter_async_context(MediaFetcher.from_settings(settings))
-        lane = ComputeLane("media")
-        stack.callback(lane.close)
-        fingerprint = ""
-        if index is not None:
-            from shared.embcache.identity import model_fingerprint
-
-            fingerprint = await asyncio.to_thread(model_fingerprint, model_dir)
-        pre = _preprocessors(model_dir, served_modalities(family_of(model_dir), settings.engine))
-        handlers["media-fetch"] = MediaFetchHandler(settings, fetcher, pre.get("image"), lane,
-                                                    preprocess_video=pre.get("video"),
-                                                    preprocess_audio=pre.get("audio"),
-                                                    embeds_hidden_size=_hidden_size(model_dir) if "image" in pre else 0,
-                                                    index=index, fingerprint=fingerprint)
-    if "encode" in stages:
-        from services.encode.handler import EncodeHandler
-
-        cache = None
-        if index is not None:
-            from shared.embcache.coalesce import EncodeCache
-            from shared.embcache.store import EmbeddingStore
-
-            # the pool also holds every in-flight tensor: the cache may pin at most half of it
-            capacity = min(settings.embedding_cache_bytes, settings.pool_bytes // 2)
-            if capacity < settings.embedding_cache_bytes:
-                log.warning("embedding_cache_bytes %d exceeds half of pool_bytes %d: caching %d bytes",
-                            settings.embedding_cache_bytes, settings.pool_bytes, capacity)
-            store = EmbeddingStore(parts.transfer, index, capacity_bytes=capacity,
-                                   max_item_fraction=settings.embedding_cache_max_item_fraction)
-            stack.push_async_callback(store.close)  # runs before the agent stops: entries go first
-            cache = EncodeCache(store, index, parts.transfer, parts.worker_id,
-                                wait_ms=settings.embedding_coalesce_wait_ms)
-            stack.push_async_callback(cache.drain)  # runs before store.close
-        handlers["encode"] = EncodeHandler(await engine("transformers"), cache)  # the vision encoder
-    if "prefill" in stages:
-        from shared.embcache.pull import EmbeddingPuller
-        from shared.embcache.recent import RecentEmbeddings
-
-        recent = RecentEmbeddings(settings.prefill_embedding_cache_bytes) \
-            if index is not None and settings.prefill_embedding_cache_bytes > 0 else None
-        puller = EmbeddingPuller(index, recent)
-        lm = await engine(settings.engine)
-        if "decode" in stages:
-            from services.decode.handler import GenerateHandler
-
-            handlers["prefill"] = GenerateHandler(lm, puller)
-        else:
-            from services.prefill.handler import PrefillHandler
-
-            handlers["prefill"] = PrefillHandler(lm, reuse, load, puller, audit)
-    if "decode" in stages and "prefill" not in stages:
-        from services.decode.handler import DecodeHandler
-
-        handlers["decode"] = DecodeHandler(await engine(settings.engine))
-    return handlers
+    return engine

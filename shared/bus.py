@@ -1,4 +1,4 @@
-"""Kafka plumbing: client construction, topic creation, and commit bookkeeping.
+"""Kafka plumbing: client construction, topic creation, and producing (routed, retried).
 
 Everything that knows aiokafka's constructor arguments lives here so stages, the gateway, the
 ingress and ``mmfleet submit`` share one configuration, TLS and SASL included
@@ -16,8 +16,9 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 from aiokafka.helpers import create_ssl_context
 
-from shared.keys import ALL_TOPICS
+from shared import protocol
 from shared.settings import Settings
+from shared.stage import Produce
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +89,7 @@ def make_consumer(settings: Settings, topic: str, group_id: str,
     return consumer
 
 
-def fleet_topics(settings: Settings) -> tuple[str, ...]:
-    """Every topic the fleet needs, including a configured ingress fallback reply topic."""
-    extra = settings.ingress_fallback_reply_topic
-    return ALL_TOPICS + ((extra,) if extra and extra not in ALL_TOPICS else ())
-
-
-async def ensure_topics(settings: Settings, topics: tuple[str, ...] = ALL_TOPICS, *, timeout_s: float = 30.0) -> None:
+async def ensure_topics(settings: Settings, topics: tuple[str, ...], *, timeout_s: float = 30.0) -> None:
     """Create missing topics with ``settings.topic_partitions`` partitions (idempotent);
     retries until the broker answers or ``timeout_s`` passes."""
     loop = asyncio.get_running_loop()
@@ -147,34 +142,21 @@ async def send_retrying(producer: AIOKafkaProducer, topic: str, value: bytes, ke
             delay_s = min(delay_s * 2, 2.0)
 
 
-class OffsetTracker:
-    """Which offset of one partition may be committed, given out-of-order completion.
+async def partition_for(router, p: Produce) -> int | None:
+    """The partition ``p`` goes to: its own, else the router's pick when ``router`` (a
+    :class:`shared.kv.router.Router`) routes ``p.topic``, else None (by key)."""
+    if p.partition is None and router is not None and p.topic == router.topic:
+        return await router.partition_for(p.value)
+    return p.partition
 
-    Kafka commits are a watermark: committing N says every offset below N is done. With
-    concurrent handlers finishing in any order, the watermark is the smallest offset still in
-    flight (or one past the highest finished when none are).
-    """
 
-    def __init__(self) -> None:
-        self._in_flight: set[int] = set()
-        self._highest_done = -1
-        self._committed = -1
-
-    def begin(self, offset: int) -> None:
-        self._in_flight.add(offset)
-
-    def done(self, offset: int) -> None:
-        self._in_flight.discard(offset)
-        self._highest_done = max(self._highest_done, offset)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._in_flight)
-
-    def committable(self) -> int | None:
-        """Next offset to commit, or None when nothing new is safe to commit."""
-        mark = min(self._in_flight) if self._in_flight else self._highest_done + 1
-        return mark if mark > self._committed and mark > 0 else None
-
-    def mark_committed(self, offset: int) -> None:
-        self._committed = max(self._committed, offset)
+async def produce_entry(producer: AIOKafkaProducer, entry: Produce, *, deadline_unix_ms: int, router=None,
+                        doorbell=None) -> None:
+    """Produce a request's entry message (``shared.stage.entry_message``: from the gateway, or
+    again after a broker restart) routed like every other record, and wait for the ack
+    (:func:`send_retrying` until ``deadline_unix_ms``); then ring ``doorbell`` for its topic."""
+    partition = await partition_for(router, entry)
+    await send_retrying(producer, entry.topic, protocol.encode(entry.value), entry.key.encode(),
+                        deadline_unix_ms=deadline_unix_ms, partition=partition)
+    if doorbell is not None:
+        doorbell.ring(entry.topic)

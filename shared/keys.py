@@ -6,8 +6,6 @@ share one Redis without colliding.
 
 from __future__ import annotations
 
-from shared import protocol
-
 TOPIC_MEDIA_FETCH = "mm.media-fetch"
 TOPIC_ENCODE = "mm.encode"
 TOPIC_PREFILL = "mm.prefill"
@@ -18,16 +16,9 @@ TOPIC_REQUESTS = "mm.requests"
 # error replies to ingress requests that named no reply_to (settings may name another topic)
 TOPIC_REPLY_ERRORS = "mm.replies.errors"
 
-STAGE_TOPICS: tuple[str, ...] = (TOPIC_MEDIA_FETCH, TOPIC_ENCODE, TOPIC_PREFILL, TOPIC_DECODE)
-ALL_TOPICS: tuple[str, ...] = STAGE_TOPICS + (TOPIC_KV_EVENTS, TOPIC_DEAD_LETTER, TOPIC_REQUESTS, TOPIC_REPLY_ERRORS)
-
-# stage name -> (topic it consumes, the union decoded from that topic)
-STAGES: dict[str, tuple[str, object]] = {
-    "media-fetch": (TOPIC_MEDIA_FETCH, protocol.MediaFetchRequest),
-    "encode": (TOPIC_ENCODE, protocol.EncodeRequest),
-    "prefill": (TOPIC_PREFILL, protocol.PrefillRequest),
-    "decode": (TOPIC_DECODE, protocol.DecodeRequest),
-}
+# the topics beside the stages' (each stage names its own in services/<stage>/spec.py;
+# services.stages.fleet_topics lists them all)
+INFRA_TOPICS: tuple[str, ...] = (TOPIC_KV_EVENTS, TOPIC_DEAD_LETTER, TOPIC_REQUESTS, TOPIC_REPLY_ERRORS)
 
 
 # the Kafka ingress: one consumer group over mm.requests (every gateway joins it); its

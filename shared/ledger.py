@@ -16,9 +16,16 @@ exist (which would skip the work and lose the request).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
 import redis.asyncio as aioredis
 
 from shared.keys import RedisKeys
+
+log = logging.getLogger(__name__)
 
 # delete / extend only if the claim is still ours (a lapsed claim may belong to another worker)
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -29,10 +36,10 @@ if n <= tonumber(ARGV[1]) then n = tonumber(ARGV[1]) + 1; redis.call('set', KEYS
 redis.call('expire', KEYS[1], ARGV[2])
 return n
 """
-# enter (one round trip instead of three): aborted? done? else claim. 0 aborted, 1 done,
-# 2 claimed, 3 held by another worker
+# enter (one round trip instead of three): aborted? (ARGV[3] == '1' only) done? else claim.
+# 0 aborted, 1 done, 2 claimed, 3 held by another worker
 _ENTER = """
-if redis.call('exists', KEYS[1]) == 1 then return 0 end
+if ARGV[3] == '1' and redis.call('exists', KEYS[1]) == 1 then return 0 end
 if redis.call('exists', KEYS[2]) == 1 then return 1 end
 if redis.call('set', KEYS[3], ARGV[1], 'NX', 'PX', ARGV[2]) then return 2 end
 return 3
@@ -88,11 +95,28 @@ class StageLedger:
     async def abort(self, request_id: str, ttl_s: int) -> None:
         await self._redis.set(self._keys.abort(request_id), b"1", ex=ttl_s)
 
-    async def enter(self, request_id: str, stage: str, attempt: int, owner: str) -> int:
-        """One round trip: ``ABORTED`` (the client went away), ``DONE``, ``CLAIMED`` (now ours)
-        or ``HELD`` (another worker's live claim)."""
+    async def enter(self, request_id: str, stage: str, attempt: int, owner: str, *, check_abort: bool = True) -> int:
+        """One round trip: ``ABORTED`` (the client went away; only with ``check_abort``),
+        ``DONE``, ``CLAIMED`` (now ours) or ``HELD`` (another worker's live claim)."""
         return int(await self._enter(keys=[self._keys.abort(request_id), self._done_key(request_id, stage, attempt),
-                                           self._key(request_id, stage, attempt)], args=[owner, self._lease_ms]))
+                                           self._key(request_id, stage, attempt)],
+                                     args=[owner, self._lease_ms, "1" if check_abort else "0"]))
+
+    async def enter_waiting(self, request_id: str, stage: str, attempt: int, owner: str, *,
+                            give_up_unix_ms: float, poll_s: float, check_abort: bool = True) -> int:
+        """:meth:`enter`, waiting while another worker holds the claim (a holder that died
+        lapses within the lease); ``HELD`` only once ``give_up_unix_ms`` has passed."""
+        while True:
+            state = await self.enter(request_id, stage, attempt, owner, check_abort=check_abort)
+            if state != HELD or time.time() * 1000 > give_up_unix_ms:
+                return state
+            await asyncio.sleep(poll_s)
+
+    async def keep(self, request_id: str, stage: str, attempt: int, owner: str) -> None:
+        """Refresh the claim every third of a lease until cancelled (run it as a task)."""
+        while True:
+            await asyncio.sleep(self._lease_ms / 3000)
+            await self.refresh(request_id, stage, attempt, owner)
 
     async def finish(self, request_id: str, stage: str, attempt: int, owner: str) -> None:
         """``mark_done`` and ``release`` in one round trip."""
@@ -111,3 +135,24 @@ class StageLedger:
     async def broker_epoch(self) -> bytes | None:
         """The broker-epoch token (see ``RedisKeys.broker_epoch``); None when unset or flushed."""
         return await self._redis.get(self._keys.broker_epoch())
+
+
+class EpochWatch:
+    """Notices a change of the broker-epoch token (``RedisKeys.broker_epoch``): a restarted
+    broker that lost its records. :meth:`changed` is true once per change after the first token
+    seen; an unset token (Redis flushed) or an unreachable Redis keeps the last one."""
+
+    def __init__(self, read: Callable[[], Awaitable[bytes | None]]) -> None:
+        self._read = read  # StageLedger.broker_epoch
+        self._epoch: bytes | None = None
+
+    async def changed(self) -> bool:
+        try:
+            epoch = await self._read()
+        except Exception as exc:  # Redis away: check again next time
+            log.debug("broker epoch check failed: %r", exc)
+            return False
+        if epoch is None or epoch == self._epoch:
+            return False
+        first, self._epoch = self._epoch is None, epoch
+        return not first

@@ -15,20 +15,19 @@ import logging
 import time
 
 import msgspec
-from aiokafka import ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
 
 from shared import logs, metrics, protocol, tracing
-from shared.bus import OffsetTracker, make_consumer, send_retrying
-from shared.keys import TOPIC_DEAD_LETTER, TOPIC_PREFILL, consumer_group
-from shared.ledger import ABORTED, CLAIMED, DONE, HELD
+from shared.bus import partition_for, send_retrying
+from shared.consume import ConsumeLoop
+from shared.keys import TOPIC_DEAD_LETTER, consumer_group
+from shared.ledger import ABORTED, DONE, EpochWatch
 from shared.settings import Settings
 from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entry_message
 from shared.transfer import OwnerGoneError
 
 log = logging.getLogger(__name__)
-
-_LAG_INTERVAL_S = 1.0  # consumer-lag gauge refresh; position() is local once fetching
 
 
 def now_ms() -> int:
@@ -50,118 +49,28 @@ class StageRunner:
         self._local = local_routes or {}
         self._producer = producer
         self._settings = settings
-        self._concurrency = concurrency or settings.stage_concurrency
-        self._router = router  # shared.kv.router.Router: picks mm.prefill partitions (None: by key)
+        self._router = router  # shared.kv.router.Router: picks the partitions of the topic it routes
         self._doorbell = doorbell  # shared.doorbell.Doorbell: rung after produces, wakes this consumer
-        self._consumer = make_consumer(settings, topic, consumer_group(stage),
-                                       listener=_Rebalance(self, rebalance_listener),
-                                       fetch_max_wait_ms=1 if doorbell is not None else None)
-        self._trackers: dict[TopicPartition, OffsetTracker] = {}
-        self._tasks: set[asyncio.Task] = set()
-        self._stopping = asyncio.Event()
-        self._paused = False
-        self._commit_wanted = asyncio.Event()
-        self._epoch: bytes | None = None  # broker-epoch token last seen (see _broker_restarted)
-        self.processed = 0  # records finished (any outcome), for stats and tests
-        self.assigned = asyncio.Event()  # set once the group gave this runner partitions
-        self._lag_next = 0.0
-        self._lag_partitions: set[int] = set()
+        self._loop = ConsumeLoop(settings, topic, consumer_group(stage), name=stage,
+                                 concurrency=concurrency or settings.stage_concurrency,
+                                 poll_timeout_ms=settings.fetch_max_wait_ms + 100, process=self._handle_record,
+                                 listener=rebalance_listener, doorbell=doorbell, lag_label=stage,
+                                 epoch=EpochWatch(ctx.ledger.broker_epoch) if ctx.ledger is not None else None)
+        self.assigned = self._loop.assigned  # set once the group gave this runner partitions
 
-    # ------------------------------------------------------------------ lifecycle
+    @property
+    def processed(self) -> int:
+        """Records finished (any outcome), for stats and tests."""
+        return self._loop.processed
+
     async def run(self) -> None:
         """Consume until ``stop()``; then drain and close. Raises on a fatal consumer error."""
-        await self._consumer.start()
-        if self._doorbell is not None:
-            self._doorbell.attach(self._consumer, self.topic)
-        committer = asyncio.create_task(self._commit_loop(), name=f"{self.stage}-commit")
-        try:
-            while not self._stopping.is_set():
-                free = self._concurrency - len(self._tasks)
-                self._set_paused(free <= 0)
-                batch = await self._consumer.getmany(
-                    timeout_ms=self._settings.fetch_max_wait_ms + 100, max_records=max(free, 1)
-                )
-                if self._consumer.assignment():
-                    self.assigned.set()
-                else:
-                    self.assigned.clear()
-                await self._update_lag()
-                for tp, records in batch.items():
-                    tracker = self._trackers.setdefault(tp, OffsetTracker())
-                    for rec in records:
-                        tracker.begin(rec.offset)
-                        task = asyncio.create_task(self._process(tp, tracker, rec))
-                        self._tasks.add(task)
-                        task.add_done_callback(self._tasks.discard)
-        finally:
-            await self._drain()
-            committer.cancel()
-            await asyncio.gather(committer, return_exceptions=True)
-            await self._commit()
-            await self._consumer.stop()
-            for partition in self._lag_partitions:
-                metrics.CONSUMER_LAG.remove(self.stage, str(partition))
-            self._lag_partitions.clear()
+        await self._loop.run()
 
     def stop(self) -> None:
-        self._stopping.set()
-
-    async def _update_lag(self) -> None:
-        """``mmfleet_consumer_lag_records`` for each assigned partition (highwater - position);
-        partitions no longer assigned lose their series."""
-        now = time.monotonic()
-        if now < self._lag_next:
-            return
-        self._lag_next = now + _LAG_INTERVAL_S
-        seen = set()
-        for tp in self._consumer.assignment():
-            high = self._consumer.highwater(tp)
-            if high is None:  # no fetch answered for it yet
-                continue
-            try:
-                position = await asyncio.wait_for(self._consumer.position(tp), 0.5)
-            except (TimeoutError, KafkaError, AssertionError, ValueError):
-                continue  # rebalancing: the next refresh has it
-            metrics.CONSUMER_LAG.labels(self.stage, str(tp.partition)).set(max(high - position, 0))
-            seen.add(tp.partition)
-        for partition in self._lag_partitions - seen:
-            metrics.CONSUMER_LAG.remove(self.stage, str(partition))
-        self._lag_partitions = seen
-
-    async def _drain(self) -> None:
-        if not self._tasks:
-            return
-        log.info("%s: draining %d in-flight records", self.stage, len(self._tasks))
-        _done, pending = await asyncio.wait(set(self._tasks), timeout=self._settings.drain_timeout_ms / 1000)
-        for task in pending:  # not committed: the group redelivers them
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-
-    def _set_paused(self, paused: bool) -> None:
-        if paused == self._paused:
-            return
-        parts = list(self._consumer.assignment())
-        if paused:
-            self._consumer.pause(*parts)
-        else:
-            self._consumer.resume(*parts)
-        self._paused = paused
+        self._loop.stop()
 
     # ------------------------------------------------------------------ one record
-    async def _process(self, tp: TopicPartition, tracker: OffsetTracker, rec) -> None:
-        """``tracker``: the partition's tracker when the record was fetched; a rebalance since
-        replaced it, so a record of a partition given away never moves the new watermark."""
-        try:
-            await self._handle_record(tp, rec)
-            tracker.done(rec.offset)
-            self.processed += 1
-            self._commit_wanted.set()
-        except asyncio.CancelledError:
-            raise  # shutdown: leave the offset uncommitted
-        except Exception:  # the runner itself failed (e.g. broker gone): stop loudly
-            log.exception("%s: fatal error at %s:%d", self.stage, tp.partition, rec.offset)
-            self.stop()
-
     async def _handle_record(self, tp: TopicPartition, rec) -> None:
         try:
             msg = self._decoder.decode(rec.value)
@@ -186,7 +95,9 @@ class StageRunner:
             await self._attempts(tp, rec, msg, meta, queue_ms)
             return
         t_claim = time.perf_counter()
-        state = await self._claim(meta)
+        # past the deadline an unclaimed record goes on: the deadline check ends it with a 504
+        state = await ledger.enter_waiting(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id,
+                                           give_up_unix_ms=meta.deadline_unix_ms, poll_s=0.2)
         if state == ABORTED:
             await self._fail(meta, RequestFailed(499, "the client closed the request", type_="invalid_request_error",
                                                  code="client_closed_request"), outcome="aborted")
@@ -196,7 +107,7 @@ class StageRunner:
             self._count("duplicate")
             return  # done already (or by the live worker that held the claim)
         claim_ms = (time.perf_counter() - t_claim) * 1000  # Redis round trips before the work
-        keeper = asyncio.create_task(self._keep_claim(meta))
+        keeper = asyncio.create_task(ledger.keep(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id))
         finished = False
         try:
             await self._attempts(tp, rec, msg, meta, queue_ms, claim_ms)
@@ -208,26 +119,6 @@ class StageRunner:
             await asyncio.gather(keeper, return_exceptions=True)
             if not finished:
                 await ledger.release(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
-
-    async def _claim(self, meta: protocol.RequestMeta) -> int:
-        """Claim (request, stage, attempt) in one Redis round trip: ``ABORTED``, ``DONE`` or
-        ``CLAIMED``. Waits while another worker holds the claim (it lapses within the lease if
-        that worker died); past the deadline it answers ``CLAIMED`` unclaimed, and the
-        deadline check ends the record with a 504."""
-        ledger = self._ctx.ledger
-        while True:
-            state = await ledger.enter(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
-            if state != HELD:
-                return state
-            if now_ms() > meta.deadline_unix_ms:
-                return CLAIMED
-            await asyncio.sleep(0.2)
-
-    async def _keep_claim(self, meta: protocol.RequestMeta) -> None:
-        ledger = self._ctx.ledger
-        while True:
-            await asyncio.sleep(ledger.lease_ms / 3000)
-            await ledger.refresh(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
 
     async def _attempts(self, tp: TopicPartition, rec, msg, meta: protocol.RequestMeta, queue_ms: float,
                         claim_ms: float = 0.0) -> None:
@@ -307,7 +198,7 @@ class StageRunner:
         sends = []
         for p in outcome.produce:
             value = protocol.encode(p.value)
-            partition = await self._partition(p)
+            partition = await partition_for(self._router, p)
             try:
                 fut = await self._producer.send(p.topic, value, key=p.key.encode(), partition=partition)
             except KafkaError:
@@ -323,11 +214,6 @@ class StageRunner:
             for owner, leases in outcome.releases:
                 await self._ctx.transfer.release(owner, leases)
 
-    async def _partition(self, p: Produce) -> int | None:
-        if p.partition is None and p.topic == TOPIC_PREFILL and self._router is not None:
-            return await self._router.partition_for(p.value)
-        return p.partition
-
     async def _fail(self, meta: protocol.RequestMeta, failed: RequestFailed, outcome: str | None = None) -> None:
         """Write the request's terminal error; count ``outcome`` (default: deadline for a 504,
         else failed)."""
@@ -339,86 +225,6 @@ class StageRunner:
         letter = protocol.DeadLetter(topic=tp.topic, partition=tp.partition, offset=rec.offset,
                                      error=error[:4000], attempts=attempts, value=rec.value)
         await self._producer.send_and_wait(TOPIC_DEAD_LETTER, protocol.encode(letter), key=rec.key)
-
-    # ------------------------------------------------------------------ commits
-    async def _commit_loop(self) -> None:
-        while True:
-            try:  # at least once a second, so an idle runner notices a broker restart too
-                await asyncio.wait_for(self._commit_wanted.wait(), 1.0)
-            except TimeoutError:
-                pass
-            self._commit_wanted.clear()
-            await self._commit()
-            await asyncio.sleep(0.005)  # coalesce bursts of completions into one commit
-
-    async def _broker_restarted(self) -> bool:
-        """True once per change of the broker-epoch token (a broker that lost its records came
-        back): every watermark is stale then (offsets start at 0 again), so they are dropped,
-        nothing is committed, and every partition is read again from its beginning (the ledger
-        skips what is done). Checked right before each commit, so a stale watermark never
-        reaches the new broker: the epoch changes before the topics exist again."""
-        if self._ctx.ledger is None:
-            return False
-        try:
-            epoch = await self._ctx.ledger.broker_epoch()
-        except Exception:  # Redis away: commits go on as before
-            return False
-        if epoch is None or epoch == self._epoch:
-            return False
-        first, self._epoch = self._epoch is None, epoch
-        if first:
-            return False
-        log.warning("%s: the broker lost its records (restarted); reading every partition again", self.stage)
-        self._trackers.clear()
-        parts = list(self._consumer.assignment())
-        if parts:
-            await self._consumer.seek_to_beginning(*parts)
-        return True
-
-    async def _commit(self) -> None:
-        if await self._broker_restarted():
-            return
-        offsets, trackers = {}, {}
-        assigned = self._consumer.assignment()
-        for tp, tracker in list(self._trackers.items()):
-            mark = tracker.committable()
-            if mark is not None and tp in assigned:
-                offsets[tp], trackers[tp] = mark, tracker
-        if not offsets:
-            return
-        try:
-            await self._consumer.commit(offsets)
-        except (CommitFailedError, KafkaError) as exc:
-            # A rebalance took the partition: its new owner re-processes from the last commit
-            # (handlers are idempotent), so this is a duplicate, never a loss.
-            log.warning("%s: commit failed (%s); records will be redelivered", self.stage, exc)
-            return
-        for tp, mark in offsets.items():
-            trackers[tp].mark_committed(mark)
-
-
-class _Rebalance(ConsumerRebalanceListener):
-    """Commit finished work before partitions go; start every (re)assigned partition with a
-    fresh watermark. A tracker kept across a rebalance could commit a stale offset: after the
-    embedded broker restarts empty, offsets start at 0 again, and an old watermark would commit
-    past records nobody has processed."""
-
-    def __init__(self, runner: StageRunner, also: ConsumerRebalanceListener | None = None) -> None:
-        self._runner = runner
-        self._also = also  # a stage's own listener (prefill: partition ownership for routing)
-
-    async def on_partitions_revoked(self, revoked) -> None:
-        await self._runner._commit()
-        for tp in revoked:
-            self._runner._trackers.pop(tp, None)
-        if self._also is not None:
-            await self._also.on_partitions_revoked(revoked)
-
-    async def on_partitions_assigned(self, assigned) -> None:
-        for tp in assigned:
-            self._runner._trackers.pop(tp, None)
-        if self._also is not None:
-            await self._also.on_partitions_assigned(assigned)
 
 
 def restart_from_source(meta: protocol.RequestMeta, max_restarts: int, reason: str,

@@ -250,6 +250,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     autoscale_scale_down_after_s: Annotated[float, _d("a stage shrinks only after wanting fewer workers this long, "
                                                       "then by one worker (hysteresis; KEDA's scale-down "
                                                       "stabilization window)")] = 30.0
+    up_ready_timeout_s: Annotated[float, _d("how long `mmfleet up` waits for every worker group to serve, then as "
+                                            "long for the gateway's /ready, before it gives up")] = 180.0
 
     # --- operations
     log_level: Annotated[str, _d("DEBUG, INFO, WARNING or ERROR")] = "INFO"

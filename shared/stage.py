@@ -15,8 +15,9 @@ Failure vocabulary:
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from msgspec import Struct
 
@@ -24,7 +25,15 @@ from shared import protocol
 from shared.keys import TOPIC_MEDIA_FETCH, TOPIC_PREFILL
 
 if TYPE_CHECKING:
+    from contextlib import AsyncExitStack
+    from pathlib import Path
+
+    from redis.asyncio import Redis
+
+    from shared.engines.base import Engine
+    from shared.keys import RedisKeys
     from shared.ledger import StageLedger
+    from shared.settings import Settings
     from shared.transfer import TransferAgent
 
 
@@ -102,3 +111,46 @@ class Context:
 
 class Handler(Protocol):
     async def handle(self, msg: Struct, ctx: Context) -> Outcome: ...
+
+
+# ---------------------------------------------------------------------- stage specs
+@dataclass(frozen=True)
+class StageParts:
+    """What a worker process hands every stage it runs when building its handler."""
+
+    settings: Settings
+    model_dir: Path
+    stages: tuple[str, ...]  # every stage this worker runs (a layout may change how one is built)
+    stack: AsyncExitStack  # register cleanups here: they run when the worker stops
+    engine: Callable[[str], Awaitable[Engine]]  # the process's one started engine of a kind
+    redis: Redis
+    keys: RedisKeys
+    transfer: TransferAgent
+    worker_id: str
+    router: Any  # shared.kv.router.Router of the process
+    index: Any = None  # shared.embcache.index.EmbeddingIndex, None with the embedding cache off
+
+
+@dataclass(frozen=True)
+class StageBuild:
+    """A built stage: its handler, and what else it runs beside its runner."""
+
+    handler: Handler
+    concurrency: int | None = None  # records in flight for its runner (None: ``stage_concurrency``)
+    listener: Any = None  # an aiokafka ConsumerRebalanceListener for its runner's consumer
+    consumers: tuple = ()  # objects with ``run()``/``stop()`` whose end ends the worker, like a runner's
+    background: tuple[Callable[[], Awaitable[None]], ...] = ()  # run beside, cancelled at the end
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage, declared once in ``services/<stage>/spec.py`` and listed in ``services/stages.py``;
+    the worker, the modes, the supervisor and the CLI derive everything from these."""
+
+    name: str
+    topic: str  # the topic it consumes (``shared.keys``)
+    message: object  # the type (or union) decoded from ``topic``
+    produces: tuple[str, ...]  # topics its handler produces to (documentation and a registry check)
+    part: str  # which letter of a mode name (``e``, ``p``, ``d``) places it: see ``services.modes``
+    build: Callable[[StageParts], Awaitable[StageBuild]]
+    upstream: str | None = None  # the stage whose output is its ONLY input (None: work also enters here)

@@ -1,26 +1,21 @@
-"""decode: generate and write token deltas to the request's Redis stream as they come.
+"""decode (apart from prefill): generate and write token deltas to the request's Redis stream as
+they come. (Prefill and decode in one worker: ``services.prefill.generate``.)
 
-Two handlers, chosen by the worker's stage layout:
-- ``DecodeHandler`` (decode apart from prefill): In ``DecodeRequest``; pulls the KV cache over
+- ``DecodeHandler``: In ``DecodeRequest``; pulls the KV cache over
   NIXL and continues after the first token; releases prefill's KV slot at the end. With
   ``engine_kv`` (vLLM) the engine reads the KV from prefill's engine itself, ONCE per attempt:
   the producer frees the blocks when read, so a decode that runs again for the same attempt
   (a crash, a redelivery) restarts the request from its source instead of reading freed blocks.
-Both first read the request's token log: a finished request is not generated again, and a
+It first reads the request's token log: a finished request is not generated again, and a
 partly streamed one resumes after its last logged token (see ``services.decode.stream``).
-
-- ``GenerateHandler`` (prefill and decode in one worker): In ``PrefillRequest``; the engine
-  prefills and decodes in one place (no KV leaves the engine); releases encode's slots.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from services.decode.stream import read_log, stream_completion
-from services.prefill.handler import check_context, embedding_releases, pull_media
+from services.decode.stream import abort_check, read_log, stream_completion
 from shared import protocol
-from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine
 from shared.stage import Context, Outcome
 from shared.tracing import timed_transfer
@@ -54,7 +49,7 @@ class DecodeHandler:
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=msg.prompt_len,
                                 first_token=first, skip_deltas=log.deltas, cached_tokens=msg.cached_tokens,
-                                aborted=_abort_check(ctx, meta))
+                                aborted=abort_check(ctx, meta))
         if started is not None and not started.began:
             # the completion ended before a token was asked for (eos first, max_tokens 1): read
             # the KV anyway (one discarded token), so the producer frees it now, not at its lease
@@ -83,27 +78,6 @@ class _Started:
         await self._tokens.aclose()
 
 
-class GenerateHandler:
-    def __init__(self, engine: Engine, puller: EmbeddingPuller | None = None) -> None:
-        self._engine = engine
-        self._puller = puller
-
-    async def handle(self, msg: protocol.PrefillRequest, ctx: Context) -> Outcome:
-        assert ctx.transfer is not None
-        meta = msg.meta
-        prompt_len = check_context(msg, self._engine.max_model_len)
-        log = await read_log(ctx.events, meta.request_id)
-        if log.done:
-            return Outcome(releases=embedding_releases(msg))
-        media = await pull_media(msg, ctx, self._puller)
-        tokens = self._engine.generate(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling,
-                                       resume=log.tokens)
-        await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
-                                eos_token_ids=self._engine.eos_token_ids, prompt_len=prompt_len,
-                                skip_deltas=log.deltas, aborted=_abort_check(ctx, meta))
-        return Outcome(releases=embedding_releases(msg))
-
-
 _KV_READ = "decode-kv-read"  # ledger stage name: this attempt's engine KV was (being) read
 
 
@@ -115,9 +89,3 @@ async def _read_once(ctx: Context, meta: protocol.RequestMeta) -> None:
     if await ctx.ledger.is_done(meta.request_id, _KV_READ, meta.attempt):
         raise OwnerGoneError(f"the prompt's KV for attempt {meta.attempt} was already read by an earlier decode")
     await ctx.ledger.mark_done(meta.request_id, _KV_READ, meta.attempt)
-
-
-def _abort_check(ctx: Context, meta: protocol.RequestMeta):
-    if ctx.ledger is None:
-        return None
-    return lambda: ctx.ledger.is_aborted(meta.request_id)

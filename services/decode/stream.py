@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from shared import protocol, tracing
 from shared.engines.detok import IncrementalDetokenizer, StopChecker
-from shared.stage import EventSink
+from shared.stage import Context, EventSink
 from shared.tracing import path_so_far
 
 log = logging.getLogger(__name__)
@@ -121,3 +121,10 @@ class _Superseded(Exception):
     def __init__(self, seq: int) -> None:
         super().__init__(seq)
         self.seq = seq
+
+
+def abort_check(ctx: Context, meta: protocol.RequestMeta) -> Callable[[], Awaitable[bool]] | None:
+    """``stream_completion``'s ``aborted`` for a request: the gateway's abort key (None without a ledger)."""
+    if ctx.ledger is None:
+        return None
+    return lambda: ctx.ledger.is_aborted(meta.request_id)

@@ -23,9 +23,9 @@ import redis.asyncio as aioredis
 
 from services.fleetview import promstats as ps
 from services.fleetview.snapshot import FleetSnapshot, ProcessRow, build
+from services.modes import STAGE_ORDER
 from shared.keys import RedisKeys
 from shared.liveness import live_gateways, live_workers
-from shared.modes import STAGE_ORDER
 
 _LOOPBACK = "127.0.0.1"
 

@@ -15,7 +15,7 @@ import msgspec
 
 from services.fleetview import promstats as ps
 from services.fleetview.promstats import Samples
-from shared.modes import STAGE_ORDER
+from services.modes import STAGE_ORDER
 
 QUANTILES = (0.5, 0.9, 0.99)
 

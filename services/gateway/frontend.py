@@ -36,8 +36,7 @@ from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.redrive import Redriver
 from services.gateway.responses import Rejected, Reply, Shaper, error_reply, shape_replies
 from shared import metrics, protocol
-from shared.bus import send_retrying
-from shared.keys import TOPIC_PREFILL
+from shared.bus import produce_entry
 from shared.ledger import StageLedger
 from shared.settings import Settings
 from shared.stage import RequestFailed, entry_message
@@ -74,8 +73,9 @@ class Frontend:
         self.ledger = ledger
         self.inflight = 0
         self.router = router  # shared.kv.router.Router for entries at mm.prefill (None: by key)
-        self.redriver = Redriver(ledger, producer)  # its run() is started by the gateway app
         self.doorbell = doorbell  # shared.doorbell.Doorbell: rung once an entry record is acked
+        # its run() is started by the gateway app
+        self.redriver = Redriver(ledger, producer, router=router, doorbell=doorbell)
 
     def prepare(self, body: bytes, *, chat: bool) -> tuple[Prepared, str]:
         """Validate ``body`` and build its prompt: (prepared, model); raises ``Rejected``."""
@@ -112,14 +112,8 @@ class Frontend:
             self.redriver.track(first.value.meta)
             try:
                 now_ms = int(time.time() * 1000)
-                partition = None
-                if first.topic == TOPIC_PREFILL and self.router is not None:
-                    partition = await self.router.partition_for(first.value)
-                await send_retrying(self.producer, first.topic, protocol.encode(first.value), request_id.encode(),
-                                    deadline_unix_ms=min(first.value.meta.deadline_unix_ms, now_ms + s.queue_retry_ms),
-                                    partition=partition)
-                if self.doorbell is not None:
-                    self.doorbell.ring(first.topic)
+                await produce_entry(self.producer, first, router=self.router, doorbell=self.doorbell,
+                                    deadline_unix_ms=min(first.value.meta.deadline_unix_ms, now_ms + s.queue_retry_ms))
             except KafkaError as exc:  # broker down longer than queue_retry_ms: say so, never an unshaped 500
                 log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)
                 raise Rejected.of(503, f"the request queue is unavailable right now ({type(exc).__name__}); "

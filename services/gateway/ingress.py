@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import orjson
 from aiokafka import TopicPartition
-from aiokafka.errors import CommitFailedError, KafkaError
 from prometheus_client import Counter
 
 from services.gateway.frontend import Frontend
 from services.gateway.responses import Rejected, Reply, error_reply
-from shared.bus import OffsetTracker, make_consumer
+from shared.consume import ConsumeLoop
 from shared.keys import INGRESS_STAGE, TOPIC_REPLY_ERRORS, TOPIC_REQUESTS, consumer_group
-from shared.ledger import StageLedger
+from shared.ledger import CLAIMED, EpochWatch, StageLedger
 
 log = logging.getLogger(__name__)
 
@@ -44,63 +44,25 @@ class Ingress:
         self._claims = claims
         self._owner = owner
         s = front.settings
-        self._consumer = make_consumer(s, TOPIC_REQUESTS, consumer_group(INGRESS_STAGE))
-        self._slots = asyncio.Semaphore(s.ingress_concurrency)
-        self._trackers: dict[TopicPartition, OffsetTracker] = {}
-        self._tasks: set[asyncio.Task] = set()
-        self._stopping = asyncio.Event()
+        # fetching waits while ``ingress_concurrency`` requests are in flight: the backlog stays in Kafka
+        self._loop = ConsumeLoop(s, TOPIC_REQUESTS, consumer_group(INGRESS_STAGE), name=INGRESS_STAGE,
+                                 concurrency=s.ingress_concurrency, poll_timeout_ms=200, process=self._record,
+                                 epoch=EpochWatch(claims.broker_epoch))
         self._fallback_topic = s.ingress_fallback_reply_topic or TOPIC_REPLY_ERRORS
 
     def stop(self) -> None:
-        self._stopping.set()
+        self._loop.stop()
 
     async def run(self) -> None:
-        """Fetch, run each record as a task (at most ``ingress_concurrency``), commit as they
-        finish. When full, fetching waits for a slot: the backlog stays in Kafka."""
-        await self._consumer.start()
-        try:
-            while not self._stopping.is_set():
-                batches = await self._consumer.getmany(timeout_ms=200,
-                                                       max_records=self._front.settings.max_poll_records)
-                for tp, records in batches.items():
-                    tracker = self._trackers.setdefault(tp, OffsetTracker())
-                    for record in records:
-                        await self._slots.acquire()
-                        tracker.begin(record.offset)
-                        task = asyncio.create_task(self._one(record))
-                        self._tasks.add(task)
-                        task.add_done_callback(lambda t, tp=tp, off=record.offset: self._finished(t, tp, off))
-                await self._commit()
-        finally:
-            if self._tasks:  # a bounded drain: what does not finish is redelivered
-                await asyncio.wait(self._tasks, timeout=self._front.settings.drain_timeout_ms / 1000)
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            await self._commit()
-            await self._consumer.stop()
+        """Consume, each record as its own task, commit as they finish; a bounded drain on stop."""
+        await self._loop.run()
 
-    def _finished(self, task: asyncio.Task, tp: TopicPartition, offset: int) -> None:
-        self._tasks.discard(task)
-        self._slots.release()
-        if task.cancelled():
-            return  # not done: left uncommitted, so it is redelivered
-        if task.exception() is not None:  # e.g. reply_to could not be produced to: nobody to tell
+    async def _record(self, tp: TopicPartition, record) -> None:
+        try:
+            await self._one(record)
+        except Exception as exc:  # e.g. reply_to could not be produced to: nobody to tell; the record is done
             INGRESS_REQUESTS.labels("failed").inc()
-            log.error("ingress record %s@%d failed: %r", tp, offset, task.exception())
-        self._trackers[tp].done(offset)
-
-    async def _commit(self) -> None:
-        offsets = {tp: off for tp, t in self._trackers.items() if (off := t.committable()) is not None}
-        if not offsets:
-            return
-        try:
-            await self._consumer.commit(offsets)
-        except (CommitFailedError, KafkaError) as exc:  # rebalance: the records come back, claims de-duplicate
-            log.warning("ingress commit failed (%r); the records will be redelivered", exc)
-            return
-        for tp, off in offsets.items():
-            self._trackers[tp].mark_committed(off)
+            log.error("ingress record %s@%d failed: %r", tp, record.offset, exc)
 
     # ------------------------------------------------------------------ one record
     async def _one(self, record) -> None:
@@ -123,7 +85,7 @@ class Ingress:
             INGRESS_REQUESTS.labels("duplicate").inc()
             log.info("ingress: request_id %r already answered or being answered; skipped", request_id)
             return
-        refresher = asyncio.create_task(self._keep_claim(request_id))
+        refresher = asyncio.create_task(self._claims.keep(request_id, INGRESS_STAGE, _CLAIM, self._owner))
         try:
             outcome = await self._serve(record.value or b"", headers, answer)
             await self._claims.mark_done(request_id, INGRESS_STAGE, _CLAIM)
@@ -157,21 +119,11 @@ class Ingress:
         """True once this process holds the request_id's claim; False when it is answered, or
         still being answered by a live holder past the request's deadline."""
         s = self._front.settings
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + (s.request_timeout_ms + 2 * s.stage_lease_ms) / 1000
-        while True:
-            if await self._claims.is_done(request_id, INGRESS_STAGE, _CLAIM):
-                return False
-            if await self._claims.claim(request_id, INGRESS_STAGE, _CLAIM, self._owner):
-                return True
-            if loop.time() > give_up:
-                return False
-            await asyncio.sleep(min(1.0, s.stage_lease_ms / 3000))  # a holder that died lapses within a lease
-
-    async def _keep_claim(self, request_id: str) -> None:
-        while True:
-            await asyncio.sleep(self._claims.lease_ms / 3000)
-            await self._claims.refresh(request_id, INGRESS_STAGE, _CLAIM, self._owner)
+        give_up_ms = time.time() * 1000 + s.request_timeout_ms + 2 * s.stage_lease_ms
+        state = await self._claims.enter_waiting(request_id, INGRESS_STAGE, _CLAIM, self._owner, check_abort=False,
+                                                 give_up_unix_ms=give_up_ms,
+                                                 poll_s=min(1.0, s.stage_lease_ms / 3000))
+        return state == CLAIMED
 
 
 class _Answer:

@@ -25,8 +25,8 @@ import time
 import msgspec
 
 from shared import protocol
-from shared.bus import send_retrying
-from shared.ledger import StageLedger
+from shared.bus import produce_entry
+from shared.ledger import EpochWatch, StageLedger
 from shared.stage import entry_message
 
 log = logging.getLogger(__name__)
@@ -37,12 +37,14 @@ class Redriver:
 
     Bounded by the gateway's admission limit (one entry per in-flight request)."""
 
-    def __init__(self, ledger: StageLedger, producer, *, poll_ms: int = 500) -> None:
+    def __init__(self, ledger: StageLedger, producer, *, poll_ms: int = 500, router=None, doorbell=None) -> None:
         self._ledger = ledger
         self._producer = producer
+        self._router = router  # entries are routed like the gateway's (shared.bus.produce_entry)
+        self._doorbell = doorbell
         self._poll_s = poll_ms / 1000
         self._tracked: dict[str, protocol.RequestMeta] = {}
-        self._epoch: bytes | None = None
+        self._epoch = EpochWatch(ledger.broker_epoch)
         self.redriven = 0  # requests produced again, for logs and tests
 
     def track(self, meta: protocol.RequestMeta) -> None:
@@ -56,17 +58,10 @@ class Redriver:
         """Poll the epoch until cancelled. Redis errors only delay the check (a flushed Redis
         loses the token: the last one seen stays the reference)."""
         while True:
-            try:
-                epoch = await self._ledger.broker_epoch()
-            except Exception as exc:  # Redis away: try again at the next tick
-                log.debug("broker epoch check failed: %r", exc)
-                epoch = None
-            if epoch is not None:
-                if self._epoch is not None and epoch != self._epoch:
-                    log.warning("the broker was restarted and lost its records; re-driving %d requests",
-                                len(self._tracked))
-                    await self._redrive_all()
-                self._epoch = epoch
+            if await self._epoch.changed():
+                log.warning("the broker was restarted and lost its records; re-driving %d requests",
+                            len(self._tracked))
+                await self._redrive_all()
             await asyncio.sleep(self._poll_s)
 
     async def _redrive_all(self) -> None:
@@ -81,9 +76,8 @@ class Redriver:
             return  # its reader ends it with a 504
         attempt = await self._ledger.next_attempt(meta.request_id, meta.attempt)
         fresh = msgspec.structs.replace(meta, attempt=attempt)
-        first = entry_message(fresh)
-        await send_retrying(self._producer, first.topic, protocol.encode(first.value), meta.request_id.encode(),
-                            deadline_unix_ms=meta.deadline_unix_ms)
+        await produce_entry(self._producer, entry_message(fresh), deadline_unix_ms=meta.deadline_unix_ms,
+                            router=self._router, doorbell=self._doorbell)
         if meta.request_id in self._tracked:
             self._tracked[meta.request_id] = fresh
         self.redriven += 1

@@ -70,7 +70,7 @@ class Router:
             raise ValueError(f"routing_policy {settings.routing_policy!r}: choose one of {', '.join(POLICIES)}")
         self._redis = redis
         self._keys = keys
-        self._topic = topic
+        self.topic = topic
         self.policy = settings.routing_policy
         self._block_size = settings.kv_block_size
         self._weight = settings.kv_overlap_weight
@@ -116,7 +116,7 @@ class Router:
 
     async def workers(self, hashes: list[int]) -> list[WorkerView]:
         """Live prefill workers that own partitions, sorted by id, with their overlap."""
-        owners = await self._redis.hgetall(self._keys.kv_owners(self._topic))
+        owners = await self._redis.hgetall(self._keys.kv_owners(self.topic))
         by_worker: dict[str, list[int]] = {}
         for part, wid in owners.items():
             by_worker.setdefault(wid.decode(), []).append(int(part))

@@ -23,10 +23,9 @@ from contextlib import contextmanager
 
 import redis.asyncio as aioredis
 from aiokafka import ConsumerRebalanceListener
-from aiokafka.errors import CommitFailedError, KafkaError
 
 from shared import protocol
-from shared.bus import make_consumer
+from shared.consume import ConsumeLoop
 from shared.keys import TOPIC_KV_EVENTS, TOPIC_PREFILL, RedisKeys, consumer_group
 from shared.kv.audit import lag_ops
 from shared.settings import Settings
@@ -152,29 +151,19 @@ class KvTableUpdater:
         self._redis = redis
         self._keys = keys
         self._ttl_ms = settings.kv_report_ttl_ms
-        self._consumer = make_consumer(settings, TOPIC_KV_EVENTS, consumer_group("kv-table"))
         self._decoder = protocol.decoder_for(protocol.KvEvent)
-        self._stopping = asyncio.Event()
+        self._loop = ConsumeLoop(settings, TOPIC_KV_EVENTS, consumer_group("kv-table"), name="kv-table",
+                                 concurrency=256, poll_timeout_ms=500, process_batch=self._batch)
         self.applied = 0
 
     def stop(self) -> None:
-        self._stopping.set()
+        self._loop.stop()
 
     async def run(self) -> None:
-        await self._consumer.start()
-        try:
-            while not self._stopping.is_set():
-                batch = await self._consumer.getmany(timeout_ms=500, max_records=256)
-                records = [rec for recs in batch.values() for rec in recs]
-                if not records:
-                    continue
-                await self.apply([rec.value for rec in records], [rec.timestamp for rec in records])
-                try:
-                    await self._consumer.commit()
-                except (CommitFailedError, KafkaError) as exc:
-                    log.warning("kv-table: commit failed (%r); events will be applied again", exc)
-        finally:
-            await self._consumer.stop()
+        await self._loop.run()
+
+    async def _batch(self, records: list) -> None:
+        await self.apply([rec.value for rec in records], [rec.timestamp for rec in records])
 
     async def apply(self, values: list[bytes], produced_ms: list[int] | None = None) -> None:
         """``produced_ms``: each record's produce timestamp, for the event-lag samples."""

@@ -55,14 +55,13 @@ from shared.transfer.leases import SlotHolders
 from shared.transfer.paths import DevicePaths
 from shared.transfer.peers import Peers
 from shared.transfer.pool import SlotAllocator
+from shared.transfer.progress import Progress, release_ids, release_notifs
 from shared.transfer.tensors import DTYPES, OwnerGoneError, PoolFullError, TransferError, as_bytes, check_ref
 
 __all__ = ["TransferAgent", "TransferError", "PoolFullError", "OwnerGoneError", "DTYPES"]
 
 log = logging.getLogger(__name__)
 
-_REL_PREFIX = b"rel:"
-_REL_CHUNK = 512  # lease ids per notification, keeps each message small
 _COUNTERS = (
     "puts", "local_gets", "transfers", "bytes_pulled", "transfer_errors", "expired_leases",
     "released_leases", "release_notifs_sent", "release_notifs_received", "quarantined_bytes",
@@ -97,8 +96,6 @@ class TransferAgent:
         self.host = host
         self.pool_bytes = pool_bytes
         self._ttl_s = lease_ttl_ms / 1000.0
-        self._fast_s = fast_poll_ms / 1000.0
-        self._idle_s = idle_poll_ms / 1000.0
         self._fast_window_s = fast_window_ms / 1000.0
         self._last_put = float("-inf")
         self._xfer_timeout_ms = xfer_timeout_ms
@@ -117,8 +114,8 @@ class TransferAgent:
         self._peer_inflight: dict[str, int] = {}
         self._inflight = 0
         self._space_event: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._sleeper: asyncio.Future[None] | None = None
+        self._progress = Progress(name, self._poll, self._busy, fast_s=fast_poll_ms / 1000.0,
+                                  idle_s=idle_poll_ms / 1000.0)
         self._quarantine: set[int] = set()  # staging offsets NIXL may still write
         self._closed = False
 
@@ -127,20 +124,14 @@ class TransferAgent:
     async def start(self) -> None:
         """Launch the progress task (idempotent). Raises after ``stop``."""
         self._check_open()
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(
-                self._progress_loop(), name=f"nixl-progress-{self.name}"
-            )
+        self._progress.start()
 
     async def stop(self) -> None:
         """Stop progress, deregister the pool and drop the NIXL agent (idempotent, final)."""
         if self._closed:
             return
         self._closed = True
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await self._progress.stop()
         try:
             self._nixl.deregister_memory(self._reg)
         except Exception as e:  # teardown is best-effort
@@ -231,7 +222,7 @@ class TransferAgent:
             off = await self._alloc_wait(ref.nbytes, deadline)
             try:
                 t0 = time.perf_counter()
-                await self._peers.read(owner, ref, self._base + off, deadline, self._fast_s,
+                await self._peers.read(owner, ref, self._base + off, deadline, self._progress.fast_s,
                                        lambda: self._quarantine_slot(off))
                 metrics.NIXL_TRANSFER.observe(time.perf_counter() - t0)
                 out = self._dev.from_pool(off, ref)
@@ -286,9 +277,8 @@ class TransferAgent:
             elif name not in self._peers:
                 log.warning("release to unknown peer %s (no metadata): dropped", name)
                 return
-            for i in range(0, len(leases), _REL_CHUNK):
-                ids = b",".join(b"%d" % int(x) for x in leases[i : i + _REL_CHUNK])
-                self._nixl.send_notif(name, _REL_PREFIX + ids)
+            for notif in release_notifs(leases):
+                self._nixl.send_notif(name, notif)
                 self._c["release_notifs_sent"] += 1
         except Exception as e:
             log.warning("release of %d leases to %s failed (owner gone?): %s", len(leases), name, e)
@@ -379,45 +369,31 @@ class TransferAgent:
         self._c["quarantined_bytes"] += self._alloc.size_of(off)
 
     def _kick(self) -> None:
-        """Cut the progress loop's sleep short (new lease / transfer started)."""
-        s = self._sleeper
-        if s is not None and not s.done():
-            s.set_result(None)
+        """Cut the progress task's sleep short (new lease / transfer started)."""
+        self._progress.kick()
 
     def _handle_notif(self, peer: str, msg: bytes) -> None:
-        if not msg.startswith(_REL_PREFIX):
+        leases = release_ids(msg)
+        if leases is None:
             log.debug("%s: ignoring notification from %s: %r", self.name, peer, msg[:32])
             return
         self._c["release_notifs_received"] += 1
-        for part in msg[len(_REL_PREFIX) :].split(b","):
-            try:
-                lease = int(part)
-            except ValueError:
-                log.warning("%s: malformed release from %s: %r", self.name, peer, msg[:64])
-                return
-            if self.free_local(lease):
-                self._c["released_leases"] += 1
+        try:
+            for lease in leases:
+                if self.free_local(lease):
+                    self._c["released_leases"] += 1
+        except ValueError:
+            log.warning("%s: malformed release from %s: %r", self.name, peer, msg[:64])
 
-    async def _progress_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                for peer, msgs in self._nixl.get_new_notifs().items():
-                    for msg in msgs:
-                        self._handle_notif(peer, msg)
-            except Exception as e:  # one bad poll must not kill progress
-                log.warning("%s: notification poll failed: %s", self.name, e)
-            self._expire(time.monotonic())
-            now = time.monotonic()
-            busy = self._inflight > 0 or (bool(self._leases) and now - self._last_put < self._fast_window_s)
-            # A plain future + timer (not asyncio.sleep) so _kick can end the sleep early.
-            fut: asyncio.Future[None] = loop.create_future()
-            self._sleeper = fut
-            timer = loop.call_later(
-                self._fast_s if busy else self._idle_s, lambda: fut.done() or fut.set_result(None)
-            )
-            try:
-                await fut
-            finally:
-                timer.cancel()
-                self._sleeper = None
+    def _poll(self) -> None:
+        try:
+            for peer, msgs in self._nixl.get_new_notifs().items():
+                for msg in msgs:
+                    self._handle_notif(peer, msg)
+        except Exception as e:  # one bad poll must not kill progress
+            log.warning("%s: notification poll failed: %s", self.name, e)
+        self._expire(time.monotonic())
+
+    def _busy(self) -> bool:
+        """Poll fast while a transfer is in flight or shortly after a put (see ``__init__``)."""
+        return self._inflight > 0 or (bool(self._leases) and time.monotonic() - self._last_put < self._fast_window_s)

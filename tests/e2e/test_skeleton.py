@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
+from services.stages import STAGE_TOPICS
 from shared import protocol
-from shared.keys import STAGE_TOPICS
 from shared.models.reference import reference_generate
 from tests import procs
 
@@ -243,9 +243,9 @@ async def _record_sizes(bootstrap: str) -> dict[str, list[int]]:
 
 
 def _union(topic: str):
-    from shared.keys import STAGES
+    from services.stages import SPECS
 
-    return next(u for t, u in STAGES.values() if t == topic)
+    return next(s.message for s in SPECS if s.topic == topic)
 
 
 def test_readme_curl_example_works(fleet):

@@ -16,8 +16,9 @@ import kubernetes_validate
 import pytest
 
 from services.cli import _parser
+from services.stages import BY_NAME as STAGES
 from shared import settings as settings_mod
-from shared.keys import STAGES, consumer_group
+from shared.keys import consumer_group
 from tests.k8s.render import containers, render
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -139,7 +140,7 @@ def test_a_scaled_object_per_stage_on_its_lag_and_the_ttft_slo(overlay):
     partitions = int(config["data"]["MMFLEET_TOPIC_PARTITIONS"])
     scaled = by_kind(docs, "ScaledObject")
     assert sorted(scaled) == sorted(f"mmfleet-{s}" for s in STAGES)
-    for stage, (topic, _) in STAGES.items():
+    for stage, topic in ((s.name, s.topic) for s in STAGES.values()):
         so = scaled[f"mmfleet-{stage}"]["spec"]
         target = deployments[so["scaleTargetRef"]["name"]]
         assert _parser().parse_args(target["spec"]["template"]["spec"]["containers"][0]["args"]).stages == stage

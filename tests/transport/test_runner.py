@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 
 from shared import protocol
-from shared.bus import OffsetTracker, ensure_topics, make_producer
+from shared.bus import ensure_topics, make_producer
+from shared.consume import OffsetTracker
 from shared.keys import TOPIC_DEAD_LETTER, RedisKeys
 from shared.runner import StageRunner
 from shared.settings import Settings

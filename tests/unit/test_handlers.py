@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from services.decode.handler import DecodeHandler, GenerateHandler
+from services.decode.handler import DecodeHandler
 from services.encode.handler import EncodeHandler
 from services.media_fetch.handler import MediaFetchHandler
+from services.prefill.generate import GenerateHandler
 from services.prefill.handler import PrefillHandler
 from shared import protocol
 from shared.compute import ComputeLane

@@ -6,7 +6,7 @@ import pytest
 
 from loadtest.kvbench import goals, kv_workload, summarize
 from loadtest.workloads import build
-from shared.modes import UnsupportedLayout, group_replicas, parse_replicas
+from services.modes import UnsupportedLayout, group_replicas, parse_replicas
 
 
 def test_parse_replicas():

@@ -61,7 +61,7 @@ def test_pin_needs_a_held_slot() -> None:
 
 
 def test_stage_replicas_parse_and_apply() -> None:
-    from shared.modes import UnsupportedLayout, group_replicas, parse_replicas
+    from services.modes import UnsupportedLayout, group_replicas, parse_replicas
     from shared.settings import from_env
 
     s = from_env({"MMFLEET_STAGE_REPLICAS": "encode=2, prefill=3"})

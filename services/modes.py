@@ -6,8 +6,9 @@
 - ``ep-d``  media-fetch + encode + prefill together; decode apart (models whose engine takes no
   embedding input).
 
-Inside one worker, a stage's output addressed to another local stage is handed over in memory
-(the runner calls the next handler; tensors stay in the process's own pool, read without NIXL)
+The stages, their order and their part of a mode's name come from the registry
+(``services.stages``). Inside one worker, a stage's output addressed to another local stage is
+handed over in memory (the runner calls the next handler; tensors stay in the process's own pool, read without NIXL)
 instead of going through Kafka. A worker consumes only the topics where work enters its chain:
 ``mm.encode`` only if media-fetch runs elsewhere, ``mm.decode`` only if prefill runs elsewhere
 (``mm.prefill`` always: text-only requests enter there from the gateway).
@@ -20,19 +21,19 @@ at start-up with :class:`UnsupportedLayout`.
 
 from __future__ import annotations
 
+from services.stages import BY_NAME, SPECS, STAGE_ORDER
 from shared.engines.base import Capabilities
 
-STAGE_ORDER = ("media-fetch", "encode", "prefill", "decode")
 
-MODES: dict[str, list[tuple[str, ...]]] = {
-    "epd": [("media-fetch", "encode", "prefill", "decode")],
-    "e-pd": [("media-fetch", "encode"), ("prefill", "decode")],
-    "e-p-d": [("media-fetch",), ("encode",), ("prefill",), ("decode",)],
-    "ep-d": [("media-fetch", "encode", "prefill"), ("decode",)],
-}
+def _layout(mode: str) -> list[tuple[str, ...]]:
+    """The worker groups of ``mode``: one group per ``-``-separated part of its name, holding the
+    stages whose ``StageSpec.part`` letter is in it; ``e-p-d`` gives every stage its own worker."""
+    if mode == "e-p-d":
+        return [(s.name,) for s in SPECS]
+    return [tuple(s.name for s in SPECS if s.part in group) for group in mode.split("-")]
 
-# the stage whose output is a stage's only input (prefill has two: encode and the gateway)
-_ONLY_UPSTREAM = {"encode": "media-fetch", "decode": "prefill"}
+
+MODES: dict[str, list[tuple[str, ...]]] = {m: _layout(m) for m in ("epd", "e-pd", "e-p-d", "ep-d")}
 
 
 class UnsupportedLayout(SystemExit):
@@ -48,7 +49,7 @@ def normalise(stages: list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 def entry_stages(stages: tuple[str, ...]) -> tuple[str, ...]:
     """Stages whose topic this worker consumes."""
-    return tuple(s for s in stages if _ONLY_UPSTREAM.get(s) not in stages)
+    return tuple(s for s in stages if BY_NAME[s].upstream not in stages)
 
 
 def _missing(stages: tuple[str, ...], caps: Capabilities) -> tuple[str, str] | None:

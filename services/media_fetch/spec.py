@@ -1,0 +1,67 @@
+"""The media-fetch stage: its topic, its message and how a worker builds its handler."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared import protocol
+from shared.keys import TOPIC_ENCODE, TOPIC_MEDIA_FETCH, TOPIC_PREFILL
+from shared.models.registry import family_of, served_modalities
+from shared.stage import StageBuild, StageParts, StageSpec
+
+
+def _hidden_size(model_dir) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return int(getattr(config, "text_config", config).hidden_size)
+
+
+def _preprocessors(model_dir, served: frozenset[str]) -> dict:
+    """modality -> the model's own processor for it (no weights), for the modalities served."""
+    out: dict = {}
+    family = family_of(model_dir).name
+    if family == "qwen2_audio":
+        from shared.engines.qwen2_audio import AudioPreprocessor
+
+        out["audio"] = AudioPreprocessor(model_dir)
+    elif family == "llava":
+        from shared.engines.llava import LlavaImagePreprocessor
+
+        out["image"] = LlavaImagePreprocessor(model_dir)
+    elif family == "llava_next_video":
+        from shared.engines.llava import NextVideoPreprocessor
+
+        out["video"] = NextVideoPreprocessor(model_dir)
+    else:
+        from shared.engines.qwen2_vl import ImagePreprocessor, VideoPreprocessor
+
+        out["image"] = ImagePreprocessor(model_dir)
+        if "video" in served:
+            out["video"] = VideoPreprocessor(model_dir)
+    return {m: p for m, p in out.items() if m in served}
+
+
+async def build(parts: StageParts) -> StageBuild:
+    from services.media_fetch.handler import MediaFetchHandler
+    from shared.compute import ComputeLane
+    from shared.media.fetch import MediaFetcher
+
+    settings, model_dir = parts.settings, parts.model_dir
+    fetcher = await parts.stack.enter_async_context(MediaFetcher.from_settings(settings))
+    lane = ComputeLane("media")
+    parts.stack.callback(lane.close)
+    fingerprint = ""
+    if parts.index is not None:
+        from shared.embcache.identity import model_fingerprint
+
+        fingerprint = await asyncio.to_thread(model_fingerprint, model_dir)
+    pre = _preprocessors(model_dir, served_modalities(family_of(model_dir), settings.engine))
+    return StageBuild(MediaFetchHandler(settings, fetcher, pre.get("image"), lane,
+                                        preprocess_video=pre.get("video"), preprocess_audio=pre.get("audio"),
+                                        embeds_hidden_size=_hidden_size(model_dir) if "image" in pre else 0,
+                                        index=parts.index, fingerprint=fingerprint))
+
+
+SPEC = StageSpec(name="media-fetch", topic=TOPIC_MEDIA_FETCH, message=protocol.MediaFetchRequest,
+                 produces=(TOPIC_ENCODE, TOPIC_PREFILL), part="e", build=build)

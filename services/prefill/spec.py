@@ -1,0 +1,52 @@
+"""The prefill stage: its topic, its message and how a worker builds its handler.
+
+Apart from decode it exports KV (``services.prefill.handler``) and, with a prefix cache, keeps
+the KV-aware routing table fed: its load and partitions (``LoadReporter``, also the runner's
+rebalance listener) and the ``mm.kv-events`` consumer (``KvTableUpdater``). With decode in the
+same worker it generates (``services.prefill.generate``) under ``decode_concurrency``.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from shared import protocol
+from shared.keys import TOPIC_DECODE, TOPIC_KV_EVENTS, TOPIC_PREFILL
+from shared.stage import StageBuild, StageParts, StageSpec
+
+
+async def build(parts: StageParts) -> StageBuild:
+    from shared.embcache.pull import EmbeddingPuller
+    from shared.embcache.recent import RecentEmbeddings
+
+    settings = parts.settings
+    recent = RecentEmbeddings(settings.prefill_embedding_cache_bytes) \
+        if parts.index is not None and settings.prefill_embedding_cache_bytes > 0 else None
+    puller = EmbeddingPuller(parts.index, recent)
+    lm = await parts.engine(settings.engine)
+    if "decode" in parts.stages:
+        from services.prefill.generate import GenerateHandler
+
+        return StageBuild(GenerateHandler(lm, puller), concurrency=settings.decode_concurrency)
+    from services.prefill.handler import PrefillHandler
+    from shared.kv.prefix_cache import PrefixCache
+    from shared.kv.reuse import PrefixReuse
+    from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
+    from shared.models.registry import placeholder_token_id
+
+    load = LoadTracker()
+    # the metric label leaves out pid and random suffix: a restart continues the same series
+    # (processes on one host are told apart by the scrape target, Prometheus' `instance`)
+    reuse = PrefixReuse(PrefixCache(settings.prefix_cache_bytes, settings.kv_block_size),
+                        placeholder_token_id(parts.model_dir),
+                        metric_label=f"{'+'.join(parts.stages)}@{socket.gethostname()}") \
+        if settings.prefix_cache_bytes > 0 else None
+    reporter = LoadReporter(parts.redis, parts.keys, parts.worker_id, load, settings)
+    handler = PrefillHandler(lm, reuse, load, puller, parts.router.audit if reuse is not None else None)
+    return StageBuild(handler, listener=reporter, consumers=(KvTableUpdater(parts.redis, parts.keys, settings),),
+                      background=(reporter.run,))
+
+
+# work enters here from media-fetch, encode and (text-only requests) the gateway
+SPEC = StageSpec(name="prefill", topic=TOPIC_PREFILL, message=protocol.PrefillRequest,
+                 produces=(TOPIC_DECODE, TOPIC_KV_EVENTS), part="p", build=build)
