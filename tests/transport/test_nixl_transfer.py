@@ -124,10 +124,11 @@ async def test_lease_ttl_expiry_frees_owner_slot() -> None:
         assert st["leases_outstanding"] == 0 and st["expired_leases"] == 2
         assert st["used_bytes"] == 0
         # A release for an expired lease is ignored, not an error.
+        # (the consumer stays up until the owner heard it: the first notification to a new peer
+        # waits for the connection, and closing the agent earlier cancels the send)
         async with TransferAgent(uniq("consumer"), 1 << 20) as xa:
             await xa.release(hello.agent, [hello.refs[0].lease])
-            await asyncio.sleep(0.1)
-        st = await owner.stats()
+            st = await owner.wait_stats(lambda s: s["release_notifs_received"] == 1, timeout=10.0)
         assert st["released_leases"] == 0 and st["release_notifs_received"] == 1
 
 
