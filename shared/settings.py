@@ -245,7 +245,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     autoscale_lag_per_worker: Annotated[int, _d("consumer-group lag (records) one worker of a stage is sized for: "
                                                 "wanted = ceil(lag / this) (KEDA lagThreshold)")] = 8
     autoscale_ttft_slo_ms: Annotated[int, _d("TTFT p99 the fleet aims for: above it, a stage of prefill or decode "
-                                             "with lag gets one more worker than its lag asks")] = 2_000
+                                             "with more unfinished records than workers gets one more worker than "
+                                             "its lag asks")] = 2_000
     autoscale_interval_ms: Annotated[int, _d("how often the autoscaler reads lag and TTFT")] = 1_000
     autoscale_scale_down_after_s: Annotated[float, _d("a stage shrinks only after wanting fewer workers this long, "
                                                       "then by one worker (hysteresis; KEDA's scale-down "
