@@ -165,15 +165,20 @@ class Fleet:
         self._stopping = asyncio.Event()
 
     async def start(self) -> None:
-        s = self.settings
+        # the model first: a missing one stops `up` before anything starts. Children get the
+        # resolved folder (served_model_name already holds the id), so every worker serves the
+        # same snapshot even if the cache's refs/<revision> moves while the fleet runs.
+        try:
+            model_dir = await asyncio.to_thread(resolve_model_path, self.settings)
+        except ValueError as exc:
+            raise SystemExit(f"mmfleet up: cannot start: {exc}") from None
+        self.settings = s = self.settings.with_overrides(model=str(model_dir))
         khost, kport = _host_port(s.kafka_bootstrap, 9092)
         if not _answers(khost, kport):
             await self._start_infra(broker_child(khost, kport), khost, kport)
         rhost, rport = _host_port(s.redis_url, 6379)
         if not _answers(rhost, rport):
             await self._start_infra(redis_child(rhost, rport), rhost, rport)
-        model_dir = await asyncio.to_thread(resolve_model_path, s)
-        self.settings = s = s.with_overrides(model_path=str(model_dir))
         await ensure_topics(s, fleet_topics(s))
         if any(c.name.startswith("kafka") for c in self.infra):
             await self._new_broker_epoch()

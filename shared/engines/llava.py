@@ -45,10 +45,11 @@ class LlavaImagePreprocessor:
 class LlavaCompute(PlainLMCompute):
     kind = "image"
 
-    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto",
+                 parts: frozenset[str] | None = None) -> None:
         from transformers import LlavaForConditionalGeneration
 
-        self._load(LlavaForConditionalGeneration, model_dir, device, dtype)
+        self._load(LlavaForConditionalGeneration, model_dir, device, dtype, parts)
         self.placeholder_token_id: int = int(self.model.config.image_token_id)
         self._init_lm()
         self.preprocess_image = LlavaImagePreprocessor(self.model_dir, processor=self.processor,
@@ -98,10 +99,11 @@ class LlavaNextVideoCompute(PlainLMCompute):
 
     kind = "video"
 
-    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto",
+                 parts: frozenset[str] | None = None) -> None:
         from transformers import LlavaNextVideoForConditionalGeneration
 
-        self._load(LlavaNextVideoForConditionalGeneration, model_dir, device, dtype)
+        self._load(LlavaNextVideoForConditionalGeneration, model_dir, device, dtype, parts)
         self.placeholder_token_id: int = int(self.model.config.video_token_id)
         self._init_lm()
         self.preprocess_video = NextVideoPreprocessor(self.model_dir, processor=self.processor,

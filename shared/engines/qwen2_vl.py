@@ -126,16 +126,19 @@ class Qwen2VLCompute:
     supports_prefix_kv = True  # prefill(prefix_kv=...) computes only the rest of the prompt
     mrope = True  # decode positions: cache_len + rope_delta on three axes (shared.engines.batched)
 
-    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto",
+                 parts: frozenset[str] | None = None) -> None:
         from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
         from shared.device import resolve_placement
+        from shared.models.loading import checkpoint_dtype
 
         self.model_dir = Path(model_dir)
-        self.placement = resolve_placement(device, dtype)
+        self.placement = resolve_placement(device, dtype, checkpoint_dtype(self.model_dir))
         self.device, self.dtype = self.placement.device, self.placement.dtype
         self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
-        self.model = self.placement.load(Qwen2VLForConditionalGeneration, self.model_dir)
+        # parts: the encoder and / or the LM (shared.models.loading); None: both
+        self.model = self.placement.load(Qwen2VLForConditionalGeneration, self.model_dir, parts)
         cfg = self.model.config
         self.placeholder_token_id: int = int(cfg.image_token_id)
         self.video_token_id: int = int(cfg.video_token_id)

@@ -113,13 +113,14 @@ DEMOS: dict[str, Callable[[Path], Path]] = {
 
 
 def resolve_model_path(settings: Settings) -> Path:
-    """``settings.model_path`` if given, else the tiny offline demo model named by
-    ``settings.demo_model`` (built once, cached)."""
-    if settings.model_path:
-        path = Path(settings.model_path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model_path {path} has no config.json")
-        return path
+    """The folder of the model to serve: ``settings.model`` (a local folder, or a hub id found
+    offline in the hub cache at ``settings.revision``; see :mod:`shared.models.hub`), else the
+    tiny offline demo model named by ``settings.demo_model`` (built once, cached). A model that
+    is not there raises :class:`shared.models.hub.ModelNotFound` (a ``ValueError``)."""
+    if settings.model:
+        from shared.models.hub import resolve_model
+
+        return resolve_model(settings.model, revision=settings.revision, cache_dir=settings.hub_cache_dir)
     build = DEMOS.get(settings.demo_model)
     if build is None:
         raise ValueError(f"unknown demo_model {settings.demo_model!r}; choose from {', '.join(DEMOS)}")
