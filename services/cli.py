@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     gw.add_argument("--port", type=int, dest="gateway_port", help="gateway port (env MMFLEET_GATEWAY_PORT)")
 
     common(add("topics", "create the fleet's topics if missing"))
-    common(add("model", "build (once) the tiny demo model and print its path"))
+    common(add("model", "print the folder of the model served (--model: a folder or a hub id in the local HF cache; "
+                        "none: the tiny demo model, built once)"))
 
     submit = add("submit", "run a JSONL file of requests through the Kafka ingress; replies to a JSONL file "
                            "(resumable: ids already answered are skipped)")

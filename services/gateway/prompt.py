@@ -98,7 +98,7 @@ class PromptBuilder:
         placeholders = {m: tok for m, tok in family.placeholders.items() if m in served and (only is None or m in only)}
         hidden = int(getattr(getattr(config, "text_config", config), "hidden_size", 0))
         merge = int(getattr(getattr(config, "vision_config", None), "spatial_merge_size", 0) or 0) \
-            if family.name == "qwen2_vl" else 0
+            if family.name in ("qwen2_vl", "qwen2_5_vl") else 0
         processor = AutoProcessor.from_pretrained(model_dir)
         tokenizer = getattr(processor, "tokenizer", None) or AutoTokenizer.from_pretrained(model_dir)
         return cls(tokenizer, max_model_len=max_len, settings=settings,

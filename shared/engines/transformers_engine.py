@@ -46,6 +46,10 @@ def compute_class(model_dir: str | Path):
         from shared.engines.llava import LlavaCompute
 
         return LlavaCompute
+    if name == "qwen2_5_vl":
+        from shared.engines.qwen2_5_vl import Qwen2_5_VLCompute
+
+        return Qwen2_5_VLCompute
     if name == "llava_next_video":
         from shared.engines.llava import LlavaNextVideoCompute
 

@@ -34,6 +34,7 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family("qwen2_vl", {"image": "<|image_pad|>", "video": "<|video_pad|>"}),
+    "qwen2_5_vl": Family("qwen2_5_vl", {"image": "<|image_pad|>", "video": "<|video_pad|>"}),
     "qwen2_audio": Family("qwen2_audio", {"audio": "<|AUDIO|>"}),
     "llava": Family("llava", {"image": "<image>"}),
     "llava_next_video": Family("llava_next_video", {"video": "<video>"}),  # its anyres image path: not served
@@ -84,6 +85,12 @@ def _demo_qwen2_vl_bench(cache_root: Path) -> Path:
     return ensure_tiny_qwen2_vl(cache_root, size=BENCH)
 
 
+def _demo_qwen2_5_vl(cache_root: Path) -> Path:
+    from shared.models.qwen2_5_vl_tiny import ensure_tiny_qwen2_5_vl
+
+    return ensure_tiny_qwen2_5_vl(cache_root)
+
+
 def _demo_qwen2_audio(cache_root: Path) -> Path:
     from shared.models.qwen2_audio_tiny import ensure_tiny_qwen2_audio
 
@@ -106,6 +113,7 @@ def _demo_llava_next_video(cache_root: Path) -> Path:
 DEMOS: dict[str, Callable[[Path], Path]] = {
     "qwen2-vl": _demo_qwen2_vl,
     "qwen2-vl:bench": _demo_qwen2_vl_bench,  # a 2B-class VLM's compute proportions, for benchmarks
+    "qwen2.5-vl": _demo_qwen2_5_vl,
     "qwen2-audio": _demo_qwen2_audio,
     "llava": _demo_llava,
     "llava-next-video": _demo_llava_next_video,
