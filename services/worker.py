@@ -221,6 +221,10 @@ def _preprocessors(model_dir, served: frozenset[str]) -> dict:
         from shared.engines.llava import LlavaImagePreprocessor
 
         out["image"] = LlavaImagePreprocessor(model_dir)
+    elif family == "llava_next":
+        from shared.engines.llava import NextImagePreprocessor
+
+        out["image"] = NextImagePreprocessor(model_dir)
     elif family == "llava_next_video":
         from shared.engines.llava import NextVideoPreprocessor
 

@@ -59,8 +59,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
                                      "own (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)")] = ""
     demo_model: Annotated[str, _d("which tiny offline demo family to build and serve when model is empty: "
                                   "qwen2-vl (image + video), qwen2.5-vl (image + video), qwen2-audio (audio), "
-                                  "llava (image), llava-next-video (video); qwen2-vl:bench is a larger Qwen2-VL with a "
-                                  "2B-class VLM's encode / prefill / decode proportions, for benchmarks")] = "qwen2-vl"
+                                  "llava (image), llava-next (image, anyres), llava-next-video (video); "
+                                  "qwen2-vl:bench is a larger Qwen2-VL with a 2B-class VLM's encode / prefill / "
+                                  "decode proportions, for benchmarks")] = "qwen2-vl"
     served_model_name: Annotated[str, _d("the model name clients must ask for; not given: the model setting as "
                                          "written (e.g. the hub id), mmfleet-demo for the demo model")] = \
         "mmfleet-demo"

@@ -50,6 +50,10 @@ def compute_class(model_dir: str | Path):
         from shared.engines.qwen2_5_vl import Qwen2_5_VLCompute
 
         return Qwen2_5_VLCompute
+    if name == "llava_next":
+        from shared.engines.llava import LlavaNextCompute
+
+        return LlavaNextCompute
     if name == "llava_next_video":
         from shared.engines.llava import LlavaNextVideoCompute
 

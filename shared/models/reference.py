@@ -33,7 +33,7 @@ def load_reference(model_dir: Path, *, device: str = "cpu", dtype: str = "auto")
 
 _MODEL_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                 "qwen2_audio": "Qwen2AudioForConditionalGeneration",
-                "llava": "LlavaForConditionalGeneration",
+                "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
                 "llava_next_video": "LlavaNextVideoForConditionalGeneration"}
 
 

@@ -37,6 +37,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_5_vl": Family("qwen2_5_vl", {"image": "<|image_pad|>", "video": "<|video_pad|>"}),
     "qwen2_audio": Family("qwen2_audio", {"audio": "<|AUDIO|>"}),
     "llava": Family("llava", {"image": "<image>"}),
+    "llava_next": Family("llava_next", {"image": "<image>"}),  # images, anyres tiling
     "llava_next_video": Family("llava_next_video", {"video": "<video>"}),  # its anyres image path: not served
 }
 
@@ -103,6 +104,12 @@ def _demo_llava(cache_root: Path) -> Path:
     return ensure_tiny_llava(cache_root)
 
 
+def _demo_llava_next(cache_root: Path) -> Path:
+    from shared.models.llava_next_tiny import ensure_tiny_llava_next
+
+    return ensure_tiny_llava_next(cache_root)
+
+
 def _demo_llava_next_video(cache_root: Path) -> Path:
     from shared.models.llava_next_video_tiny import ensure_tiny_llava_next_video
 
@@ -116,6 +123,7 @@ DEMOS: dict[str, Callable[[Path], Path]] = {
     "qwen2.5-vl": _demo_qwen2_5_vl,
     "qwen2-audio": _demo_qwen2_audio,
     "llava": _demo_llava,
+    "llava-next": _demo_llava_next,
     "llava-next-video": _demo_llava_next_video,
 }
 
