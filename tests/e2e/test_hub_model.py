@@ -82,5 +82,5 @@ def test_missing_id_stops_up_naming_id_and_cache(hub):
     r = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", "mmfleet-test/absent",
                         "--kafka-bootstrap", f"127.0.0.1:{procs.free_port()}"],
                        cwd=procs.REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0
-    assert "'mmfleet-test/absent'" in r.stderr and str(cache) in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "mmfleet up: cannot start: model 'mmfleet-test/absent'" in r.stderr and str(cache) in r.stderr, r.stderr
