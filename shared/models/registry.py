@@ -44,7 +44,8 @@ FAMILIES: dict[str, Family] = {
 # engine -> family -> the modalities it serves (None: every family, every modality of it)
 ENGINE_SUPPORT: dict[str, dict[str, frozenset[str]] | None] = {
     "transformers": None,
-    "vllm": {"qwen2_vl": frozenset({"image"})},  # image embeddings only (see vllm_engine)
+    # image embeddings only (see vllm_engine); Qwen2.5-VL takes them as Qwen2-VL does
+    "vllm": {"qwen2_vl": frozenset({"image"}), "qwen2_5_vl": frozenset({"image"})},
 }
 
 
