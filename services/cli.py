@@ -27,8 +27,8 @@ from pathlib import Path
 from shared import logs, settings_doc
 from shared import settings as settings_mod
 
-_FLAGS = ("kafka_bootstrap", "redis_url", "model", "revision", "log_level", "log_format", "gateway_port", "engine",
-          "stage_replicas")
+_FLAGS = ("kafka_bootstrap", "redis_url", "model", "model_path", "revision", "log_level", "log_format",
+          "gateway_port", "engine", "stage_replicas")
 
 
 _EPILOG = ("every setting, with its environment variable, default and meaning: `mmfleet settings`\n"
@@ -65,9 +65,11 @@ def _parser() -> argparse.ArgumentParser:
         config(sp)
         sp.add_argument("--kafka-bootstrap", help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP)")
         sp.add_argument("--redis-url", help="Redis URL (env REDIS_URL)")
-        sp.add_argument("--model", "--model-path", dest="model", metavar="FOLDER_OR_HUB_ID",
-                        help="a local model folder or a hub id in the local Hugging Face cache (env MMFLEET_MODEL; "
-                             "--model-path is its old name); default: the tiny offline demo model")
+        sp.add_argument("--model", metavar="FOLDER_OR_HUB_ID",
+                        help="a local model folder or a hub id in the local Hugging Face cache (env MMFLEET_MODEL); "
+                             "default: the tiny offline demo model")
+        sp.add_argument("--model-path", metavar="FOLDER_OR_HUB_ID",
+                        help="the old name of --model (the served model name then stays mmfleet-demo)")
         sp.add_argument("--revision", help="with a hub id: branch, tag or commit (env MMFLEET_REVISION; default main)")
         sp.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (env MMFLEET_LOG_LEVEL)")
         sp.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON "

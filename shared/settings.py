@@ -12,8 +12,9 @@ description (``msgspec.Meta``): the single source of ``mmfleet --help``, ``mmfle
 and the README's configuration table (see :mod:`shared.settings_doc`).
 
 ``model_path`` (variable ``MMFLEET_MODEL_PATH``, config key, keyword) is the old name of
-``model`` and is still read as it; ``served_model_name`` not given defaults to ``model`` as given
-(vLLM's rule), so clients ask for the hub id they know.
+``model`` and is still read as it. ``served_model_name`` not given defaults to ``model`` as given
+(vLLM's rule), so clients ask for the hub id they know — unless the model was named by its old
+name, which keeps the old default (``mmfleet-demo``).
 """
 
 from __future__ import annotations
@@ -312,7 +313,8 @@ def env_name(name: str) -> str:
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """A TOML config file's settings. Keys are setting names; an unknown key is an error."""
+    """A TOML config file's settings. Keys are setting names (or old names, returned as they are
+    written); an unknown key is an error."""
     p = Path(path)
     try:
         raw = tomllib.loads(p.read_text())
@@ -320,8 +322,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"config file {p} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {p} is not valid TOML: {exc}") from None
-    names = set(field_names())
-    raw = {_OLD_NAMES.get(k, k): v for k, v in raw.items() if not (k in _OLD_NAMES and _OLD_NAMES[k] in raw)}
+    names = set(field_names()) | set(_OLD_NAMES)
     for key in raw:
         if key not in names:
             raise ValueError(f"config file {p}: unknown setting {key!r}; known: {', '.join(sorted(names))}")
@@ -339,7 +340,8 @@ def from_env(env: Mapping[str, str] | None = None, *, config_file: str | os.Path
     env = os.environ if env is None else env
     names = set(field_names())
     config_file = config_file if config_file is not None else (env.get(CONFIG_ENV) or None)
-    raw: dict[str, Any] = dict(read_config(config_file)) if config_file else {}
+    # each source's settings under their names now, plus the old names it used ("model_path")
+    raw, old_in_file = _new_names(dict(read_config(config_file)) if config_file else {})
     from_vars: dict[str, Any] = {}
     old_names: dict[str, Any] = {}
     for key, value in env.items():
@@ -353,18 +355,29 @@ def from_env(env: Mapping[str, str] | None = None, *, config_file: str | os.Path
             if name not in names:
                 raise ValueError(f"unknown setting {key}; known: {', '.join(sorted(names))}")
             from_vars[name] = value  # explicit MMFLEET_ wins over the alias
+    old_in_env = set(old_names) - set(from_vars)
     raw.update({**old_names, **from_vars})
     for name, value in list(raw.items()):
         if name in ("media_allow_hosts", "api_key_hashes") and isinstance(value, str):
             raw[name] = tuple(h.strip() for h in value.split(",") if h.strip())
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    for old, new in _OLD_NAMES.items():
-        if old in overrides:
-            overrides.setdefault(new, overrides.pop(old))
+    overrides, old_in_flags = _new_names({k: v for k, v in overrides.items() if v is not None})
     raw.update(overrides)
-    if raw.get("model") and not raw.get("served_model_name"):
-        raw["served_model_name"] = raw["model"]  # as vLLM: clients ask for what the operator named
+    # as vLLM: clients ask for the model the operator named. Named by its old name (model_path),
+    # the served name stays what it always was (mmfleet-demo): existing deployments keep working.
+    by_old_name = "model" in (old_in_flags if "model" in overrides else
+                              old_in_env if "model" in from_vars or "model" in old_names else old_in_file)
+    if raw.get("model") and not raw.get("served_model_name") and not by_old_name:
+        raw["served_model_name"] = raw["model"]
     return msgspec.convert(raw, Settings, strict=False)
+
+
+def _new_names(values: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """``values`` under today's names (the new name wins over its old one) and the set of
+    today's names that were given by their old name only."""
+    out = {k: v for k, v in values.items() if k not in _OLD_NAMES}
+    via_old = {new for old, new in _OLD_NAMES.items() if old in values and new not in values}
+    out.update({new: values[old] for old, new in _OLD_NAMES.items() if new in via_old})
+    return out, via_old
 
 
 def _as_env(value: Any) -> str:

@@ -38,10 +38,15 @@ def test_model_setting_names_and_served_name(tmp_path):
     assert s.served_model_name == "org/name"  # vLLM's default: the model as given
     assert from_env({"MMFLEET_MODEL": "org/name", "MMFLEET_SERVED_MODEL_NAME": "x"}).served_model_name == "x"
     assert from_env({}).served_model_name == "mmfleet-demo"  # the demo model
-    for flag in ("--model", "--model-path"):
+    # named by its old name, the served name stays the old default: existing set-ups keep working
+    assert from_env({"MMFLEET_MODEL_PATH": "/m"}).served_model_name == "mmfleet-demo"
+    assert from_env({}, model_path="/kw").served_model_name == "mmfleet-demo"
+    assert from_env({}, config_file=cfg).served_model_name == "mmfleet-demo"
+    assert from_env({"MMFLEET_MODEL_PATH": "/m"}, model="org/x").served_model_name == "org/x"
+    for flag, served in (("--model", "org/name"), ("--model-path", "mmfleet-demo")):
         args = _parser().parse_args(["worker", "--stages", "encode", flag, "org/name", "--revision", "v1"])
         s = load_settings(args, env={})
-        assert (s.model, s.revision, s.served_model_name) == ("org/name", "v1", "org/name")
+        assert (s.model, s.revision, s.served_model_name) == ("org/name", "v1", served)
 
 
 def test_hub_id_resolves_to_the_cached_snapshot(hub):
