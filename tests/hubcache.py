@@ -25,23 +25,35 @@ PROCESSOR_TEMPLATE = (
 
 
 def build_hub_cache(src: Path, cache_dir: Path, *, template_file: str = "json", repo_id: str = REPO_ID) -> Path:
-    """``src`` (a tiny Qwen2-VL build) as hub files in bf16, placed under ``cache_dir`` as
-    ``repo_id`` at refs/main; returns the snapshot folder."""
+    """``src`` (a tiny Qwen2-VL build) as hub files in bf16 (built once per checkout beside the
+    tiny models), placed under ``cache_dir`` as ``repo_id`` at refs/main; returns the snapshot."""
+    import hashlib
+
+    from shared.models import hub_layout
+    from shared.models.build_cache import MARKER, build_once
+    from tests.conftest import CACHE_DIR
+
+    recipe = hashlib.sha256(Path(__file__).read_bytes() + Path(hub_layout.__file__).read_bytes()).hexdigest()[:8]
+    staged = build_once(CACHE_DIR / "hub-staged" / f"{Path(src).name}-{template_file}-{recipe}",
+                        lambda out: _stage(Path(src), out, template_file), seed=0)
+    return hub_layout.place_in_hub_cache(staged, cache_dir, repo_id, skip=(MARKER,))
+
+
+def _stage(src: Path, out: Path, template_file: str) -> None:
+    import tempfile
+
     import torch
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
-    from shared.models.hub_layout import place_in_hub_cache, save_hub_files
+    from shared.models.hub_layout import save_hub_files
 
-    staged = cache_dir.parent / f"staged-{template_file}"
-    if not (staged / "config.json").exists():
-        with_template = cache_dir.parent / "src-with-template"
-        if not (with_template / "config.json").exists():
-            processor = AutoProcessor.from_pretrained(str(src))
-            processor.chat_template = PROCESSOR_TEMPLATE
-            processor.save_pretrained(with_template)
-            for f in Path(src).iterdir():  # weights and configs as they are
-                if not (with_template / f.name).exists():
-                    (with_template / f.name).symlink_to(f)
-        save_hub_files(with_template, staged, model_cls=Qwen2VLForConditionalGeneration, dtype=torch.bfloat16,
+    with tempfile.TemporaryDirectory() as tmp:
+        with_template = Path(tmp)
+        processor = AutoProcessor.from_pretrained(str(src))
+        processor.chat_template = PROCESSOR_TEMPLATE
+        processor.save_pretrained(with_template)
+        for f in src.iterdir():  # weights and configs as they are
+            if not (with_template / f.name).exists():
+                (with_template / f.name).symlink_to(f)
+        save_hub_files(with_template, out, model_cls=Qwen2VLForConditionalGeneration, dtype=torch.bfloat16,
                        max_shard_size="1MB", template_file=template_file, tokenizer_template=tb.CHAT_TEMPLATE)
-    return place_in_hub_cache(staged, cache_dir, repo_id)

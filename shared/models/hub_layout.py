@@ -67,10 +67,13 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def place_in_hub_cache(files: Path, cache_dir: Path, repo_id: str, *, revision: str = "main") -> Path:
+def place_in_hub_cache(files: Path, cache_dir: Path, repo_id: str, *, revision: str = "main",
+                       skip: tuple[str, ...] = ()) -> Path:
+    """(``skip``: names of files in ``files`` that are not part of the repository.)"""
     files, cache_dir = Path(files), Path(cache_dir)
     repo = cache_dir / ("models--" + repo_id.replace("/", "--"))
-    digests = {p.relative_to(files).as_posix(): _sha256(p) for p in sorted(files.rglob("*")) if p.is_file()}
+    digests = {p.relative_to(files).as_posix(): _sha256(p) for p in sorted(files.rglob("*"))
+               if p.is_file() and p.relative_to(files).as_posix() not in skip}
     commit = hashlib.sha1(json.dumps(digests, sort_keys=True).encode()).hexdigest()
     snapshot = repo / "snapshots" / commit
     (repo / "blobs").mkdir(parents=True, exist_ok=True)
