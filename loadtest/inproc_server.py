@@ -249,7 +249,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def serve_main(args: argparse.Namespace) -> int:
     from shared import settings as settings_mod
 
-    settings = settings_mod.from_env(model_path=args.model_dir, gateway_host=args.host, gateway_port=args.port)
+    settings = settings_mod.from_env(model=args.model_dir, gateway_host=args.host, gateway_port=args.port)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
     torch.set_num_threads(settings.torch_threads)

@@ -24,11 +24,11 @@ import functools
 import sys
 from pathlib import Path
 
-from shared import logs
+from shared import logs, settings_doc
 from shared import settings as settings_mod
 
-_FLAGS = ("kafka_bootstrap", "redis_url", "model_path", "log_level", "log_format", "gateway_port", "engine",
-          "stage_replicas")
+_FLAGS = ("kafka_bootstrap", "redis_url", "model", "model_path", "revision", "log_level", "log_format",
+          "gateway_port", "engine", "stage_replicas")
 
 
 _EPILOG = ("every setting, with its environment variable, default and meaning: `mmfleet settings`\n"
@@ -65,7 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         config(sp)
         sp.add_argument("--kafka-bootstrap", help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP)")
         sp.add_argument("--redis-url", help="Redis URL (env REDIS_URL)")
-        sp.add_argument("--model-path", help="local model directory; default: the tiny offline demo model")
+        sp.add_argument("--model", metavar="FOLDER_OR_HUB_ID",
+                        help="a local model folder or a hub id in the local Hugging Face cache (env MMFLEET_MODEL); "
+                             "default: the tiny offline demo model")
+        sp.add_argument("--model-path", metavar="FOLDER_OR_HUB_ID",
+                        help="the old name of --model (the served model name then stays mmfleet-demo)")
+        sp.add_argument("--revision", help="with a hub id: branch, tag or commit (env MMFLEET_REVISION; default main)")
         sp.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (env MMFLEET_LOG_LEVEL)")
         sp.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON "
                         "(env MMFLEET_LOG_FORMAT)")
@@ -97,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     gw.add_argument("--port", type=int, dest="gateway_port", help="gateway port (env MMFLEET_GATEWAY_PORT)")
 
     common(add("topics", "create the fleet's topics if missing"))
-    common(add("model", "build (once) the tiny demo model and print its path"))
+    common(add("model", "print the folder of the model served (--model: a folder or a hub id in the local HF cache; "
+                        "none: the tiny demo model, built once)"))
 
     submit = add("submit", "run a JSONL file of requests through the Kafka ingress; replies to a JSONL file "
                            "(resumable: ids already answered are skipped)")
@@ -169,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "settings":
         if args.effective:
             print("\n".join(f"{settings_mod.env_name(k)}={settings_mod._as_env(v)}"
-                            for k, v in settings_mod.redacted(settings).items()))
+                            for k, v in settings_doc.redacted(settings).items()))
         else:
-            print(settings_mod.markdown_table() if args.markdown else settings_mod.help_table())
+            print(settings_doc.markdown_table() if args.markdown else settings_doc.help_table())
         return 0
     logs.setup(settings, process=args.command)
     if args.command == "up":
@@ -216,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "model":
         from shared.models.registry import resolve_model_path
 
-        print(resolve_model_path(settings))
+        try:
+            print(resolve_model_path(settings))
+        except ValueError as exc:  # not a folder, not in the hub cache
+            print(f"mmfleet model: {exc}", file=sys.stderr)
+            return 1
         return 0
     raise AssertionError(args.command)
 

@@ -41,6 +41,11 @@ from shared.settings import Settings
 log = logging.getLogger("mmfleet.up")
 
 
+class CannotStart(Exception):
+    """A fault found before anything was started (e.g. the model is not there): `up` says why
+    and exits non-zero, without a traceback."""
+
+
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -166,15 +171,20 @@ class Fleet:
         self._stopping = asyncio.Event()
 
     async def start(self) -> None:
-        s = self.settings
+        # the model first: a missing one stops `up` before anything starts. Children get the
+        # resolved folder (served_model_name already holds the id), so every worker serves the
+        # same snapshot even if the cache's refs/<revision> moves while the fleet runs.
+        try:
+            model_dir = await asyncio.to_thread(resolve_model_path, self.settings)
+        except ValueError as exc:
+            raise CannotStart(str(exc)) from None
+        self.settings = s = self.settings.with_overrides(model=str(model_dir))
         khost, kport = _host_port(s.kafka_bootstrap, 9092)
         if not _answers(khost, kport):
             await self._start_infra(broker_child(khost, kport), khost, kport)
         rhost, rport = _host_port(s.redis_url, 6379)
         if not _answers(rhost, rport):
             await self._start_infra(redis_child(rhost, rport), rhost, rport)
-        model_dir = await asyncio.to_thread(resolve_model_path, s)
-        self.settings = s = s.with_overrides(model_path=str(model_dir))
         await ensure_topics(s, fleet_topics(s))
         if any(c.name.startswith("kafka") for c in self.infra):
             await self._new_broker_epoch()
@@ -348,7 +358,11 @@ async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_f
         stopper = asyncio.create_task(fleet._stopping.wait())
         await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if start.done():
-            start.result()
+            try:
+                start.result()
+            except CannotStart as exc:
+                print(f"mmfleet up: cannot start: {exc}", file=sys.stderr)
+                return 2
             if ready_file is not None:  # for scripts and tests: the whole fleet serves now
                 ready_file.write_text(f"http://{fleet.settings.gateway_host}:{fleet.settings.gateway_port}\n")
             if autoscale:  # services/autoscale.py: workers per stage group from lag and TTFT

@@ -68,9 +68,11 @@ def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...
     decode is built as KV producer, one running decode apart as KV consumer (vllm_pd)."""
     cls = _engine_class(name)
     if name == "transformers":
+        from shared.models.loading import parts_for
+
         return cls(model_dir, encode_max_batch_items=settings.encode_max_batch_items,
                    encode_batch_wait_ms=settings.encode_batch_wait_ms, device=settings.device, dtype=settings.dtype,
-                   decode_max_batch=settings.decode_max_batch)
+                   decode_max_batch=settings.decode_max_batch, parts=parts_for(stages, settings.engine))
     from shared.engines import vllm_pd
 
     role = None
@@ -96,8 +98,8 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     torch.set_num_threads(settings.torch_threads)
     worker_id = f"{'+'.join(stages)}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     logs.set_process(worker_id)
-    model_dir = resolve_model_path(settings)
-    try:  # an engine that cannot serve this model family, or a GPU that is not there, fails here
+    try:  # a model not there, an engine that cannot serve its family, a GPU not there: fail here
+        model_dir = resolve_model_path(settings)
         served_modalities(family_of(model_dir), settings.engine)
         placement = resolve_placement(settings.device, settings.dtype)
     except ValueError as exc:

@@ -3,7 +3,9 @@ the host facts the transfer layer needs to tell whether two processes share a GP
 
 Contracts:
 - ``resolve_placement("cpu" | "cuda" | "cuda:N", "auto" | "float32" | "bfloat16" | "float16")``
-  gives a :class:`Placement`; ``auto`` is bfloat16 on CUDA and float32 on CPU. Asking for CUDA
+  gives a :class:`Placement`; ``auto`` is the checkpoint's own dtype when it is bfloat16 or
+  float16 (``checkpoint_dtype``: weights load as they are saved), else bfloat16 on CUDA and
+  float32 on CPU. Asking for CUDA
   where torch sees no GPU (or not that index) is a ``ValueError`` that says so: a worker told to
   use a GPU never silently falls back to the CPU.
 - ``host_id()`` is stable for one boot of one machine (hostname + kernel boot id): CUDA IPC
@@ -37,16 +39,20 @@ class Placement:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def load(self, model_cls, model_dir):
-        """``model_cls.from_pretrained`` in this dtype, moved to this device, in eval mode."""
-        return model_cls.from_pretrained(str(model_dir), dtype=self.dtype).to(self.device).eval()
+    def load(self, model_cls, model_dir, parts=None):
+        """``model_cls.from_pretrained`` in this dtype, moved to this device, in eval mode; only
+        ``parts`` of it (:mod:`shared.models.loading`) when given."""
+        from shared.models.loading import ALL_PARTS, load_parts
+
+        return load_parts(model_cls, model_dir, self, ALL_PARTS if parts is None else parts)
 
 
 def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
-def resolve_placement(device: str = "cpu", dtype: str = "auto") -> Placement:
+def resolve_placement(device: str = "cpu", dtype: str = "auto",
+                      checkpoint_dtype: torch.dtype | None = None) -> Placement:
     """Validate the two settings and return the placement (see module contracts)."""
     dev = device.strip().lower()
     if dev != "cpu" and dev != "cuda" and not (dev.startswith("cuda:") and dev[5:].isdigit()):
@@ -59,7 +65,9 @@ def resolve_placement(device: str = "cpu", dtype: str = "auto") -> Placement:
         if index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) visible")
         tdev = torch.device("cuda", index)
-    if dtype == "auto":
+    if dtype == "auto" and checkpoint_dtype in (torch.bfloat16, torch.float16):
+        tdtype = checkpoint_dtype
+    elif dtype == "auto":  # a float32 checkpoint (or none known)
         tdtype = torch.bfloat16 if tdev.type == "cuda" else torch.float32
     elif dtype in _DTYPES:
         tdtype = _DTYPES[dtype]

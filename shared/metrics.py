@@ -58,6 +58,11 @@ STAGE_RECORDS = Counter("mmfleet_stage_records_total",
 CONSUMER_LAG = Gauge("mmfleet_consumer_lag_records",
                      "records behind the partition's high watermark (highwater - position)",
                      ["stage", "partition"])
+# what a worker's transformers engine loaded (shared.models.loading): an encode worker's LM part
+# is 0, a prefill / decode worker's encoder part is 0; process_resident_memory_bytes beside it
+MODEL_WEIGHT_BYTES = Gauge("mmfleet_model_weight_bytes",
+                           "bytes of model weights this worker holds, by part (encoder: vision / audio tower + "
+                           "projector; lm: the language model)", ["part"])
 
 # ------------------------------------------------------------------------------- NIXL
 NIXL_BYTES = Counter("mmfleet_nixl_bytes_total",

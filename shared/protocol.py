@@ -170,6 +170,8 @@ class PixelItem(Struct, frozen=True):
     cache_key: str = ""
     kind: str = "image"
     meta: tuple[int, ...] = ()
+    # Qwen2.5-VL videos: seconds one temporal patch spans (its M-RoPE time step); 0 otherwise
+    second_per_grid_t: float = 0.0
 
 
 class EmbeddingItem(Struct, frozen=True):
@@ -190,6 +192,7 @@ class EmbeddingItem(Struct, frozen=True):
     cache_gen: int = 0
     kind: str = "image"
     meta: tuple[int, ...] = ()
+    second_per_grid_t: float = 0.0  # as in PixelItem
 
 
 class EmbeddingIndexEntry(Struct, frozen=True):

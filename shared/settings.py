@@ -9,7 +9,12 @@ honoured as well-known aliases of ``MMFLEET_KAFKA_BOOTSTRAP`` / ``MMFLEET_REDIS_
 
 Units are in the names (``_ms``, ``_bytes``, ``_s``). Every setting carries a one-line
 description (``msgspec.Meta``): the single source of ``mmfleet --help``, ``mmfleet settings``
-and the README's configuration table (see :func:`describe` and :func:`markdown_table`).
+and the README's configuration table (see :mod:`shared.settings_doc`).
+
+``model_path`` (variable ``MMFLEET_MODEL_PATH``, config key, keyword) is the old name of
+``model`` and is still read as it. ``served_model_name`` not given defaults to ``model`` as given
+(vLLM's rule), so clients ask for the hub id they know — unless the model was named by its old
+name, which keeps the old default (``mmfleet-demo``).
 """
 
 from __future__ import annotations
@@ -17,15 +22,15 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, get_type_hints
+from typing import Annotated, Any
 
 import msgspec
 
 ENV_PREFIX = "MMFLEET_"
 CONFIG_ENV = "MMFLEET_CONFIG"  # path of a TOML config file; not a setting itself
 _ALIASES = {"KAFKA_BOOTSTRAP": "kafka_bootstrap", "REDIS_URL": "redis_url"}
+_OLD_NAMES = {"model_path": "model"}  # old setting name -> its name now (the new name wins when both are set)
 _MiB = 1024 * 1024
 
 
@@ -46,13 +51,27 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     redis_url: Annotated[str, _d("Redis for token streams, claims, indexes and liveness")] = \
         "redis://127.0.0.1:6379/0"
     redis_prefix: Annotated[str, _d("prefix of every Redis key (several fleets can share one Redis)")] = "mm"
-    model_path: Annotated[str, _d("local model directory; empty: the tiny offline demo model, built once "
-                                  "under cache_dir")] = ""
-    demo_model: Annotated[str, _d("which tiny offline demo family to build and serve when model_path is empty: "
-                                  "qwen2-vl (image + video), qwen2-audio (audio), llava (image), "
-                                  "llava-next-video (video); qwen2-vl:bench is a larger Qwen2-VL with a "
-                                  "2B-class VLM's encode / prefill / decode proportions, for benchmarks")] = "qwen2-vl"
-    served_model_name: Annotated[str, _d("the model name clients must ask for")] = "mmfleet-demo"
+    model: Annotated[str, _d("the model: a local folder (config.json, weights, processor files) or a Hugging Face "
+                             "hub id resolved offline in the local hub cache (HF_HUB_CACHE, else HF_HOME/hub); "
+                             "empty: the tiny offline demo model, built once under cache_dir (old name: "
+                             "model_path)")] = ""
+    revision: Annotated[str, _d("with a hub id: the branch, tag or commit of the cached snapshot to serve")] = "main"
+    hub_cache_dir: Annotated[str, _d("the Hugging Face hub cache hub ids are looked up in; empty: huggingface_hub's "
+                                     "own (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)")] = ""
+    demo_model: Annotated[str, _d("which tiny offline demo family to build and serve when model is empty: "
+                                  "qwen2-vl (image + video), qwen2.5-vl (image + video), qwen2-audio (audio), "
+                                  "llava (image), llava-next (image, anyres), llava-next-video (video); "
+                                  "qwen2-vl:bench is a larger Qwen2-VL with a 2B-class VLM's encode / prefill / "
+                                  "decode proportions, for benchmarks")] = "qwen2-vl"
+    served_model_name: Annotated[str, _d("the model name clients must ask for; not given: the model setting as "
+                                         "written (e.g. the hub id), mmfleet-demo for the demo model")] = \
+        "mmfleet-demo"
+    chat_template: Annotated[str, _d("chat template override: a Jinja file path or the template itself; empty: the "
+                                     "model's own (the processor's chat_template.json / .jinja, else the "
+                                     "tokenizer's)")] = ""
+    trust_request_chat_template: Annotated[bool, _d("accept a chat_template in requests (the template runs "
+                                                    "in Jinja's sandbox but costs gateway CPU); false: such "
+                                                    "requests are a 400, as in vLLM")] = False
     cache_dir: Annotated[str, _d("where the demo model is built and cached (default "
                                  "$XDG_CACHE_HOME/mmfleet or ~/.cache/mmfleet)")] = \
         msgspec.field(default_factory=_default_cache_dir)
@@ -281,46 +300,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         return msgspec.structs.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def __repr__(self) -> str:  # settings end up in logs and tracebacks: never with secrets
+        from shared.settings_doc import redacted
+
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in redacted(self).items()) + ")"
 
     __str__ = __repr__
-
-
-# settings whose values are secrets: shown as REDACTED (when set) by ``redacted``
-SECRET_FIELDS: frozenset[str] = frozenset({"kafka_sasl_password", "redis_password"})
-REDACTED = "***"
-
-
-def redact_url(url: str) -> str:
-    """``url`` with the password of its userinfo replaced (``redis://u:p@h`` → ``redis://u:***@h``)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest.split("/", 1)[0]:
-        return url
-    userinfo, _, hostpart = rest.partition("@")
-    user = userinfo.split(":", 1)[0] + (":" + REDACTED if ":" in userinfo else "")
-    return f"{scheme}://{user}@{hostpart}"
-
-
-def redacted(settings: Settings) -> dict[str, Any]:
-    """Every setting by name, secrets replaced: what may be printed or logged."""
-    out: dict[str, Any] = {}
-    for name in field_names():
-        value = getattr(settings, name)
-        if name in SECRET_FIELDS and value:
-            value = REDACTED
-        elif name.endswith("_url") and isinstance(value, str):
-            value = redact_url(value)
-        out[name] = value
-    return out
-
-
-def secret_values(settings: Settings) -> list[str]:
-    """The secret strings in ``settings`` (for scrubbing text that must never show them)."""
-    found = [getattr(settings, n) for n in SECRET_FIELDS if getattr(settings, n)]
-    userinfo = settings.redis_url.partition("://")[2].split("/", 1)[0].rpartition("@")[0]
-    if ":" in userinfo:
-        found.append(userinfo.split(":", 1)[1])
-    return found
 
 
 def field_names() -> tuple[str, ...]:
@@ -331,50 +315,9 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
-@dataclass(frozen=True)
-class SettingDoc:
-    name: str
-    env: str  # the MMFLEET_ variable
-    default: str  # as it would be written in the environment
-    description: str
-
-
-def describe() -> list[SettingDoc]:
-    """Every setting with its variable, default and description, in declaration order."""
-    hints = get_type_hints(Settings, include_extras=True)
-    defaults = Settings()
-    out = []
-    for name in field_names():
-        metas = [m for m in getattr(hints[name], "__metadata__", ()) if isinstance(m, msgspec.Meta)]
-        text = next((m.description for m in metas if m.description), "")
-        default = _as_env(getattr(defaults, name))
-        if name == "cache_dir":
-            default = "~/.cache/mmfleet"  # machine-dependent; the description says how it is found
-        out.append(SettingDoc(name, env_name(name), default, text))
-    return out
-
-
-def help_table() -> str:
-    """Plain-text table of every setting, for ``--help`` and ``mmfleet settings``."""
-    lines = []
-    for doc in describe():
-        default = doc.default if doc.default != "" else '""'
-        lines.append(f"  {doc.env}  (default {default})")
-        lines.append(f"      {doc.description}")
-    return "\n".join(lines)
-
-
-def markdown_table() -> str:
-    """The README's configuration table (a test keeps the README equal to it)."""
-    rows = ["| variable | default | meaning |", "|---|---|---|"]
-    for doc in describe():
-        default = f"`{doc.default}`" if doc.default != "" else "(empty)"
-        rows.append(f"| `{doc.env}` | {default} | {doc.description.replace('|', '/')} |")
-    return "\n".join(rows)
-
-
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """A TOML config file's settings. Keys are setting names; an unknown key is an error."""
+    """A TOML config file's settings. Keys are setting names (or old names, returned as they are
+    written); an unknown key is an error."""
     p = Path(path)
     try:
         raw = tomllib.loads(p.read_text())
@@ -382,7 +325,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"config file {p} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {p} is not valid TOML: {exc}") from None
-    names = set(field_names())
+    names = set(field_names()) | set(_OLD_NAMES)
     for key in raw:
         if key not in names:
             raise ValueError(f"config file {p}: unknown setting {key!r}; known: {', '.join(sorted(names))}")
@@ -400,22 +343,44 @@ def from_env(env: Mapping[str, str] | None = None, *, config_file: str | os.Path
     env = os.environ if env is None else env
     names = set(field_names())
     config_file = config_file if config_file is not None else (env.get(CONFIG_ENV) or None)
-    raw: dict[str, Any] = dict(read_config(config_file)) if config_file else {}
+    # each source's settings under their names now, plus the old names it used ("model_path")
+    raw, old_in_file = _new_names(dict(read_config(config_file)) if config_file else {})
     from_vars: dict[str, Any] = {}
+    old_names: dict[str, Any] = {}
     for key, value in env.items():
         if key in _ALIASES:
             from_vars.setdefault(_ALIASES[key], value)
         elif key.startswith(ENV_PREFIX) and key != CONFIG_ENV:
             name = key[len(ENV_PREFIX) :].lower()
+            if name in _OLD_NAMES:
+                old_names[_OLD_NAMES[name]] = value
+                continue
             if name not in names:
                 raise ValueError(f"unknown setting {key}; known: {', '.join(sorted(names))}")
             from_vars[name] = value  # explicit MMFLEET_ wins over the alias
-    raw.update(from_vars)
+    old_in_env = set(old_names) - set(from_vars)
+    raw.update({**old_names, **from_vars})
     for name, value in list(raw.items()):
         if name in ("media_allow_hosts", "api_key_hashes") and isinstance(value, str):
             raw[name] = tuple(h.strip() for h in value.split(",") if h.strip())
-    raw.update({k: v for k, v in overrides.items() if v is not None})
+    overrides, old_in_flags = _new_names({k: v for k, v in overrides.items() if v is not None})
+    raw.update(overrides)
+    # as vLLM: clients ask for the model the operator named. Named by its old name (model_path),
+    # the served name stays what it always was (mmfleet-demo): existing deployments keep working.
+    by_old_name = "model" in (old_in_flags if "model" in overrides else
+                              old_in_env if "model" in from_vars or "model" in old_names else old_in_file)
+    if raw.get("model") and not raw.get("served_model_name") and not by_old_name:
+        raw["served_model_name"] = raw["model"]
     return msgspec.convert(raw, Settings, strict=False)
+
+
+def _new_names(values: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """``values`` under today's names (the new name wins over its old one) and the set of
+    today's names that were given by their old name only."""
+    out = {k: v for k, v in values.items() if k not in _OLD_NAMES}
+    via_old = {new for old, new in _OLD_NAMES.items() if old in values and new not in values}
+    out.update({new: values[old] for old, new in _OLD_NAMES.items() if new in via_old})
+    return out, via_old
 
 
 def _as_env(value: Any) -> str:

@@ -68,4 +68,5 @@ class EncodeHandler:
         count_uncached_encode()
         return ctx.transfer.ref(), protocol.EmbeddingItem(index=it.index, mm_hash=it.mm_hash, grid_thw=it.grid_thw,
                                                           n_tokens=it.n_tokens, embeds=ref,
-                                                          kind=it.kind.removesuffix("_embeds"), meta=it.meta)
+                                                          kind=it.kind.removesuffix("_embeds"), meta=it.meta,
+                                                          second_per_grid_t=it.second_per_grid_t)

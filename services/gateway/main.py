@@ -20,6 +20,7 @@ from services.gateway.app import create_app
 from shared import hostaddr, logs, protocol
 from shared.keys import RedisKeys
 from shared.liveness import keep_record
+from shared.models.registry import resolve_model_path
 from shared.redis_conn import make_redis
 from shared.settings import Settings
 
@@ -35,6 +36,10 @@ def advertised_url(settings: Settings, port: int) -> str:
 async def run_gateway(settings: Settings) -> int:
     gateway_id = f"gateway-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     logs.set_process(gateway_id)
+    try:  # once, before anything starts: a model not there is a start-up error naming it
+        settings = settings.with_overrides(model=str(resolve_model_path(settings)))
+    except ValueError as exc:
+        raise SystemExit(f"cannot start gateway: {exc}") from None
     # before the app's NIXL agent exists (UCX reads it then)
     os.environ.update(hostaddr.ucx_env(settings, settings.gateway_host))
     runner = web.AppRunner(create_app(settings, gateway_id), access_log=None)

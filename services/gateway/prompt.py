@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.gateway import schema
+from services.gateway.templates import model_chat_template, render_chat
 from shared import protocol
 from shared.media.files import file_url_path
 from shared.media.sources import (
@@ -61,8 +62,10 @@ class PromptBuilder:
 
     def __init__(self, tokenizer, *, placeholder_token: str = "", max_model_len: int, settings: Settings,
                  placeholders: dict[str, str] | None = None, embeds_hidden_size: int = 0,
-                 embeds_merge_size: int = 0) -> None:
+                 embeds_merge_size: int = 0, chat_template: str | None = None) -> None:
         self._tok = tokenizer
+        # the model's template (see templates.py: setting, processor's, tokenizer's)
+        self._template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
         self._placeholders = dict(placeholders) if placeholders is not None else {"image": placeholder_token}
         self._placeholder_ids = {tokenizer.convert_tokens_to_ids(t): t for t in self._placeholders.values()}
         self._max_model_len = max_model_len
@@ -81,9 +84,10 @@ class PromptBuilder:
 
     @classmethod
     def for_model(cls, model_dir, settings: Settings, *, only: frozenset[str] | None = None) -> PromptBuilder:
-        """The builder for a saved model: its tokenizer, the placeholders of the modalities its
+        """The builder for a saved model: its tokenizer and chat template (the processor's before
+        the tokenizer's, as real checkpoints keep them), the placeholders of the modalities its
         family takes (and the engine serves; ``only`` narrows them further), its context."""
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
         from shared.models.registry import family_of, served_modalities
 
@@ -94,10 +98,13 @@ class PromptBuilder:
         placeholders = {m: tok for m, tok in family.placeholders.items() if m in served and (only is None or m in only)}
         hidden = int(getattr(getattr(config, "text_config", config), "hidden_size", 0))
         merge = int(getattr(getattr(config, "vision_config", None), "spatial_merge_size", 0) or 0) \
-            if family.name == "qwen2_vl" else 0
-        return cls(AutoTokenizer.from_pretrained(model_dir), max_model_len=max_len, settings=settings,
+            if family.name in ("qwen2_vl", "qwen2_5_vl") else 0
+        processor = AutoProcessor.from_pretrained(model_dir)
+        tokenizer = getattr(processor, "tokenizer", None) or AutoTokenizer.from_pretrained(model_dir)
+        return cls(tokenizer, max_model_len=max_len, settings=settings,
                    placeholders=placeholders, embeds_hidden_size=hidden if only is None else 0,
-                   embeds_merge_size=merge)
+                   embeds_merge_size=merge,
+                   chat_template=model_chat_template(settings.chat_template, processor, tokenizer))
 
     # ------------------------------------------------------------------ chat
     def chat(self, req: schema.ChatCompletionRequest) -> Prepared:
@@ -111,7 +118,8 @@ class PromptBuilder:
         if len(media) > self._s.max_media_items:
             raise RequestFailed(413, f"request has {len(media)} media items; the limit is {self._s.max_media_items}",
                                 param="messages", code="too_many_media_items")
-        text = self._tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        text = render_chat(self._tok, self._template, rendered, req,
+                           trust_request_template=self._s.trust_request_chat_template)
         ids = self._tokenize(text)
         if sum(1 for t in ids if t in self._placeholder_ids) != len(media):
             raise RequestFailed.bad_request(

@@ -8,7 +8,7 @@ verbatim in a 400. Fields OpenAI defines but mmfleet ignores harmlessly (``user`
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 from msgspec import Struct
@@ -96,6 +96,10 @@ class _GenerationParams(Struct, frozen=True, kw_only=True):
 class ChatCompletionRequest(_GenerationParams, frozen=True, kw_only=True):
     messages: list[Message]
     max_completion_tokens: int | None = None
+    # vLLM's extensions: a template for this request (only where the operator allows it) and
+    # variables for the template (services/gateway/templates.py)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_GenerationParams, frozen=True, kw_only=True):

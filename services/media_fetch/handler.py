@@ -60,8 +60,12 @@ Preprocess = Callable[[object], object]
 class MediaFetchHandler:
     def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess | None, lane: ComputeLane, *,
                  preprocess_video: Preprocess | None = None, preprocess_audio: Preprocess | None = None,
-                 embeds_hidden_size: int = 0, index: EmbeddingIndex | None = None, fingerprint: str = "") -> None:
+                 embeds_hidden_size: int = 0, index: EmbeddingIndex | None = None, fingerprint: str = "",
+                 index_shortcut_kinds: frozenset[str] = frozenset({"image", "video"})) -> None:
         self._s = settings
+        # kinds whose whole geometry an index entry holds: a request of only such items, all
+        # cached, skips encode (Qwen2.5-VL's video time step is not in the entry: not its videos)
+        self._shortcut_kinds = index_shortcut_kinds
         self._index = index
         self._fingerprint = fingerprint
         self._fetcher = fetcher
@@ -111,7 +115,8 @@ class MediaFetchHandler:
                     ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000)
                 items.append(protocol.PixelItem(index=index, mm_hash=hashes[index], grid_thw=px.grid_thw,
                                                 n_tokens=px.n_tokens, pixels=ref, cache_key=keys[index],
-                                                kind=src.kind, meta=tuple(getattr(px, "meta", ()))))
+                                                kind=src.kind, meta=tuple(getattr(px, "meta", ())),
+                                                second_per_grid_t=float(getattr(px, "second_per_grid_t", 0.0))))
         except BaseException as exc:
             for item in items:  # nobody will read these slots: free them now, not at TTL
                 ctx.transfer.free_local(item.pixels.lease)
@@ -127,7 +132,7 @@ class MediaFetchHandler:
         """The request for prefill when every item has a live index entry, else None. Only
         images and videos (their geometry is in the entry; audio items carry encoder meta)."""
         if self._index is None or not keys or not all(keys) or msg.meta.attempt > 0 \
-                or any(src.kind not in ("image", "video") for src in msg.items):
+                or any(src.kind not in self._shortcut_kinds for src in msg.items):
             return None
         entries = await asyncio.gather(*(self._index.lookup_live(k) for k in keys))
         if any(e is None for e in entries):

@@ -29,6 +29,10 @@ def _preprocessors(model_dir, served: frozenset[str]) -> dict:
         from shared.engines.llava import LlavaImagePreprocessor
 
         out["image"] = LlavaImagePreprocessor(model_dir)
+    elif family == "llava_next":
+        from shared.engines.llava import NextImagePreprocessor
+
+        out["image"] = NextImagePreprocessor(model_dir)
     elif family == "llava_next_video":
         from shared.engines.llava import NextVideoPreprocessor
 
@@ -37,7 +41,11 @@ def _preprocessors(model_dir, served: frozenset[str]) -> dict:
         from shared.engines.qwen2_vl import ImagePreprocessor, VideoPreprocessor
 
         out["image"] = ImagePreprocessor(model_dir)
-        if "video" in served:
+        if "video" in served and family == "qwen2_5_vl":
+            from shared.engines.qwen2_5_vl import VideoPreprocessor as Qwen25VideoPreprocessor
+
+            out["video"] = Qwen25VideoPreprocessor(model_dir)
+        elif "video" in served:
             out["video"] = VideoPreprocessor(model_dir)
     return {m: p for m, p in out.items() if m in served}
 
@@ -60,7 +68,11 @@ async def build(parts: StageParts) -> StageBuild:
     return StageBuild(MediaFetchHandler(settings, fetcher, pre.get("image"), lane,
                                         preprocess_video=pre.get("video"), preprocess_audio=pre.get("audio"),
                                         embeds_hidden_size=_hidden_size(model_dir) if "image" in pre else 0,
-                                        index=parts.index, fingerprint=fingerprint))
+                                        index=parts.index, fingerprint=fingerprint,
+                                        # Qwen2.5-VL's video time step is not in an index entry
+                                        index_shortcut_kinds=frozenset({"image"})
+                                        if family_of(model_dir).name == "qwen2_5_vl"
+                                        else frozenset({"image", "video"})))
 
 
 SPEC = StageSpec(name="media-fetch", topic=TOPIC_MEDIA_FETCH, message=protocol.MediaFetchRequest,

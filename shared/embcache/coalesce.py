@@ -155,7 +155,8 @@ class EncodeCache:
     def _item(item: protocol.PixelItem, ref: protocol.TensorRef, gen: int = 0) -> protocol.EmbeddingItem:
         return protocol.EmbeddingItem(index=item.index, mm_hash=item.mm_hash, grid_thw=item.grid_thw,
                                       n_tokens=item.n_tokens, embeds=ref, cache_key=item.cache_key, cache_gen=gen,
-                                      kind=item.kind.removesuffix("_embeds"), meta=item.meta)
+                                      kind=item.kind.removesuffix("_embeds"), meta=item.meta,
+                                      second_per_grid_t=item.second_per_grid_t)
 
 
 def count_uncached_encode() -> None:

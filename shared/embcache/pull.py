@@ -41,7 +41,8 @@ class EmbeddingPuller:
         for e in embeds:
             if isinstance(e, BaseException):
                 raise e
-        return [MediaEmbeds(emb, it.grid_thw, it.kind) for emb, it in zip(embeds, items, strict=True)]
+        return [MediaEmbeds(emb, it.grid_thw, it.kind, it.second_per_grid_t)
+                for emb, it in zip(embeds, items, strict=True)]
 
     async def _one(self, owner: protocol.AgentRef, it: protocol.EmbeddingItem, ctx: Context):
         key = it.cache_key

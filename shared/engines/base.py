@@ -36,6 +36,7 @@ class MediaEmbeds(NamedTuple):
     embeds: torch.Tensor
     grid_thw: tuple[int, int, int]
     kind: str = "image"
+    second_per_grid_t: float = 0.0  # Qwen2.5-VL videos: their M-RoPE time step (protocol.PixelItem)
 
 
 

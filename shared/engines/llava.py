@@ -45,10 +45,11 @@ class LlavaImagePreprocessor:
 class LlavaCompute(PlainLMCompute):
     kind = "image"
 
-    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto",
+                 parts: frozenset[str] | None = None) -> None:
         from transformers import LlavaForConditionalGeneration
 
-        self._load(LlavaForConditionalGeneration, model_dir, device, dtype)
+        self._load(LlavaForConditionalGeneration, model_dir, device, dtype, parts)
         self.placeholder_token_id: int = int(self.model.config.image_token_id)
         self._init_lm()
         self.preprocess_image = LlavaImagePreprocessor(self.model_dir, processor=self.processor,
@@ -98,10 +99,11 @@ class LlavaNextVideoCompute(PlainLMCompute):
 
     kind = "video"
 
-    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto",
+                 parts: frozenset[str] | None = None) -> None:
         from transformers import LlavaNextVideoForConditionalGeneration
 
-        self._load(LlavaNextVideoForConditionalGeneration, model_dir, device, dtype)
+        self._load(LlavaNextVideoForConditionalGeneration, model_dir, device, dtype, parts)
         self.placeholder_token_id: int = int(self.model.config.video_token_id)
         self._init_lm()
         self.preprocess_video = NextVideoPreprocessor(self.model_dir, processor=self.processor,
@@ -122,6 +124,69 @@ class LlavaNextVideoCompute(PlainLMCompute):
             vision_feature_select_strategy=cfg.vision_feature_select_strategy, return_dict=True).pooler_output
         per_item = torch.split(feats, [it.pixel_values.shape[0] for it in items])
         result = [f.flatten(0, 1).to(self.dtype).contiguous().clone() for f in per_item]
+        for it, f in zip(items, result):
+            if f.shape != (it.n_tokens, self.hidden_size):
+                raise RuntimeError(f"encoder output {tuple(f.shape)} != ({it.n_tokens}, {self.hidden_size})")
+        return result
+
+
+class NextImagePreprocessor:
+    """LLaVA-NeXT's processor on one image (no weights): its "anyres" tiles ``pixel_values``
+    ``[tiles, 3, S, S]``, ``meta = image_sizes`` (height, width: what the encoder unpads by) and
+    the LM token count — all from the processor's own call on a one-placeholder text, so the
+    count is the one ``processor(text, images)`` expands ``<image>`` to."""
+
+    def __init__(self, model_dir: Path | str, *, processor=None) -> None:
+        if processor is None:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(str(model_dir))
+        self._processor = processor
+        self._image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+
+    @torch.inference_mode()
+    def __call__(self, img: Image.Image) -> MediaPixels:
+        out = self._processor(text=[self._processor.image_token], images=[img], return_tensors="pt")
+        height, width = (int(x) for x in out["image_sizes"][0].tolist())
+        n_tokens = int((out["input_ids"] == self._image_id).sum())
+        return MediaPixels(out["pixel_values"][0].to(torch.float32).contiguous(), (0, 0, 0), n_tokens, "image",
+                           (height, width))
+
+
+class LlavaNextCompute(PlainLMCompute):
+    """LLaVA-NeXT images: anyres tiles through the tower, packed (unpadded, ``image_newline``
+    row ends) by the model's own ``get_image_features``."""
+
+    kind = "image"
+
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto",
+                 parts: frozenset[str] | None = None) -> None:
+        from transformers import LlavaNextForConditionalGeneration
+
+        self._load(LlavaNextForConditionalGeneration, model_dir, device, dtype, parts)
+        self.placeholder_token_id: int = int(self.model.config.image_token_id)
+        self._init_lm()
+        self.preprocess_image = NextImagePreprocessor(self.model_dir, processor=self.processor)
+
+    @torch.inference_mode()
+    def encode_media(self, items: list[MediaPixels]) -> list[torch.Tensor]:
+        """One tower forward over every tile of every image; ``[n_tokens, hidden]`` each."""
+        if not items:
+            return []
+        if any(_kind(it) != "image" for it in items):
+            raise ValueError(f"LLaVA-NeXT encodes images, not {sorted({_kind(it) for it in items} - {'image'})}")
+        if any(len(it.meta) != 2 for it in items):
+            raise ValueError("a LLaVA-NeXT image needs its image_sizes (height, width) in meta")
+        cfg = self.model.config
+        tiles = max(it.pixel_values.shape[0] for it in items)
+        pixels = torch.zeros(len(items), tiles, *items[0].pixel_values.shape[1:], dtype=self.dtype, device=self.device)
+        for i, it in enumerate(items):  # padded as the processor pads a batch; the model slices it back
+            pixels[i, : it.pixel_values.shape[0]] = it.pixel_values.to(self.device, self.dtype)
+        sizes = torch.tensor([list(it.meta) for it in items], dtype=torch.long, device=self.device)
+        out = self.model.model.get_image_features(
+            pixel_values=pixels, image_sizes=sizes, vision_feature_layer=cfg.vision_feature_layer,
+            vision_feature_select_strategy=cfg.vision_feature_select_strategy, return_dict=True)
+        result = [f.to(self.dtype).contiguous().clone() for f in out.pooler_output]
         for it, f in zip(items, result):
             if f.shape != (it.n_tokens, self.hidden_size):
                 raise RuntimeError(f"encoder output {tuple(f.shape)} != ({it.n_tokens}, {self.hidden_size})")

@@ -23,17 +23,19 @@ class PlainLMCompute:
     kind = "image"
     mrope = False  # decode positions are plain cache lengths (shared.engines.batched)
 
-    def _load(self, model_cls, model_dir, device: str, dtype: str) -> None:
-        """Sets ``model_dir``, ``processor``, ``model`` (on the placement's device and dtype)."""
+    def _load(self, model_cls, model_dir, device: str, dtype: str, parts: frozenset[str] | None = None) -> None:
+        """Sets ``model_dir``, ``processor``, ``model`` (on the placement's device and dtype; only
+        ``parts`` of it, see :mod:`shared.models.loading`, when given)."""
         from transformers import AutoProcessor
 
         from shared.device import resolve_placement
+        from shared.models.loading import checkpoint_dtype
 
         self.model_dir = Path(model_dir)
-        self.placement = resolve_placement(device, dtype)
+        self.placement = resolve_placement(device, dtype, checkpoint_dtype(self.model_dir))
         self.device, self.dtype = self.placement.device, self.placement.dtype
         self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
-        self.model = self.placement.load(model_cls, self.model_dir)
+        self.model = self.placement.load(model_cls, self.model_dir, parts)
 
     def _init_lm(self) -> None:
         text_cfg = self.model.config.text_config

@@ -54,10 +54,11 @@ class Qwen2AudioCompute(PlainLMCompute):
 
     kind = "audio"
 
-    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto",
+                 parts: frozenset[str] | None = None) -> None:
         from transformers import Qwen2AudioForConditionalGeneration
 
-        self._load(Qwen2AudioForConditionalGeneration, model_dir, device, dtype)
+        self._load(Qwen2AudioForConditionalGeneration, model_dir, device, dtype, parts)
         self.placeholder_token_id: int = int(self.model.config.audio_token_id)
         self._init_lm()
         self.preprocess_audio = AudioPreprocessor(self.model_dir, processor=self.processor)

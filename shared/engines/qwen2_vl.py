@@ -46,6 +46,7 @@ class MediaPixels:
     n_tokens: int
     kind: str = "image"
     meta: tuple[int, ...] = ()  # family-specific geometry (Qwen2-Audio: valid feature frames)
+    second_per_grid_t: float = 0.0  # Qwen2.5-VL videos: seconds one temporal patch spans
 
 
 @dataclass(frozen=True)
@@ -125,17 +126,23 @@ class Qwen2VLCompute:
 
     supports_prefix_kv = True  # prefill(prefix_kv=...) computes only the rest of the prompt
     mrope = True  # decode positions: cache_len + rope_delta on three axes (shared.engines.batched)
+    model_class = "Qwen2VLForConditionalGeneration"
+    video_preprocessor_class = VideoPreprocessor
 
-    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto") -> None:
-        from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+    def __init__(self, model_dir: Path | str, *, device: str = "cpu", dtype: str = "auto",
+                 parts: frozenset[str] | None = None) -> None:
+        import transformers
+        from transformers import AutoProcessor
 
         from shared.device import resolve_placement
+        from shared.models.loading import checkpoint_dtype
 
         self.model_dir = Path(model_dir)
-        self.placement = resolve_placement(device, dtype)
+        self.placement = resolve_placement(device, dtype, checkpoint_dtype(self.model_dir))
         self.device, self.dtype = self.placement.device, self.placement.dtype
         self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
-        self.model = self.placement.load(Qwen2VLForConditionalGeneration, self.model_dir)
+        # parts: the encoder and / or the LM (shared.models.loading); None: both
+        self.model = self.placement.load(getattr(transformers, self.model_class), self.model_dir, parts)
         cfg = self.model.config
         self.placeholder_token_id: int = int(cfg.image_token_id)
         self.video_token_id: int = int(cfg.video_token_id)
@@ -152,7 +159,7 @@ class Qwen2VLCompute:
         self.max_model_len: int = int(text_cfg.max_position_embeddings)
         self.cache_config = self.model.config  # what DynamicCache is built with for this model
         self.preprocess_image = ImagePreprocessor(self.model_dir, processor=self.processor)
-        self.preprocess_video = VideoPreprocessor(self.model_dir, processor=self.processor)
+        self.preprocess_video = self.video_preprocessor_class(self.model_dir, processor=self.processor)
 
     @property
     def tokenizer(self):
@@ -255,6 +262,7 @@ class Qwen2VLCompute:
                 input_ids, mm_token_type_ids=token_type,
                 image_grid_thw=torch.tensor(grids["image"], dtype=torch.long, device=dev) if grids["image"] else None,
                 video_grid_thw=torch.tensor(grids["video"], dtype=torch.long, device=dev) if grids["video"] else None,
+                **self._rope_extra([it for it in media if _kind(it) == "video"]),
             )
             rope_delta = int(deltas.reshape(-1)[0].item())
         else:
@@ -292,6 +300,10 @@ class Qwen2VLCompute:
             rope_delta=rope_delta,
             prompt_len=seq_len,
         )
+
+    def _rope_extra(self, videos: list) -> dict:
+        """Family-specific ``get_rope_index`` arguments (Qwen2.5-VL: the videos' time steps)."""
+        return {}
 
     # ---- decode ---------------------------------------------------------------
 

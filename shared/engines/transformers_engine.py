@@ -2,7 +2,10 @@
 and import), on the family's split compute path (:mod:`shared.engines.qwen2_vl`,
 :mod:`shared.engines.qwen2_audio`).
 
-The model runs on the settings' ``device`` / ``dtype`` (see :mod:`shared.device`). All model
+The model runs on the settings' ``device`` / ``dtype`` (see :mod:`shared.device`), and only the
+``parts`` the worker runs are loaded (:mod:`shared.models.loading`: an encode worker holds no LM
+weights, a prefill / decode worker no vision or audio tower); what they hold is logged and set
+in ``mmfleet_model_weight_bytes`` at start. All model
 work runs on one ``ComputeLane`` thread (torch releases the GIL in kernels, so the
 event loop keeps serving Kafka, Redis and NIXL). Encoder calls from concurrent requests meet in
 a ``MicroBatcher`` and run as one forward. Decode steps of all sequences generating at once meet
@@ -14,6 +17,7 @@ for an abort between steps.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -24,6 +28,8 @@ from shared.compute import ComputeLane, MicroBatcher
 from shared.engines.base import Capabilities, MediaEmbeds, PrefillOutput
 from shared.engines.batched import DecodeBatcher
 from shared.engines.sampling import sample_at
+
+log = logging.getLogger(__name__)
 
 
 def compute_class(model_dir: str | Path):
@@ -40,6 +46,14 @@ def compute_class(model_dir: str | Path):
         from shared.engines.llava import LlavaCompute
 
         return LlavaCompute
+    if name == "qwen2_5_vl":
+        from shared.engines.qwen2_5_vl import Qwen2_5_VLCompute
+
+        return Qwen2_5_VLCompute
+    if name == "llava_next":
+        from shared.engines.llava import LlavaNextCompute
+
+        return LlavaNextCompute
     if name == "llava_next_video":
         from shared.engines.llava import LlavaNextVideoCompute
 
@@ -55,8 +69,9 @@ class TransformersEngine:
 
     def __init__(self, model_dir: str | Path, *, encode_max_batch_items: int = 16,
                  encode_batch_wait_ms: float = 2.0, device: str = "cpu", dtype: str = "auto",
-                 decode_max_batch: int = 16) -> None:
+                 decode_max_batch: int = 16, parts: frozenset[str] | None = None) -> None:
         self._model_dir = Path(model_dir)
+        self._parts = parts  # None: the whole model
         self._device, self._dtype = device, dtype  # settings device / dtype (shared.device)
         self._batch_items = encode_max_batch_items
         self._batch_wait_ms = encode_batch_wait_ms
@@ -75,7 +90,9 @@ class TransformersEngine:
 
         self._lane = ComputeLane(f"transformers-{self._model_dir.name}")
         cls = compute_class(self._model_dir)
-        self.compute = await self._lane.run(lambda: cls(self._model_dir, device=self._device, dtype=self._dtype))
+        self.compute = await self._lane.run(lambda: cls(self._model_dir, device=self._device, dtype=self._dtype,
+                                                        parts=self._parts))
+        _report_memory(self.compute)
         if not getattr(self.compute, "supports_prefix_kv", False):  # only the M-RoPE path reuses a prefix
             self.capabilities = dataclasses.replace(self.capabilities, prefix_kv=False)
         compute = self.compute
@@ -169,3 +186,17 @@ class TransformersEngine:
         finally:
             decoder.close()
             self._aborted.discard(request_id)
+
+
+def _report_memory(compute) -> None:
+    """What the loaded model holds, by part, and the process's resident memory now."""
+    from shared import metrics
+    from shared.models.loading import resident_bytes, weight_bytes
+
+    held = weight_bytes(compute.model)
+    for part, n in held.items():
+        metrics.MODEL_WEIGHT_BYTES.labels(part).set(n)
+    mib = 1024 * 1024
+    log.info("model loaded: %s weights, encoder %.1f MiB, LM %.1f MiB; process resident %.1f MiB",
+             str(compute.dtype).removeprefix("torch."), held["encoder"] / mib, held["lm"] / mib,
+             resident_bytes() / mib)

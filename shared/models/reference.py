@@ -25,13 +25,15 @@ def load_reference(model_dir: Path, *, device: str = "cpu", dtype: str = "auto")
     cls = getattr(transformers, _MODEL_CLASS[family_of(model_dir).name])
     processor = AutoProcessor.from_pretrained(str(model_dir))
     from shared.device import resolve_placement
+    from shared.models.loading import checkpoint_dtype
 
-    model = resolve_placement(device, dtype).load(cls, model_dir)
+    model = resolve_placement(device, dtype, checkpoint_dtype(model_dir)).load(cls, model_dir)
     return processor, model
 
 
-_MODEL_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_audio": "Qwen2AudioForConditionalGeneration",
-                "llava": "LlavaForConditionalGeneration",
+_MODEL_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                "qwen2_audio": "Qwen2AudioForConditionalGeneration",
+                "llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
                 "llava_next_video": "LlavaNextVideoForConditionalGeneration"}
 
 

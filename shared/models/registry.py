@@ -34,15 +34,18 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family("qwen2_vl", {"image": "<|image_pad|>", "video": "<|video_pad|>"}),
+    "qwen2_5_vl": Family("qwen2_5_vl", {"image": "<|image_pad|>", "video": "<|video_pad|>"}),
     "qwen2_audio": Family("qwen2_audio", {"audio": "<|AUDIO|>"}),
     "llava": Family("llava", {"image": "<image>"}),
+    "llava_next": Family("llava_next", {"image": "<image>"}),  # images, anyres tiling
     "llava_next_video": Family("llava_next_video", {"video": "<video>"}),  # its anyres image path: not served
 }
 
 # engine -> family -> the modalities it serves (None: every family, every modality of it)
 ENGINE_SUPPORT: dict[str, dict[str, frozenset[str]] | None] = {
     "transformers": None,
-    "vllm": {"qwen2_vl": frozenset({"image"})},  # image embeddings only (see vllm_engine)
+    # image embeddings only (see vllm_engine); Qwen2.5-VL takes them as Qwen2-VL does
+    "vllm": {"qwen2_vl": frozenset({"image"}), "qwen2_5_vl": frozenset({"image"})},
 }
 
 
@@ -84,6 +87,12 @@ def _demo_qwen2_vl_bench(cache_root: Path) -> Path:
     return ensure_tiny_qwen2_vl(cache_root, size=BENCH)
 
 
+def _demo_qwen2_5_vl(cache_root: Path) -> Path:
+    from shared.models.qwen2_5_vl_tiny import ensure_tiny_qwen2_5_vl
+
+    return ensure_tiny_qwen2_5_vl(cache_root)
+
+
 def _demo_qwen2_audio(cache_root: Path) -> Path:
     from shared.models.qwen2_audio_tiny import ensure_tiny_qwen2_audio
 
@@ -96,6 +105,12 @@ def _demo_llava(cache_root: Path) -> Path:
     return ensure_tiny_llava(cache_root)
 
 
+def _demo_llava_next(cache_root: Path) -> Path:
+    from shared.models.llava_next_tiny import ensure_tiny_llava_next
+
+    return ensure_tiny_llava_next(cache_root)
+
+
 def _demo_llava_next_video(cache_root: Path) -> Path:
     from shared.models.llava_next_video_tiny import ensure_tiny_llava_next_video
 
@@ -106,20 +121,23 @@ def _demo_llava_next_video(cache_root: Path) -> Path:
 DEMOS: dict[str, Callable[[Path], Path]] = {
     "qwen2-vl": _demo_qwen2_vl,
     "qwen2-vl:bench": _demo_qwen2_vl_bench,  # a 2B-class VLM's compute proportions, for benchmarks
+    "qwen2.5-vl": _demo_qwen2_5_vl,
     "qwen2-audio": _demo_qwen2_audio,
     "llava": _demo_llava,
+    "llava-next": _demo_llava_next,
     "llava-next-video": _demo_llava_next_video,
 }
 
 
 def resolve_model_path(settings: Settings) -> Path:
-    """``settings.model_path`` if given, else the tiny offline demo model named by
-    ``settings.demo_model`` (built once, cached)."""
-    if settings.model_path:
-        path = Path(settings.model_path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model_path {path} has no config.json")
-        return path
+    """The folder of the model to serve: ``settings.model`` (a local folder, or a hub id found
+    offline in the hub cache at ``settings.revision``; see :mod:`shared.models.hub`), else the
+    tiny offline demo model named by ``settings.demo_model`` (built once, cached). A model that
+    is not there raises :class:`shared.models.hub.ModelNotFound` (a ``ValueError``)."""
+    if settings.model:
+        from shared.models.hub import resolve_model
+
+        return resolve_model(settings.model, revision=settings.revision, cache_dir=settings.hub_cache_dir)
     build = DEMOS.get(settings.demo_model)
     if build is None:
         raise ValueError(f"unknown demo_model {settings.demo_model!r}; choose from {', '.join(DEMOS)}")

@@ -12,6 +12,7 @@ import pytest
 
 from services.cli import _parser, main
 from shared import settings as settings_mod
+from shared import settings_doc
 from tests.procs import REPO
 
 SUBCOMMANDS = ("up", "worker", "gateway", "topics", "model", "settings")
@@ -30,7 +31,7 @@ def squash(text: str) -> str:
 
 
 def test_every_setting_has_a_description():
-    docs = settings_mod.describe()
+    docs = settings_doc.describe()
     assert [d.name for d in docs] == list(settings_mod.field_names())
     for d in docs:
         assert len(d.description) > 10, f"{d.name} has no real description"
@@ -51,7 +52,7 @@ def test_settings_command_lists_every_setting():
     with contextlib.redirect_stdout(out):
         assert main(["settings"]) == 0
     text = squash(out.getvalue())
-    for d in settings_mod.describe():
+    for d in settings_doc.describe():
         assert f"{d.env} (default {d.default or chr(34) * 2})" in text, d.env
         assert squash(d.description) in text, d.env
 
@@ -76,14 +77,14 @@ def test_settings_command_prints_the_same_table():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["settings"]) == 0
-    assert out.getvalue().strip() == settings_mod.help_table().strip()
+    assert out.getvalue().strip() == settings_doc.help_table().strip()
 
 
 def test_readme_configuration_table_is_generated_from_settings():
     readme = (REPO / "README.md").read_text()
     m = re.search(r"<!-- settings-table:begin -->\n(.*?)\n<!-- settings-table:end -->", readme, re.S)
     assert m, "README lacks the generated settings table markers"
-    assert m.group(1).strip() == settings_mod.markdown_table(), \
+    assert m.group(1).strip() == settings_doc.markdown_table(), \
         "README settings table is stale: regenerate with `mmfleet settings --markdown`"
-    for d in settings_mod.describe():
+    for d in settings_doc.describe():
         assert f"`{d.env}`" in readme

@@ -26,7 +26,7 @@ def test_modalities_per_family_and_engine(model_dir):
         served_modalities(Family("llava", {"image": "<image>"}), "vllm")
     with pytest.raises(ValueError, match="unknown engine 'sglang'"):
         served_modalities(qwen, "sglang")
-    assert set(FAMILIES) == {"qwen2_vl", "qwen2_audio", "llava", "llava_next_video"}
+    assert set(FAMILIES) == {"qwen2_vl", "qwen2_5_vl", "qwen2_audio", "llava", "llava_next", "llava_next_video"}
 
 
 def test_unknown_family_and_demo(tmp_path):
@@ -34,7 +34,7 @@ def test_unknown_family_and_demo(tmp_path):
     with pytest.raises(ValueError, match="model type 'whisper'"):
         family_of(tmp_path)
     with pytest.raises(ValueError, match="unknown demo_model 'gpt'; choose from qwen2-vl, qwen2-vl:bench, "
-                                         "qwen2-audio, llava, llava-next-video"):
+                                         "qwen2.5-vl, qwen2-audio, llava, llava-next, llava-next-video"):
         resolve_model_path(Settings(demo_model="gpt", cache_dir=str(tmp_path)))
 
 

@@ -1,0 +1,72 @@
+"""Chat templates as real checkpoints keep them, and as vLLM lets requests choose them.
+
+Contracts:
+- ``model_chat_template(override, processor, tokenizer)``: the template the gateway renders
+  with — the ``chat_template`` setting when given (a file path, or the template text itself),
+  else the processor's (``chat_template.json`` / ``chat_template.jinja``, what
+  ``processor.apply_chat_template`` and so the ``generate()`` reference use), else the
+  tokenizer's (``tokenizer_config.json``), else None (chat requests are then a 400 saying so).
+- ``render_chat(tokenizer, template, messages, request, trust_request_template)``: the prompt
+  text. A request's ``chat_template`` replaces the model's only where the operator allows it
+  (``trust_request_chat_template``; else a 400, as vLLM does); ``chat_template_kwargs`` become
+  template variables (Qwen3's ``enable_thinking``...); a key that names one of
+  ``apply_chat_template``'s own parameters is a 400, never silently dropped; a template that
+  fails to render is a 400 naming the field it came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.stage import RequestFailed
+
+# apply_chat_template's own parameters: not template variables (a request may not set them)
+_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                              "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                              "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                              "tokenizer_kwargs"})
+
+
+def load_template_setting(value: str) -> str:
+    """The ``chat_template`` setting's template: a path that exists is read; text with Jinja
+    markup is the template; anything else is a start-up error (a mistyped path, most likely)."""
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template setting {value!r} is neither an existing file nor a Jinja template")
+
+
+def model_chat_template(override: str, processor, tokenizer) -> str | None:
+    if override:
+        return load_template_setting(override)
+    return getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+
+
+def render_chat(tokenizer, template: str | None, messages: list[dict], request, *,
+                trust_request_template: bool) -> str:
+    import jinja2
+
+    param = "messages"
+    requested = request.chat_template
+    if requested is not None:
+        if not trust_request_template:
+            raise RequestFailed.bad_request("chat_template in a request is not accepted by this server (its "
+                                            "operator has not set trust_request_chat_template)",
+                                            param="chat_template")
+        template, param = requested, "chat_template"
+    if template is None:
+        raise RequestFailed.bad_request("the served model has no chat template; send one as chat_template "
+                                        "(if the server allows it) or use /v1/completions", param="messages")
+    kwargs = dict(request.chat_template_kwargs or {})
+    reserved = sorted(set(kwargs) & _RESERVED_KWARGS)
+    if reserved:
+        raise RequestFailed.bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: they are "
+                                        "parameters of the rendering, not template variables",
+                                        param="chat_template_kwargs")
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True, **kwargs)
+    except jinja2.TemplateError as exc:
+        raise RequestFailed.bad_request(f"the chat template failed to render: {exc}", param=param) from None

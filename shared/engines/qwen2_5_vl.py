@@ -1,0 +1,57 @@
+"""Qwen2.5-VL on the Qwen2-VL split compute path (:mod:`shared.engines.qwen2_vl`): the same
+encode / prefill / decode steps and M-RoPE hand-off, with the family's own rules.
+
+- The vision tower (window attention, full attention in ``fullatt_block_indexes``) runs inside
+  ``get_image_features`` / ``get_video_features``: nothing to do here.
+- Video positions: the temporal M-RoPE axis advances by ``tokens_per_second ·
+  second_per_grid_t`` per temporal patch, where ``second_per_grid_t`` (seconds one temporal patch
+  spans) is what the processor derives for the video. :class:`VideoPreprocessor` takes it from
+  the processor itself, it travels with the item (``protocol.PixelItem.second_per_grid_t``) and
+  prefill passes it to ``get_rope_index``; a video without one is refused, never guessed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shared.engines.qwen2_vl import MediaPixels, Qwen2VLCompute
+
+
+class VideoPreprocessor:
+    """Qwen2.5-VL's processor on one video's sampled frames (``uint8 [frames, h, w, 3]``):
+    ``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts`` exactly as
+    ``processor(text=..., videos=[frames])`` gives them (no weights)."""
+
+    def __init__(self, model_dir: Path | str, *, processor=None) -> None:
+        if processor is None:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(str(model_dir))
+        self._processor = processor
+        self._merge = int(processor.video_processor.merge_size)
+
+    @torch.inference_mode()
+    def __call__(self, frames) -> MediaPixels:
+        # one video placeholder as text: the processor's own call, so its time step is the one
+        # the generate() reference gets
+        out = self._processor(text=[self._processor.video_token], videos=[frames], return_tensors="pt")
+        grid = tuple(int(x) for x in out["video_grid_thw"][0].tolist())
+        n_tokens = grid[0] * grid[1] * grid[2] // (self._merge**2)
+        step = float(torch.as_tensor(out["second_per_grid_ts"])[0])
+        return MediaPixels(out["pixel_values_videos"].to(torch.float32).contiguous(), grid, n_tokens, "video",
+                           second_per_grid_t=step)
+
+
+class Qwen2_5_VLCompute(Qwen2VLCompute):
+    model_class = "Qwen2_5_VLForConditionalGeneration"
+    video_preprocessor_class = VideoPreprocessor
+
+    def _rope_extra(self, videos: list) -> dict:
+        if not videos:
+            return {}
+        steps = [float(getattr(v, "second_per_grid_t", 0.0)) for v in videos]
+        if min(steps) <= 0:
+            raise ValueError("a Qwen2.5-VL video needs its second_per_grid_t (the processor's time step)")
+        return {"second_per_grid_ts": torch.tensor(steps, device=self.device)}
