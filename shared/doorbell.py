@@ -1,7 +1,7 @@
 """Doorbell: a Redis pub/sub nudge that tells an idle stage consumer to fetch now.
 
 Why: the embedded broker (tansu) never answers a waiting fetch when data arrives, so a
-consumer that waits broker-side pays up to ``fetch_max_wait_ms`` per hop (DESIGN §8). With the
+consumer that waits broker-side pays up to ``fetch_max_wait_ms`` per hop (README, "Fleet overhead"). With the
 doorbell on, consumers fetch with a 1 ms broker-side wait (tansu answers a 0 ms fetch with no
 records at all) and, after an empty fetch, wait
 client-side until either a ring on their topic's channel or ``idle_fetch_interval_ms``.

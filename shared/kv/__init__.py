@@ -1,2 +1,2 @@
 """KV-aware routing: block hashes, the prefill workers' prefix cache, the routing table in
-Redis and the router that picks a ``mm.prefill`` partition (issue #7, DESIGN §4-5)."""
+Redis and the router that picks a ``mm.prefill`` partition (issue #7)."""

@@ -5,7 +5,7 @@ The paths, fastest first where the host offers them:
 - ``cuda-ipc``: a consumer on the same host and GPU opens the owner's GPU copy (device→device).
 - ``nixl-vram``: NIXL/UCX reading GPU memory directly. Only worth it where UCX has a GPU
   transport (cuda_ipc, RDMA/GDR); on a host without one UCX emulates it over TCP loopback,
-  ~100× slower than staging (DESIGN.md "GPU facts"). The agent does not register VRAM: the
+  ~100× slower than staging (the README, "GPUs"). The agent does not register VRAM: the
   doctor measures this path so an operator sees what the host offers, and staging stays the
   cross-process path until a host shows a GPU transport faster than it.
 - ``shm-staging``: device→pinned pool→device, the pool a memfd a GPU consumer on the same host

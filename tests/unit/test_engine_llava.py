@@ -1,4 +1,4 @@
-"""LLaVA on the split compute path (DESIGN §6 anchor): the tiny offline build, its image
+"""LLaVA on the split compute path (against generate()): the tiny offline build, its image
 preprocessor as media-fetch runs it, and batched encode → prefill → KV shipped to a second
 instance → decode equal to one-process ``generate()`` token for token."""
 

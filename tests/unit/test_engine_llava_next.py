@@ -1,4 +1,4 @@
-"""LLaVA-NeXT images ("anyres") on the split compute path (DESIGN §6 anchor): the tiny offline
+"""LLaVA-NeXT images ("anyres") on the split compute path (against generate()): the tiny offline
 build tiles each image by its size (``image_sizes``), the preprocessor gives the processor's own
 tiles and token count, one encode forward over several images of different tile counts (any
 requests), prefill, KV shipped to a second instance, decode — equal to one-process

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL on the split compute path (DESIGN §6 anchor): the tiny offline build (window
+"""Qwen2.5-VL on the split compute path (against generate()): the tiny offline build (window
 attention in its vision tower), images and videos batched with other requests' items through
 one encode, prefill with the family's video M-RoPE time step, KV shipped to a second instance,
 decode — equal to one-process ``generate()`` token for token."""

@@ -1,4 +1,4 @@
-"""Qwen2-Audio on the split compute path (DESIGN §6 anchor): the tiny offline build, its
+"""Qwen2-Audio on the split compute path (against generate()): the tiny offline build, its
 feature extractor as media-fetch runs it, and batched encode → prefill → KV shipped to a second
 instance → decode equal to one-process ``generate()`` token for token. Clips are synthesised
 here and go through a real WAV encode/decode."""

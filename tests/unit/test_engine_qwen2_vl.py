@@ -1,4 +1,4 @@
-"""Qwen2-VL split compute path against one-process ``generate()`` (DESIGN §6 anchor).
+"""Qwen2-VL split compute path against one-process ``generate()`` (against generate()).
 
 Builds the tiny offline model once per session.  The parity test runs the split
 path the way the fleet does — batched encode shared with other requests, prefill,
