@@ -15,7 +15,6 @@ image; text model as the other tiny builds (hidden 128, 2 layers, plain RoPE).
 from __future__ import annotations
 
 import hashlib
-import math
 from pathlib import Path
 
 import torch
@@ -39,23 +38,7 @@ def recipe_hash(seed: int) -> str:
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
-    """One seeded generator, sorted names, fan-in scaling (see qwen2_vl_tiny._init_weights)."""
-    gen = torch.Generator().manual_seed(seed)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name in sorted(params):
-            p = params[name]
-            if "norm" in name:
-                p.fill_(1.0) if name.endswith(".weight") else p.zero_()
-                continue
-            if name.endswith(".bias"):
-                std = vl.BIAS_STD
-            elif "embed_tokens" in name or "position_embedding" in name or "class_embedding" in name:
-                std = vl.EMBED_STD
-            else:
-                gain = vl.LM_HEAD_GAIN if name.startswith("lm_head") else vl.TEXT_GAIN
-                std = gain / math.sqrt(math.prod(p.shape[1:]))
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+    vl.init_weights_fan_in(model, seed, ("embed_tokens", "position_embedding", "class_embedding"))
 
 
 def build_tiny_llava(out_dir: Path, *, seed: int = 0) -> Path:

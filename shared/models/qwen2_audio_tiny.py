@@ -23,7 +23,6 @@ Model facts:
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -65,24 +64,7 @@ def recipe_hash(seed: int) -> str:
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter from one seeded generator in sorted-name order (see qwen2_vl_tiny): norms
-    1/0, biases N(0, 0.1), embeddings N(0, 1), matrices fan-in scaled (gain 2, lm_head 4)."""
-    gen = torch.Generator().manual_seed(seed)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name in sorted(params):
-            p = params[name]
-            if "norm" in name:
-                p.fill_(1.0) if name.endswith(".weight") else p.zero_()
-                continue
-            if name.endswith(".bias"):
-                std = vl.BIAS_STD
-            elif "embed_tokens" in name or "embed_positions" in name:
-                std = vl.EMBED_STD
-            else:
-                gain = vl.LM_HEAD_GAIN if name.startswith("lm_head") else vl.TEXT_GAIN
-                std = gain / math.sqrt(math.prod(p.shape[1:]))
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+    vl.init_weights_fan_in(model, seed, ("embed_tokens", "embed_positions"))
 
 
 def build_tiny_qwen2_audio(out_dir: Path, *, seed: int = 0) -> Path:

@@ -152,6 +152,29 @@ def recipe_hash(seed: int, size: Qwen2VLSize = TINY) -> str:
     return build_cache.recipe_hash(seed, (Path(__file__), Path(tb.__file__)), extra={"size": dataclasses.asdict(size)})
 
 
+def init_weights_fan_in(model: torch.nn.Module, seed: int, embed_names: tuple[str, ...]) -> None:
+    """The other families' builders: every parameter from one seeded generator in sorted-name
+    order, as :func:`_init_weights` does (norms 1/0, biases N(0, BIAS_STD), parameters whose name
+    holds one of ``embed_names`` N(0, EMBED_STD), matrices fan-in scaled with TEXT_GAIN, lm_head
+    with LM_HEAD_GAIN), with any parameter whose name holds "norm" taken as a norm."""
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            if "norm" in name:
+                p.fill_(1.0) if name.endswith(".weight") else p.zero_()
+                continue
+            if name.endswith(".bias"):
+                std = BIAS_STD
+            elif any(e in name for e in embed_names):
+                std = EMBED_STD
+            else:
+                gain = LM_HEAD_GAIN if name.startswith("lm_head") else TEXT_GAIN
+                std = gain / math.sqrt(math.prod(p.shape[1:]))
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
     """Overwrite every parameter from one seeded generator, in sorted-name order.
 
