@@ -23,13 +23,24 @@ from msgspec import Struct
 
 
 class Sampling(Struct, frozen=True, kw_only=True):
-    """Decoding parameters, validated by the gateway (ranges are checked there)."""
+    """Decoding parameters, validated by the gateway (ranges are checked there); every engine
+    applies all of them, the same way in prefill (first token) and decode (the rest): see
+    :mod:`shared.engines.sampling`. Defaults are "off"."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # on completion tokens
+    frequency_penalty: float = 0.0  # on completion tokens
+    repetition_penalty: float = 1.0  # on prompt and completion tokens (vLLM's / CTRL's)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # stop tokens (eos, stop_token_ids) masked until this many are generated
+    ignore_eos: bool = False  # eos does not end the completion
+    stop_token_ids: tuple[int, ...] = ()  # end the completion like eos (the token gets no text)
 
 
 class AgentRef(Struct, frozen=True):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gateway import schema
+from services.gateway import params, schema
 from shared import protocol
 from shared.media.files import file_url_path
 from shared.media.sources import (
@@ -133,9 +133,12 @@ class PromptBuilder:
                     if msg.role != "user":
                         raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only",
                                                         param=param)
-                    if image_url.detail not in (None, "auto", "low", "high"):
-                        raise RequestFailed.bad_request(f"{param}: image_url.detail must be one of auto, low, high",
-                                                        param=param)
+                    if image_url.detail not in (None, "auto"):
+                        # no pixel budget per detail level yet: refused, never silently ignored
+                        raise RequestFailed.bad_request(
+                            f"{param}.image_url.detail: only 'auto' is supported (images are sized by the "
+                            "server's processor settings)", param=f"{param}.image_url.detail",
+                            code="unsupported_parameter")
                     self._check_modality("image", "image_url", param)
                     media.append(self._media("image", image_url.url, param))
                     parts.append({"type": "image"})
@@ -169,7 +172,7 @@ class PromptBuilder:
                     parts.append({"type": "audio"})
                 case _:
                     kind = type(part).__struct_config__.tag
-                    raise RequestFailed(422, f"{param}: {kind} content is not supported", param=param,
+                    raise RequestFailed(400, f"{param}: {kind} content is not supported", param=param,
                                         code="unsupported_modality")
         return parts
 
@@ -187,7 +190,7 @@ class PromptBuilder:
         from shared.media.embeds import FORMATS, parse_embeddings
 
         if not self._embeds_hidden:
-            raise RequestFailed(422, f"{param}: this server does not take image_embeds", param=param,
+            raise RequestFailed(400, f"{param}: this server does not take image_embeds", param=param,
                                 code="unsupported_modality")
         if embeds.format not in FORMATS:
             raise RequestFailed.bad_request(f"{param}: image_embeds.format must be one of {', '.join(FORMATS)}",
@@ -269,12 +272,10 @@ class PromptBuilder:
 
     # ------------------------------------------------------------------ shared checks
     def _check_common(self, model: str, n: int | None) -> None:
+        """The model; ``n`` and every other field is checked by ``params.check_fields``."""
         if model != self._s.served_model_name:
             raise RequestFailed(404, f"model {model!r} does not exist; this server serves "
                                      f"{self._s.served_model_name!r}", param="model", code="model_not_found")
-        if n not in (None, 1):
-            raise RequestFailed(422, "n > 1 is not supported; send separate requests", param="n",
-                                code="unsupported_parameter")
 
     def _tokenize(self, text: str) -> list[int]:
         ids = list(self._tok(text, add_special_tokens=False)["input_ids"])  # as the processor does
@@ -285,18 +286,4 @@ class PromptBuilder:
         return ids
 
     def _sampling(self, req, max_tokens: int | None) -> protocol.Sampling:
-        temperature = 1.0 if req.temperature is None else req.temperature
-        top_p = 1.0 if req.top_p is None else req.top_p
-        if not 0.0 <= temperature <= 2.0:
-            raise RequestFailed.bad_request("temperature must be between 0 and 2", param="temperature")
-        if not 0.0 < top_p <= 1.0:
-            raise RequestFailed.bad_request("top_p must be in (0, 1]", param="top_p")
-        max_tokens = self._s.default_max_tokens if max_tokens is None else max_tokens
-        if not 1 <= max_tokens <= self._s.max_tokens_limit:
-            raise RequestFailed.bad_request(f"max_tokens must be between 1 and {self._s.max_tokens_limit}",
-                                            param="max_tokens")
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        if len(stop) > 4 or any(not s for s in stop):
-            raise RequestFailed.bad_request("stop takes up to 4 non-empty strings", param="stop")
-        return protocol.Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                 seed=req.seed, stop=stop)
+        return params.sampling(req, self._s, max_tokens, len(self._tok))

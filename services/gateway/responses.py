@@ -90,23 +90,30 @@ class Shaper:
     """Builds the JSON of one request's responses: chat (``chat.completion``) or text
     (``text_completion``) objects, whole or as stream chunks."""
 
-    def __init__(self, request_id: str, model: str, *, chat: bool) -> None:
+    def __init__(self, request_id: str, model: str, *, chat: bool, include_usage: bool = False) -> None:
         self.id = request_id
         self.model = model
         self.chat = chat
         self.created = int(time.time())
+        self.include_usage = include_usage  # stream chunks then carry "usage": null until the last
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _chunk(self, obj: str, choices: list[dict]) -> dict:
+        body = self._envelope(obj, choices)
+        if self.include_usage:  # as OpenAI: every chunk has the key, null but in the usage chunk
+            body["usage"] = None
+        return body
 
     def chunk_body(self, text: str | None, finish_reason: str | None, *, first: bool = False) -> dict:
         if self.chat:
             delta: dict = {"role": "assistant", "content": text or ""} if first else (
                 {"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
+            return self._chunk("chat.completion.chunk", [choice])
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
+        return self._chunk("text_completion", [choice])
 
     def usage_body(self, usage: protocol.Usage) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
