@@ -49,7 +49,7 @@ class DecodeHandler:
             with timed_transfer():
                 kv = await ctx.transfer.get(msg.owner, msg.kv)  # OwnerGoneError: the runner restarts
             tokens = self._engine.decode(meta.request_id, kv, msg.rope_delta, msg.prompt_len, first, meta.sampling,
-                                         resume=log.tokens[1:])
+                                         resume=log.tokens[1:], prompt_ids=meta.prompt_token_ids)
             del kv
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=msg.prompt_len,

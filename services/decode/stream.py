@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from shared import protocol, tracing
 from shared.engines.detok import IncrementalDetokenizer, StopChecker
+from shared.engines.sampling import stop_token_set
 from shared.stage import EventSink
 from shared.tracing import path_so_far
 
@@ -58,6 +59,7 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
     request (a redelivery racing a live worker, a re-driven attempt) already wrote a position,
     this one stops without writing anything more, so the log holds each token once."""
     sampling = meta.sampling
+    stop_ids = stop_token_set(sampling, eos_token_ids)  # eos unless ignore_eos, and stop_token_ids
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopChecker(sampling.stop)
     generated, reason = 0, "length"
@@ -83,7 +85,7 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
     try:
         async for token in stream:
             generated += 1
-            if token in eos_token_ids:
+            if token in stop_ids:
                 reason = "stop"
                 break
             res = stops.feed(detok.push(token))

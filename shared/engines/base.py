@@ -15,6 +15,8 @@ unsupported mode fails loudly before taking traffic, never mid-request):
 Token streams are ``AsyncIterator[int]``; the consumer stops early (stop string, client gone)
 by closing the iterator (``aclose``), which must free the request's engine state.
 Greedy tokens (temperature 0) of every engine must equal ``transformers`` ``generate()``.
+Every engine applies all of ``protocol.Sampling`` (penalties, ``logit_bias``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ...), in prefill's first token as in decode's.
 """
 
 from __future__ import annotations
@@ -110,7 +112,9 @@ class Engine(Protocol):
         ...
 
     def decode(self, request_id: str, kv: torch.Tensor, rope_delta: int, prompt_len: int, first_token: int,
-               sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
+               sampling: protocol.Sampling, resume: tuple[int, ...] = (),
+               prompt_ids: tuple[int, ...] = ()) -> AsyncIterator[int]:
         """Continue after ``first_token`` (not yielded again); yields the following tokens,
-        the first ``len(resume)`` of them forced to ``resume``."""
+        the first ``len(resume)`` of them forced to ``resume``. ``prompt_ids``: the request's
+        prompt tokens, for the sampling controls that look at them (``repetition_penalty``)."""
         ...

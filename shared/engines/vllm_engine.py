@@ -95,6 +95,7 @@ import torch
 from shared import protocol
 from shared.engines import vllm_pd, vllm_process
 from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput
+from shared.engines.sampling import stop_token_set
 from shared.transfer.tensors import OwnerGoneError
 
 log = logging.getLogger(__name__)
@@ -263,7 +264,8 @@ class VllmEngine:
                           "the encode stage uses the transformers vision encoder")
 
     async def decode(self, request_id: str, kv: torch.Tensor, rope_delta: int, prompt_len: int, first_token: int,
-                     sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
+                     sampling: protocol.Sampling, resume: tuple[int, ...] = (),
+                     prompt_ids: tuple[int, ...] = ()) -> AsyncIterator[int]:
         raise EngineError("vllm engine cannot import a packed KV tensor: its KV moves engine to engine "
                           "(capability 'remote_kv', decode_remote)")
         yield  # pragma: no cover  (makes this an async generator, like the protocol's decode)
@@ -306,11 +308,12 @@ class VllmEngine:
         # Nothing left to generate: still read once (one discarded token), which tells the
         # producer to free the blocks now; unread, its engine core would keep stepping, a busy
         # loop, until their lease passes.
-        done = remaining <= 0 or (first_token, *resume)[-1] in self.eos_token_ids
+        done = remaining <= 0 or (first_token, *resume)[-1] in stop_token_set(sampling, self.eos_token_ids)
         media = vllm_pd.placeholder_media(kv.media, self.hidden_size)
         prompt = self._prompt(list(prompt_ids), media, tail=(first_token, *resume))
         params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1 if done else remaining),
-                                       kv_transfer=vllm_pd.from_wire(kv))
+                                       kv_transfer=vllm_pd.from_wire(kv), already=1 + len(resume))
+        stops = stop_token_set(sampling, self.eos_token_ids)
         produced = 0
         async with contextlib.aclosing(self._outputs(request_id, prompt, params)) as outs:
             async for out in outs:
@@ -323,7 +326,7 @@ class VllmEngine:
                 for token in completion.token_ids:
                     produced += 1
                     yield int(token)
-                    if token in self.eos_token_ids or produced >= remaining:
+                    if token in stops or produced >= remaining:
                         return
 
     # ------------------------------------------------------------------ generate
@@ -338,20 +341,22 @@ class VllmEngine:
         """
         for token in resume:
             yield token
-        if len(resume) >= sampling.max_tokens or (resume and resume[-1] in self.eos_token_ids):
+        stops = stop_token_set(sampling, self.eos_token_ids)
+        if len(resume) >= sampling.max_tokens or (resume and resume[-1] in stops):
             return
         if resume:
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume))
         produced = 0
         prompt = self._prompt(prompt_ids, images, tail=tuple(resume))
-        async with contextlib.aclosing(self._outputs(request_id, prompt, self._sampling_params(sampling))) as outs:
+        params = self._sampling_params(sampling, already=len(resume))
+        async with contextlib.aclosing(self._outputs(request_id, prompt, params)) as outs:
             async for out in outs:
                 completion = out.outputs[0] if out.outputs else None
                 if completion is not None:
                     for token in completion.token_ids:
                         produced += 1
                         yield int(token)
-                        if token in self.eos_token_ids or produced >= sampling.max_tokens:
+                        if token in stops or produced >= sampling.max_tokens:
                             return
 
     async def _outputs(self, request_id: str, prompt: dict, params) -> AsyncIterator:
@@ -415,7 +420,11 @@ class VllmEngine:
         }}
         return prompt
 
-    def _sampling_params(self, sampling: protocol.Sampling, kv_transfer: dict | None = None):
+    def _sampling_params(self, sampling: protocol.Sampling, kv_transfer: dict | None = None, already: int = 0):
+        """vLLM's params for every ``protocol.Sampling`` control. ``already``: completion tokens
+        that reach vLLM as prompt (prefill's first token, resumed ones), which ``min_tokens``
+        discounts. NOTE: vLLM counts presence / frequency penalties over the tokens IT generated,
+        so in e-p-d / ep-d they do not see the first token (the transformers engine's do)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -427,7 +436,16 @@ class VllmEngine:
             top_p=float(sampling.top_p),
             seed=sampling.seed,
             max_tokens=int(sampling.max_tokens),
-            stop_token_ids=sorted(self.eos_token_ids),
+            top_k=int(sampling.top_k),
+            min_p=float(sampling.min_p),
+            presence_penalty=float(sampling.presence_penalty),
+            frequency_penalty=float(sampling.frequency_penalty),
+            repetition_penalty=float(sampling.repetition_penalty),
+            logit_bias=dict(sampling.logit_bias) or None,
+            min_tokens=min(max(0, sampling.min_tokens - already), int(sampling.max_tokens)),
+            # eos travels as stop_token_ids (see the module docstring), so ignore_eos drops it there
+            ignore_eos=bool(sampling.ignore_eos),
+            stop_token_ids=sorted(stop_token_set(sampling, self.eos_token_ids)),
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # the caller detokenises (and applies stop strings)
             extra_args={"kv_transfer_params": kv_transfer} if kv_transfer is not None else None,
