@@ -202,6 +202,15 @@ def test_models_and_health(client, fleet):
             assert resp.status == 200
 
 
+def test_seeded_sampling_controls_draw_what_epd_draws(client, model_dir):
+    """The seeded request test_api_conformance sends to an EPD fleet gives, in e-p-d (prefill
+    samples the first token, decode the rest), the same in-process engine's tokens."""
+    from tests.e2e.test_api_conformance import MODEL, MSGS, SEEDED, expected_text, seeded_body
+
+    got = client.chat.completions.create(model=MODEL, messages=MSGS, **SEEDED).choices[0].message.content
+    assert got == expected_text(model_dir, seeded_body())[0]
+
+
 def test_unknown_model_and_bad_params(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])

@@ -1,0 +1,243 @@
+"""OpenAI API conformance through the official ``openai`` client, against one EPD fleet with
+API keys on: every chat and completions parameter either works as specified or is a 400
+``invalid_request_error`` whose ``param`` names it — none is ignored. Sampling controls are
+checked against the in-process transformers engine given the same prompt ids and
+``protocol.Sampling`` (the gateway's own ``PromptBuilder``); ``tests/e2e/test_skeleton.py``
+checks the same seeded request in e-p-d (so epd and e-p-d draw the same tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from services.gateway import schema
+from services.gateway.auth import hash_key
+from services.gateway.prompt import PromptBuilder
+from shared.engines.sampling import stop_token_set
+from shared.engines.transformers_engine import TransformersEngine
+from shared.settings import Settings
+from tests import procs
+
+MODEL = "mmfleet-demo"
+KEY = "sk-conformance"
+MSGS = [{"role": "user", "content": "Tell me a story about the sea."}]
+PROMPT = "Once upon a time"
+# the seeded, sampled request with every sampling control that test_skeleton repeats in e-p-d
+SEEDED = dict(temperature=0.9, top_p=0.95, seed=4321, max_tokens=16, presence_penalty=0.4, frequency_penalty=0.2,
+              extra_body={"top_k": 30, "min_p": 0.02, "repetition_penalty": 1.2, "min_tokens": 4})
+
+
+@pytest.fixture(scope="module")
+def fleet(kafka_bootstrap, redis_url, model_dir, logs_dir):
+    env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
+           "MMFLEET_REDIS_PREFIX": "conformance", "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024),
+           "MMFLEET_API_KEY_HASHES": hash_key(KEY)}
+    log_dir = logs_dir / "conformance"
+    log_dir.mkdir()
+    with procs.fleet(env, log_dir, mode="epd") as (base, _proc):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return openai.OpenAI(base_url=fleet + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def expected_text(model_dir, body: dict, *, chat: bool = True) -> tuple[str, int]:
+    """(text, completion tokens) the in-process engine gives for ``body`` (an OpenAI request)."""
+    return asyncio.run(_expected(model_dir, body, chat))
+
+
+async def _expected(model_dir, body: dict, chat: bool) -> tuple[str, int]:
+    builder = PromptBuilder.for_model(model_dir, Settings())
+    raw = json.dumps({"model": MODEL, **body}).encode()
+    prepared = builder.chat(schema.parse_chat(raw)) if chat else builder.completion(schema.parse_completion(raw))
+    engine = TransformersEngine(model_dir)
+    await engine.start()
+    try:
+        ids = [t async for t in engine.generate("ref", prepared.prompt_token_ids, [], prepared.sampling)]
+    finally:
+        await engine.stop()
+    stops = stop_token_set(prepared.sampling, engine.eos_token_ids)
+    text = engine.tokenizer.decode([t for t in ids if t not in stops], skip_special_tokens=True)
+    return text, len(ids)
+
+
+def seeded_body() -> dict:
+    """``SEEDED`` as the JSON body the client sends (for the in-process reference)."""
+    extra = SEEDED["extra_body"]
+    return {"messages": MSGS, **{k: v for k, v in SEEDED.items() if k != "extra_body"}, **extra}
+
+
+# ---------------------------------------------------------------------------- refused by name
+CHAT_REFUSED = [  # (keyword arguments of chat.completions.create, the param the 400 names)
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"verbosity": "low"}, "verbosity"),
+    ({"web_search_options": {}}, "web_search_options"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ({"extra_body": {"structured_outputs": {"json": {}}}}, "structured_outputs"),
+    ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ({"extra_body": {"allowed_token_ids": [1, 2]}}, "allowed_token_ids"),
+    ({"extra_body": {"bad_words": ["sea"]}}, "bad_words"),
+    ({"extra_body": {"include_stop_str_in_output": True}}, "include_stop_str_in_output"),
+    ({"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens"),
+    ({"extra_body": {"echo": True}}, "echo"),
+    ({"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
+    ({"extra_body": {"mm_processor_kwargs": {"max_pixels": 1000}}}, "mm_processor_kwargs"),
+    ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
+    ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+    ({"extra_body": {"top_k": "many"}}, "top_k"),
+    ({"extra_body": {"top_k": -2}}, "top_k"),
+    ({"extra_body": {"min_p": 1.5}}, "min_p"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"min_tokens": 99}}, "min_tokens"),
+    ({"extra_body": {"stop_token_ids": [10**9]}}, "stop_token_ids"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logit_bias": {"sea": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 500}}, "logit_bias"),
+    ({"temperature": 5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "param"), CHAT_REFUSED, ids=[p for _, p in CHAT_REFUSED])
+def test_chat_parameter_refused_by_name(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, **kwargs)
+    err = info.value.body
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+@pytest.mark.parametrize(("messages", "param"), [
+    ([{"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages[0].role"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}], "messages[1].tool_calls"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png",
+                                                                         "detail": "low"}}]}],
+     "messages[0].content[0].image_url.detail"),
+    ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+])
+def test_message_fields_refused_by_name(client, messages, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert info.value.body["param"] == param, info.value.body
+
+
+COMPLETION_REFUSED = [
+    ({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"),
+    ({"best_of": 2}, "best_of"), ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ({"extra_body": {"unknown_thing": True}}, "unknown_thing"), ({"logit_bias": {"-1": 5}}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "param"), COMPLETION_REFUSED, ids=[p for _, p in COMPLETION_REFUSED])
+def test_completion_parameter_refused_by_name(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **kwargs)
+    assert info.value.body["param"] == param, info.value.body
+
+
+# ---------------------------------------------------------------------------- accepted, and doing what they say
+def test_no_op_fields_at_their_default_values_are_accepted(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=3, temperature=0, n=1, logprobs=False, user="u1", store=False,
+        metadata={"k": "v"}, service_tier="auto", parallel_tool_calls=True, tool_choice="none",
+        response_format={"type": "text"}, modalities=["text"],
+        extra_body={"skip_special_tokens": True, "add_generation_prompt": True, "echo": False, "priority": 0,
+                    "chat_template_kwargs": {}})
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_seeded_sampling_controls_equal_the_in_process_engine(client, model_dir):
+    expected, _ = expected_text(model_dir, seeded_body())
+    whole = client.chat.completions.create(model=MODEL, messages=MSGS, **SEEDED).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(model=MODEL, messages=MSGS, stream=True, **SEEDED))
+    assert whole == expected and streamed == expected
+    unseeded = {**SEEDED, "seed": 4322}
+    assert client.chat.completions.create(model=MODEL, messages=MSGS, **unseeded).choices[0].message.content != expected
+
+
+def test_logit_bias_stop_token_ids_ignore_eos_and_min_tokens(client, model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    sea = tok(" sea", add_special_tokens=False)["input_ids"][0]
+    forced = client.chat.completions.create(model=MODEL, messages=MSGS, temperature=0, max_tokens=6,
+                                            logit_bias={str(sea): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].message.content == tok.decode([sea] * 6, skip_special_tokens=True)
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 6
+    # sea is forced from token 3 on, and ends the completion as a stop token (not in the text)
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8,
+                                        logit_bias={str(sea): 100},
+                                        extra_body={"stop_token_ids": [sea], "min_tokens": 3})
+    expected, n = expected_text(model_dir, {"prompt": PROMPT, "temperature": 0, "max_tokens": 8,
+                                            "logit_bias": {str(sea): 100}, "stop_token_ids": [sea],
+                                            "min_tokens": 3}, chat=False)
+    assert stopped.choices[0].text == expected and stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == n == 4
+
+
+def test_top_k_1_is_greedy_and_penalties_follow_the_engine(client, model_dir):
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=10).choices[0].text
+    top1 = client.completions.create(model=MODEL, prompt=PROMPT, temperature=1.0, seed=3, max_tokens=10,
+                                     extra_body={"top_k": 1}).choices[0].text
+    assert top1 == greedy
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 10, "frequency_penalty": 1.5,
+            "presence_penalty": 1.0, "repetition_penalty": 1.8}
+    got = client.completions.create(model=MODEL, **{k: v for k, v in body.items() if k != "repetition_penalty"},
+                                    extra_body={"repetition_penalty": 1.8}).choices[0].text
+    assert got == expected_text(model_dir, body, chat=False)[0]
+
+
+def test_include_usage_gives_null_usage_until_the_last_chunk(client, fleet):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].usage.completion_tokens >= 1
+    # on the wire: every chunk has the key, null until the last (as OpenAI sends it)
+    body = json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 4, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(fleet + "/v1/chat/completions", data=body, headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        lines = [ln[6:] for ln in resp.read().decode().splitlines() if ln.startswith("data: ")]
+    objs = [json.loads(ln) for ln in lines if ln != "[DONE]"]
+    assert all("usage" in o for o in objs) and all(o["usage"] is None for o in objs[:-1])
+    assert objs[-1]["usage"]["completion_tokens"] >= 1
+
+
+def test_models_follow_the_api_key_rule(client, fleet):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    for path in ("/v1/models", f"/v1/models/{MODEL}"):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(fleet + path, timeout=5)
+        assert info.value.code == 401
+    anonymous = openai.OpenAI(base_url=fleet + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.models.list()

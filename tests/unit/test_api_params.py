@@ -1,0 +1,71 @@
+"""The gateway's field decisions without a fleet: ``Frontend.prepare`` (parse, unknown fields,
+``params.check_fields``, prompt and sampling) on the same bodies the conformance test sends
+through the openai client — every refused one is a 400 naming its field — plus the setting
+that lets unknown fields through and the sampling controls' mapping into ``protocol.Sampling``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.frontend import Frontend
+from services.gateway.prompt import PromptBuilder
+from services.gateway.responses import Rejected
+from shared import protocol
+from shared.settings import Settings
+from tests.e2e.test_api_conformance import CHAT_REFUSED, COMPLETION_REFUSED, MODEL, MSGS, PROMPT
+
+
+def _front(model_dir, **settings) -> Frontend:
+    s = Settings(**settings)
+    return Frontend(s, PromptBuilder.for_model(model_dir, s), None, None, None, None, None)
+
+
+@pytest.fixture(scope="module")
+def front(model_dir):
+    return _front(model_dir)
+
+
+def _body(base: dict, kwargs: dict) -> bytes:
+    """What the openai client sends for ``kwargs`` (``extra_body`` merged at the top level)."""
+    extra = kwargs.get("extra_body", {})
+    return json.dumps({"model": MODEL, "max_tokens": 4, **base,
+                       **{k: v for k, v in kwargs.items() if k != "extra_body"}, **extra}).encode()
+
+
+@pytest.mark.parametrize(("kwargs", "param"), CHAT_REFUSED, ids=[p for _, p in CHAT_REFUSED])
+def test_chat_refusals_name_the_field(front, kwargs, param):
+    with pytest.raises(Rejected) as info:
+        front.prepare(_body({"messages": MSGS}, kwargs), chat=True)
+    ev = info.value.event
+    assert (ev.status, ev.type, ev.param) == (400, "invalid_request_error", param), ev
+
+
+@pytest.mark.parametrize(("kwargs", "param"), COMPLETION_REFUSED, ids=[p for _, p in COMPLETION_REFUSED])
+def test_completion_refusals_name_the_field(front, kwargs, param):
+    with pytest.raises(Rejected) as info:
+        front.prepare(_body({"prompt": PROMPT}, kwargs), chat=False)
+    assert (info.value.event.status, info.value.event.param) == (400, param)
+
+
+def test_unknown_fields_pass_when_the_setting_allows_them(model_dir):
+    body = _body({"messages": MSGS}, {"extra_body": {"some_sdk_extra": {"x": 1}}})
+    prepared, _ = _front(model_dir, allow_extra_request_fields=True).prepare(body, chat=True)
+    assert prepared.prompt_token_ids
+
+
+def test_sampling_controls_reach_the_wire(front):
+    body = _body({"prompt": PROMPT}, {"temperature": 0.7, "seed": 9, "presence_penalty": 0.5,
+                                      "frequency_penalty": -0.5, "logit_bias": {"7": -100, "3": 2.5},
+                                      "extra_body": {"top_k": -1, "min_p": 0.1, "repetition_penalty": 1.1,
+                                                     "min_tokens": 2, "ignore_eos": True,
+                                                     "stop_token_ids": [9, 5, 9]}})
+    prepared, _ = front.prepare(body, chat=False)
+    assert prepared.sampling == protocol.Sampling(
+        max_tokens=4, temperature=0.7, top_p=1.0, seed=9, top_k=0, min_p=0.1, presence_penalty=0.5,
+        frequency_penalty=-0.5, repetition_penalty=1.1, logit_bias=((3, 2.5), (7, -100.0)), min_tokens=2,
+        ignore_eos=True, stop_token_ids=(5, 9))
+    assert protocol.decoder_for(protocol.RequestMeta).decode(protocol.encode(protocol.RequestMeta(
+        request_id="r", model=MODEL, deadline_unix_ms=1, created_unix_ms=0, prompt_token_ids=(1,),
+        sampling=prepared.sampling))).sampling == prepared.sampling
