@@ -41,6 +41,7 @@ class Sampling(Struct, frozen=True, kw_only=True):
     min_tokens: int = 0  # stop tokens (eos, stop_token_ids) masked until this many are generated
     ignore_eos: bool = False  # eos does not end the completion
     stop_token_ids: tuple[int, ...] = ()  # end the completion like eos (the token gets no text)
+    logprobs: int | None = None  # None: off; k: each token's logprob and the k most likely (raw logits)
 
 
 class AgentRef(Struct, frozen=True):
@@ -276,6 +277,16 @@ class EngineKv(Struct, frozen=True, kw_only=True):
     media: tuple[MediaShape, ...] = ()
 
 
+class TokenLogprob(Struct, frozen=True):
+    """A sampled token's log-probability under the model's raw logits (before penalties,
+    temperature and filtering, as vLLM's default ``raw_logprobs``), and the ``top`` most likely
+    tokens there as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class DecodeRequest(Struct, frozen=True, tag="decode.request"):
     """prefill → decode: KV by descriptor plus the first sampled token.
 
@@ -294,6 +305,7 @@ class DecodeRequest(Struct, frozen=True, tag="decode.request"):
     first_token: int
     cached_tokens: int = 0  # prompt positions whose KV came from prefill's prefix cache
     engine_kv: EngineKv | None = None
+    first_logprob: TokenLogprob | None = None  # with ``sampling.logprobs``: the first token's
 
 
 def empty_tensor_ref(agent: str) -> TensorRef:
@@ -359,6 +371,7 @@ class TokenDelta(Struct, frozen=True, tag="delta", tag_field="event"):
     seq: int
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, with ``sampling.logprobs``
 
 
 class Finish(Struct, frozen=True, tag="finish", tag_field="event"):

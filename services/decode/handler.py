@@ -21,7 +21,7 @@ from services.decode.stream import read_log, stream_completion
 from services.prefill.handler import check_context, embedding_releases, pull_media
 from shared import protocol
 from shared.embcache.pull import EmbeddingPuller
-from shared.engines.base import Engine
+from shared.engines.base import Engine, SampledToken
 from shared.stage import Context, Outcome
 from shared.tracing import timed_transfer
 from shared.transfer import OwnerGoneError
@@ -39,6 +39,8 @@ class DecodeHandler:
         if log.done:
             return done
         first = log.tokens[0] if log.tokens else msg.first_token
+        if not log.tokens and msg.first_logprob is not None:  # the stream writer records it with the token
+            first = SampledToken(msg.first_logprob)
         started = None
         if msg.engine_kv is not None:
             await _read_once(ctx, meta)

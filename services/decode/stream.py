@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from shared import protocol, tracing
+from shared.engines.base import SampledToken
 from shared.engines.detok import IncrementalDetokenizer, StopChecker
 from shared.engines.sampling import stop_token_set
 from shared.stage import EventSink
@@ -69,7 +70,10 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
         nonlocal sent
         sent += 1
         if sent > skip_deltas:  # the log already holds the first skip_deltas deltas
-            delta = protocol.TokenDelta(seq=seq, token_ids=token_ids, text=text)
+            # tokens are ids, or SampledToken ids carrying their logprob (requests with logprobs)
+            logprobs = tuple(t.logprob for t in token_ids if isinstance(t, SampledToken))
+            delta = protocol.TokenDelta(seq=seq, token_ids=tuple(int(t) for t in token_ids), text=text,
+                                        logprobs=logprobs)
             if not await events.append_delta(meta.request_id, delta, position=sent - 1):
                 raise _Superseded(sent - 1)
             if sent == 1:

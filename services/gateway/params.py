@@ -41,8 +41,6 @@ _SHARED: dict[str, tuple[tuple, str]] = {
     "echo": ((False,), "echo is not supported"),
 }
 _CHAT: dict[str, tuple[tuple, str]] = {
-    "logprobs": ((False,), "logprobs are not returned by this server yet"),
-    "top_logprobs": ((0,), "logprobs are not returned by this server yet"),
     "tools": (([],), "tool calling is not supported yet"),
     "tool_choice": (("none",), "tool calling is not supported yet"),
     "functions": (([],), "function calling is not supported"),
@@ -61,7 +59,6 @@ _CHAT: dict[str, tuple[tuple, str]] = {
     "documents": ((), "documents are not supported"),
 }
 _COMPLETION: dict[str, tuple[tuple, str]] = {
-    "logprobs": ((), "logprobs are not returned by this server yet"),
     "suffix": (("",), "suffix (insertion) is not supported"),
     "best_of": ((1,), "best_of > 1 is not supported; send separate requests"),
 }
@@ -75,6 +72,7 @@ _MESSAGE: dict[str, str] = {
 }
 LOGIT_BIAS_MAX_ENTRIES = 300  # OpenAI's documented bound on logit_bias keys
 STOP_TOKEN_IDS_MAX = 64
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI: 20 for chat, 5 for completions)
 
 
 def _refuse(param: str, why: str) -> RequestFailed:
@@ -144,10 +142,27 @@ def sampling(req, settings: Settings, max_tokens: int | None, vocab_size: int) -
     if req.seed is not None and not -(2**63) <= req.seed < 2**63:
         raise bad("seed", "must fit in 64 bits")
     return protocol.Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=req.seed, stop=stop,
+                             logprobs=_logprobs(req),
                              top_k=top_k, min_p=float(min_p), repetition_penalty=float(repetition),
                              min_tokens=min_tokens, ignore_eos=bool(req.ignore_eos),
                              logit_bias=_logit_bias(req.logit_bias, vocab_size),
                              stop_token_ids=_token_ids(req.stop_token_ids, vocab_size), **penalties)
+
+
+def _logprobs(req) -> int | None:
+    """How many top alternatives to return per token (None: no logprobs): chat ``logprobs``
+    (bool) + ``top_logprobs``, completions ``logprobs`` (int)."""
+    if hasattr(req, "top_logprobs"):  # chat
+        top = req.top_logprobs
+        if top is not None and not req.logprobs:
+            raise RequestFailed.bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise RequestFailed.bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}",
+                                            param="top_logprobs")
+        return (top or 0) if req.logprobs else None
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise RequestFailed.bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+    return req.logprobs
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -75,6 +75,10 @@ class PromptBuilder:
         self._max_bytes = {"image": settings.max_image_bytes, "video": settings.max_video_bytes,
                            "audio": settings.max_audio_bytes, "image_embeds": settings.max_image_bytes}
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs show it."""
+        return self._tok.decode([token_id])
+
     @property
     def modalities(self) -> frozenset[str]:
         return frozenset(self._placeholders)

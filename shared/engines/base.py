@@ -16,7 +16,8 @@ Token streams are ``AsyncIterator[int]``; the consumer stops early (stop string,
 by closing the iterator (``aclose``), which must free the request's engine state.
 Greedy tokens (temperature 0) of every engine must equal ``transformers`` ``generate()``.
 Every engine applies all of ``protocol.Sampling`` (penalties, ``logit_bias``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ...), in prefill's first token as in decode's.
+``ignore_eos``, ``stop_token_ids``, ...), in prefill's first token as in decode's; with
+``sampling.logprobs`` the tokens they yield are :class:`SampledToken` (id + logprob).
 """
 
 from __future__ import annotations
@@ -39,6 +40,19 @@ class MediaEmbeds(NamedTuple):
     grid_thw: tuple[int, int, int]
     kind: str = "image"
 
+
+
+class SampledToken(int):
+    """A token id that also carries its ``protocol.TokenLogprob`` (requests with
+    ``sampling.logprobs``): engines yield these instead of plain ints, so every consumer of a
+    token stream keeps working on ids while the stream writer can record the logprobs."""
+
+    logprob: protocol.TokenLogprob
+
+    def __new__(cls, logprob: protocol.TokenLogprob) -> SampledToken:
+        tok = super().__new__(cls, logprob.token_id)
+        tok.logprob = logprob
+        return tok
 
 
 @dataclass(frozen=True)

@@ -116,3 +116,19 @@ def sample_at(logits: torch.Tensor, sampling, step: int, *, prompt_ids: Sequence
     logits = process_logits(logits, sampling, step, prompt_ids=prompt_ids, output_ids=output_ids,
                             stop_ids=stop_ids)
     return Sampler(sampling.temperature, sampling.top_p, seed, top_k=sampling.top_k, min_p=sampling.min_p)(logits)
+
+
+def with_logprob(token: int, logits: torch.Tensor, sampling):
+    """``token`` as a ``SampledToken`` carrying its logprob under the raw ``logits`` and the
+    ``sampling.logprobs`` most likely tokens; the plain id when logprobs are off."""
+    if sampling.logprobs is None:
+        return token
+    from shared import protocol
+    from shared.engines.base import SampledToken
+
+    lp = torch.log_softmax(logits.detach().reshape(-1).to(torch.float32), dim=-1)
+    top = ()
+    if sampling.logprobs > 0:
+        values, ids = torch.topk(lp, min(sampling.logprobs, lp.numel()))
+        top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
+    return SampledToken(protocol.TokenLogprob(int(token), float(lp[token]), top))

@@ -23,7 +23,7 @@ from shared import protocol
 from shared.compute import ComputeLane, MicroBatcher
 from shared.engines.base import Capabilities, MediaEmbeds, PrefillOutput
 from shared.engines.batched import DecodeBatcher
-from shared.engines.sampling import sample_at, stop_token_set
+from shared.engines.sampling import sample_at, stop_token_set, with_logprob
 
 
 def compute_class(model_dir: str | Path):
@@ -131,6 +131,7 @@ class TransformersEngine:
         result = await self._lane.run(self.compute.prefill, *args)
         first = sample_at(result.last_logits, sampling, step=0, prompt_ids=prompt_ids,
                           stop_ids=stop_token_set(sampling, self.eos_token_ids))
+        first = with_logprob(first, result.last_logits, sampling)
         return PrefillOutput(first_token=first, kv=result.kv, rope_delta=result.rope_delta,
                              prompt_len=result.prompt_len)
 
@@ -166,8 +167,9 @@ class TransformersEngine:
             while generated < sampling.max_tokens and request_id not in self._aborted:
                 logits = await decoder.step(state, token)
                 forced = generated - 1 < len(resume)
-                token = resume[generated - 1] if forced else sample_at(
-                    logits, sampling, step=generated, prompt_ids=prompt_ids, output_ids=outputs, stop_ids=stops)
+                token = resume[generated - 1] if forced else with_logprob(sample_at(
+                    logits, sampling, step=generated, prompt_ids=prompt_ids, output_ids=outputs, stop_ids=stops),
+                    logits, sampling)
                 generated += 1
                 outputs.append(token)
                 yield token

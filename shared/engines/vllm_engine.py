@@ -94,7 +94,7 @@ import torch
 
 from shared import protocol
 from shared.engines import vllm_pd, vllm_process
-from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput
+from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput, SampledToken
 from shared.engines.sampling import stop_token_set
 from shared.transfer.tensors import OwnerGoneError
 
@@ -284,7 +284,7 @@ class VllmEngine:
                 prompt_len = len(out.prompt_token_ids or ()) or prompt_len
                 completion = out.outputs[0] if out.outputs else None
                 if completion is not None and completion.token_ids and first is None:
-                    first = int(completion.token_ids[0])
+                    first = _sampled(completion, 0, sampling)
                 if out.finished:
                     kv_params = out.kv_transfer_params
         if first is None:
@@ -323,9 +323,9 @@ class VllmEngine:
                 if completion.finish_reason == "error":
                     raise OwnerGoneError(f"vllm could not read the prompt's KV from engine {kv.remote_engine_id} at "
                                          f"{kv.remote_host}:{kv.remote_port} (producer gone or its lease passed)")
-                for token in completion.token_ids:
+                for i, token in enumerate(completion.token_ids):
                     produced += 1
-                    yield int(token)
+                    yield _sampled(completion, i, sampling)
                     if token in stops or produced >= remaining:
                         return
 
@@ -353,9 +353,9 @@ class VllmEngine:
             async for out in outs:
                 completion = out.outputs[0] if out.outputs else None
                 if completion is not None:
-                    for token in completion.token_ids:
+                    for i, token in enumerate(completion.token_ids):
                         produced += 1
-                        yield int(token)
+                        yield _sampled(completion, i, sampling)
                         if token in stops or produced >= sampling.max_tokens:
                             return
 
@@ -446,7 +446,21 @@ class VllmEngine:
             # eos travels as stop_token_ids (see the module docstring), so ignore_eos drops it there
             ignore_eos=bool(sampling.ignore_eos),
             stop_token_ids=sorted(stop_token_set(sampling, self.eos_token_ids)),
+            logprobs=sampling.logprobs,  # raw logprobs (vLLM's default logprobs_mode), like transformers'
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # the caller detokenises (and applies stop strings)
             extra_args={"kv_transfer_params": kv_transfer} if kv_transfer is not None else None,
         )
+
+
+def _sampled(completion, i: int, sampling: protocol.Sampling) -> int:
+    """Token ``i`` of a DELTA output: the id, or with ``sampling.logprobs`` a ``SampledToken``
+    carrying vLLM's logprob of it and the ``logprobs`` most likely tokens (by vLLM's rank)."""
+    token = int(completion.token_ids[i])
+    if sampling.logprobs is None or not completion.logprobs:
+        return token
+    ranked = completion.logprobs[i]
+    top = sorted(((int(t), lp) for t, lp in ranked.items() if lp.rank is not None and lp.rank <= sampling.logprobs),
+                 key=lambda item: item[1].rank)
+    return SampledToken(protocol.TokenLogprob(token, float(ranked[token].logprob),
+                                              tuple((t, float(lp.logprob)) for t, lp in top)))

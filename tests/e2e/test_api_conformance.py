@@ -18,6 +18,8 @@ import pytest
 from services.gateway import schema
 from services.gateway.auth import hash_key
 from services.gateway.prompt import PromptBuilder
+from shared import protocol
+from shared.engines.base import SampledToken
 from shared.engines.sampling import stop_token_set
 from shared.engines.transformers_engine import TransformersEngine
 from shared.settings import Settings
@@ -50,10 +52,16 @@ def client(fleet):
 
 def expected_text(model_dir, body: dict, *, chat: bool = True) -> tuple[str, int]:
     """(text, completion tokens) the in-process engine gives for ``body`` (an OpenAI request)."""
-    return asyncio.run(_expected(model_dir, body, chat))
+    text, n, _ = asyncio.run(_expected(model_dir, body, chat))
+    return text, n
 
 
-async def _expected(model_dir, body: dict, chat: bool) -> tuple[str, int]:
+def expected_logprobs(model_dir, body: dict, *, chat: bool = True) -> list[protocol.TokenLogprob]:
+    """The in-process engine's logprobs of the tokens that get text (stop tokens excluded)."""
+    return asyncio.run(_expected(model_dir, body, chat))[2]
+
+
+async def _expected(model_dir, body: dict, chat: bool):
     builder = PromptBuilder.for_model(model_dir, Settings())
     raw = json.dumps({"model": MODEL, **body}).encode()
     prepared = builder.chat(schema.parse_chat(raw)) if chat else builder.completion(schema.parse_completion(raw))
@@ -65,7 +73,7 @@ async def _expected(model_dir, body: dict, chat: bool) -> tuple[str, int]:
         await engine.stop()
     stops = stop_token_set(prepared.sampling, engine.eos_token_ids)
     text = engine.tokenizer.decode([t for t in ids if t not in stops], skip_special_tokens=True)
-    return text, len(ids)
+    return text, len(ids), [t.logprob for t in ids if isinstance(t, SampledToken) and t not in stops]
 
 
 def seeded_body() -> dict:
@@ -77,8 +85,8 @@ def seeded_body() -> dict:
 # ---------------------------------------------------------------------------- refused by name
 CHAT_REFUSED = [  # (keyword arguments of chat.completions.create, the param the 400 names)
     ({"n": 2}, "n"),
-    ({"logprobs": True}, "logprobs"),
-    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
      "response_format"),
@@ -147,7 +155,7 @@ def test_message_fields_refused_by_name(client, messages, param):
 
 
 COMPLETION_REFUSED = [
-    ({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"),
+    ({"n": 2}, "n"), ({"logprobs": 21}, "logprobs"), ({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"),
     ({"best_of": 2}, "best_of"), ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
     ({"extra_body": {"unknown_thing": True}}, "unknown_thing"), ({"logit_bias": {"-1": 5}}, "logit_bias"),
 ]
@@ -211,6 +219,45 @@ def test_top_k_1_is_greedy_and_penalties_follow_the_engine(client, model_dir):
     got = client.completions.create(model=MODEL, **{k: v for k, v in body.items() if k != "repetition_penalty"},
                                     extra_body={"repetition_penalty": 1.8}).choices[0].text
     assert got == expected_text(model_dir, body, chat=False)[0]
+
+
+def _close(got: float, want: float) -> bool:
+    return abs(got - want) <= 1e-3  # padded batched decode vs one sequence: float rounding only
+
+
+def test_chat_logprobs_whole_and_streamed_equal_the_in_process_engine(client, model_dir):
+    kw = dict(temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+    want = expected_logprobs(model_dir, {"messages": MSGS, **kw})
+    whole = client.chat.completions.create(model=MODEL, messages=MSGS, **kw).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(model=MODEL, messages=MSGS, stream=True, **kw)
+              if c.choices]
+    streamed = [e for c in chunks if c.logprobs for e in c.logprobs.content]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for entries in (whole.logprobs.content, streamed):
+        assert len(entries) == len(want) >= 1
+        for got, exp in zip(entries, want, strict=True):
+            assert got.token == tok.decode([exp.token_id]) and got.bytes == list(got.token.encode())
+            assert _close(got.logprob, exp.logprob)
+            assert [t.token for t in got.top_logprobs] == [tok.decode([t]) for t, _ in exp.top]
+            assert all(_close(t.logprob, v) for t, (_, v) in zip(got.top_logprobs, exp.top, strict=True))
+            assert got.top_logprobs[0].logprob >= got.logprob - 1e-6  # greedy: the top token is the chosen one
+
+
+def test_completion_logprobs_shape(client, model_dir):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=5, logprobs=2).choices[0]
+    want = expected_logprobs(model_dir, {"prompt": PROMPT, "temperature": 0, "max_tokens": 5, "logprobs": 2},
+                             chat=False)
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(want)
+    assert all(_close(g, w.logprob) for g, w in zip(lp.token_logprobs, want, strict=True))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(d) in (2, 3) for d in lp.top_logprobs)  # the top 2, and the sampled token
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=5, logprobs=2, stream=True) if c.choices[0].logprobs]
+    assert [t for c in streamed for t in c.tokens] == lp.tokens
+    assert [o for c in streamed for o in c.text_offset] == lp.text_offset
 
 
 def test_include_usage_gives_null_usage_until_the_last_chunk(client, fleet):

@@ -69,3 +69,44 @@ def test_sampling_controls_reach_the_wire(front):
     assert protocol.decoder_for(protocol.RequestMeta).decode(protocol.encode(protocol.RequestMeta(
         request_id="r", model=MODEL, deadline_unix_ms=1, created_unix_ms=0, prompt_token_ids=(1,),
         sampling=prepared.sampling))).sampling == prepared.sampling
+
+
+def test_logprobs_shapes():
+    from services.gateway.responses import Shaper
+
+    lps = (protocol.TokenLogprob(1, -0.5, ((1, -0.5), (2, -1.5))), protocol.TokenLogprob(2, -2.0, ((1, -0.1),)))
+    text = {1: "a", 2: "bé"}.__getitem__
+    chat = Shaper("r", MODEL, chat=True, token_text=text).whole("abé", protocol.Finish(
+        "stop", protocol.Usage(1, 2)), lps)["choices"][0]["logprobs"]
+    assert chat["content"][1] == {"token": "bé", "logprob": -2.0, "bytes": list("bé".encode()),
+                                  "top_logprobs": [{"token": "a", "logprob": -0.1, "bytes": [97]}]}
+    cmpl = Shaper("r", MODEL, chat=False, token_text=text)
+    first = cmpl.chunk_body("a", None, logprobs=lps[:1])["choices"][0]["logprobs"]
+    second = cmpl.chunk_body("bé", None, logprobs=lps[1:])["choices"][0]["logprobs"]
+    assert first == {"tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": [{"a": -0.5, "bé": -1.5}],
+                     "text_offset": [0]}
+    assert second["text_offset"] == [1] and second["top_logprobs"] == [{"a": -0.1, "bé": -2.0}]
+    assert Shaper("r", MODEL, chat=True).chunk_body("x", None)["choices"][0]["logprobs"] is None
+
+
+async def test_stream_writer_records_the_logprobs_of_sampled_tokens(model_dir):
+    from transformers import AutoTokenizer
+
+    from services.decode.stream import stream_completion
+    from shared.engines.base import SampledToken
+    from tests.fakes import ListSink
+
+    lp = [protocol.TokenLogprob(t, -float(t), ((t, -float(t)),)) for t in (11, 12)]
+
+    async def tokens():
+        yield SampledToken(lp[1])
+
+    events = ListSink()
+    meta = protocol.RequestMeta(request_id="r", model=MODEL, deadline_unix_ms=1, created_unix_ms=0,
+                                prompt_token_ids=(1,), sampling=protocol.Sampling(max_tokens=2, logprobs=1))
+    await stream_completion(events, meta, tokens(), tokenizer=AutoTokenizer.from_pretrained(model_dir),
+                            eos_token_ids=frozenset(), prompt_len=1, first_token=SampledToken(lp[0]))
+    deltas = [e for e in await events.history("r") if isinstance(e, protocol.TokenDelta)]
+    assert [d.logprobs for d in deltas if d.token_ids] == [(lp[0],), (lp[1],)]
+    assert all(type(t) is int for d in deltas for t in d.token_ids)
+    assert protocol.decode_event(protocol.encode(deltas[0])) == deltas[0]  # it crosses Redis as msgpack

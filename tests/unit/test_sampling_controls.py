@@ -70,12 +70,18 @@ async def test_seeded_controls_equal_in_one_engine_and_split(engines):
     prompt = gen.compute.render_prompt_ids([{"role": "user", "content": "Tell me a story about the sea."}])
     sampling = S(max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, min_p=0.02, seed=1234,
                  presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3, logit_bias=((11, 2.0),),
-                 min_tokens=5, ignore_eos=True)
+                 min_tokens=5, ignore_eos=True, logprobs=2)
     whole = [t async for t in gen.generate("w", prompt, [], sampling)]
     out = await gen.prefill("p", prompt, [], sampling)
     split = [out.first_token] + [t async for t in dec.decode("d", out.kv, out.rope_delta, out.prompt_len,
                                                              out.first_token, sampling, prompt_ids=tuple(prompt))]
     assert whole == split and len(whole) == 24  # ignore_eos: runs to max_tokens
+    # logprobs (raw logits) ride on the tokens: the same in both, top 2 first by value
+    assert [t.logprob.token_id for t in whole] == whole
+    for a, b in zip(whole, split, strict=True):
+        assert a.logprob.logprob == pytest.approx(b.logprob.logprob, abs=1e-4)
+        assert [i for i, _ in a.logprob.top] == [i for i, _ in b.logprob.top] and len(a.logprob.top) == 2
+        assert a.logprob.top[0][1] >= a.logprob.top[1][1] and a.logprob.logprob <= a.logprob.top[0][1]
     plain = [t async for t in gen.generate("x", prompt, [], S(max_tokens=24, temperature=0.9, top_p=0.95,
                                                                 seed=1234, ignore_eos=True))]
     assert plain != whole  # the controls changed the draw
