@@ -22,6 +22,14 @@ from msgspec import Struct
 # ---------------------------------------------------------------- common parts
 
 
+class StructuredOutput(Struct, frozen=True):
+    """A grammar the completion must follow: ``kind`` "json_object" (any JSON object) or
+    "json_schema" (``schema``: the JSON Schema, as JSON text)."""
+
+    kind: str
+    schema: str = ""
+
+
 class Sampling(Struct, frozen=True, kw_only=True):
     """Decoding parameters, validated by the gateway (ranges are checked there); every engine
     applies all of them, the same way in prefill (first token) and decode (the rest): see
@@ -42,6 +50,7 @@ class Sampling(Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False  # eos does not end the completion
     stop_token_ids: tuple[int, ...] = ()  # end the completion like eos (the token gets no text)
     logprobs: int | None = None  # None: off; k: each token's logprob and the k most likely (raw logits)
+    structured: StructuredOutput | None = None  # constrained decoding (shared.engines.structured)
 
 
 class AgentRef(Struct, frozen=True):

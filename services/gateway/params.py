@@ -11,6 +11,8 @@ for behaviour mmfleet does not have; a field at a value equal to what mmfleet do
 
 from __future__ import annotations
 
+import json
+
 from shared import protocol
 from shared.settings import Settings
 from shared.stage import RequestFailed
@@ -36,8 +38,6 @@ _SHARED: dict[str, tuple[tuple, str]] = {
     "request_id": ((), "the server assigns request ids (see the response's id)"),
     "return_tokens_as_token_ids": ((False,), "not supported"),
     "add_special_tokens": ((False,), "prompts are tokenized without added special tokens"),
-    "response_format": (({"type": "text"},), "only response_format type 'text' is supported yet "
-                                             "(json_object / json_schema are not)"),
     "echo": ((False,), "echo is not supported"),
 }
 _CHAT: dict[str, tuple[tuple, str]] = {
@@ -142,11 +142,40 @@ def sampling(req, settings: Settings, max_tokens: int | None, vocab_size: int) -
     if req.seed is not None and not -(2**63) <= req.seed < 2**63:
         raise bad("seed", "must fit in 64 bits")
     return protocol.Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=req.seed, stop=stop,
-                             logprobs=_logprobs(req),
+                             logprobs=_logprobs(req), structured=structured_output(req.response_format),
                              top_k=top_k, min_p=float(min_p), repetition_penalty=float(repetition),
                              min_tokens=min_tokens, ignore_eos=bool(req.ignore_eos),
                              logit_bias=_logit_bias(req.logit_bias, vocab_size),
                              stop_token_ids=_token_ids(req.stop_token_ids, vocab_size), **penalties)
+
+
+def structured_output(response_format) -> protocol.StructuredOutput | None:
+    """``response_format`` → the grammar engines enforce: ``text`` none, ``json_object`` any JSON
+    object, ``json_schema`` its ``schema`` (enforced whether ``strict`` or not, as vLLM does)."""
+    from shared.engines.structured import GrammarError, check
+
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return protocol.StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise RequestFailed.bad_request("response_format.type must be text, json_object or json_schema",
+                                        param="response_format.type")
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise RequestFailed.bad_request("response_format.json_schema.schema must be a JSON Schema object",
+                                        param="response_format.json_schema.schema")
+    out = protocol.StructuredOutput("json_schema", json.dumps(schema))
+    try:
+        check(out)
+    except GrammarError as exc:
+        raise RequestFailed.bad_request(f"response_format.json_schema.schema: {exc}",
+                                        param="response_format.json_schema.schema") from None
+    return out
 
 
 def _logprobs(req) -> int | None:

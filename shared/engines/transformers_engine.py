@@ -24,6 +24,7 @@ from shared.compute import ComputeLane, MicroBatcher
 from shared.engines.base import Capabilities, MediaEmbeds, PrefillOutput
 from shared.engines.batched import DecodeBatcher
 from shared.engines.sampling import sample_at, stop_token_set, with_logprob
+from shared.engines.structured import Grammars
 
 
 def compute_class(model_dir: str | Path):
@@ -65,6 +66,7 @@ class TransformersEngine:
         self._decode_max_batch = decode_max_batch
         self._decoder: DecodeBatcher | None = None
         self._aborted: set[str] = set()
+        self._grammars: Grammars | None = None  # built on the first structured-output request
         self.compute = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -129,11 +131,21 @@ class TransformersEngine:
                       sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
         args = (prompt_ids, media) if prefix_kv is None else (prompt_ids, media, prefix_kv)
         result = await self._lane.run(self.compute.prefill, *args)
-        first = sample_at(result.last_logits, sampling, step=0, prompt_ids=prompt_ids,
+        constraint = self._constraint(sampling, result.last_logits)
+        logits = result.last_logits if constraint is None else constraint.mask(result.last_logits)
+        first = sample_at(logits, sampling, step=0, prompt_ids=prompt_ids,
                           stop_ids=stop_token_set(sampling, self.eos_token_ids))
         first = with_logprob(first, result.last_logits, sampling)
         return PrefillOutput(first_token=first, kv=result.kv, rope_delta=result.rope_delta,
                              prompt_len=result.prompt_len)
+
+    def _constraint(self, sampling: protocol.Sampling, logits: torch.Tensor, prefix=()):
+        """The request's grammar (``sampling.structured``) advanced over ``prefix``; None without one."""
+        if sampling.structured is None:
+            return None
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, sorted(self.eos_token_ids))
+        return self._grammars.constraint(sampling.structured, logits.numel(), prefix)
 
     async def generate(self, request_id: str, prompt_ids: list[int], media: list[MediaEmbeds],
                        sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
@@ -161,15 +173,21 @@ class TransformersEngine:
         self._aborted.discard(request_id)
         state = await self._lane.run(self.compute.start_decode, kv, rope_delta, prompt_len)
         token, generated, outputs = first_token, 1, [first_token]
+        constraint = None
         decoder = self._decoder
         decoder.open()
         try:
             while generated < sampling.max_tokens and request_id not in self._aborted:
                 logits = await decoder.step(state, token)
+                if constraint is None and sampling.structured is not None:  # continues prefill's grammar
+                    constraint = self._constraint(sampling, logits, prefix=outputs)
                 forced = generated - 1 < len(resume)
+                allowed = logits if constraint is None else constraint.mask(logits)
                 token = resume[generated - 1] if forced else with_logprob(sample_at(
-                    logits, sampling, step=generated, prompt_ids=prompt_ids, output_ids=outputs, stop_ids=stops),
+                    allowed, sampling, step=generated, prompt_ids=prompt_ids, output_ids=outputs, stop_ids=stops),
                     logits, sampling)
+                if constraint is not None:
+                    constraint.accept(token)
                 generated += 1
                 outputs.append(token)
                 yield token

@@ -224,6 +224,8 @@ class VllmEngine:
                 disable_log_stats=True,
                 trust_remote_code=False,
                 worker_extension_cls=f"{vllm_process.__name__}.EngineProcessExtension",
+                # response_format: the grammar code the transformers engine runs (see vllm_structured)
+                logits_processors=["shared.engines.vllm_structured.StructuredOutputProcessor"],
                 **kv,
             )
             return AsyncLLM.from_engine_args(args)
@@ -312,7 +314,8 @@ class VllmEngine:
         media = vllm_pd.placeholder_media(kv.media, self.hidden_size)
         prompt = self._prompt(list(prompt_ids), media, tail=(first_token, *resume))
         params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1 if done else remaining),
-                                       kv_transfer=vllm_pd.from_wire(kv), already=1 + len(resume))
+                                       kv_transfer=vllm_pd.from_wire(kv), already=1 + len(resume),
+                                       prefix=(int(first_token), *resume))
         stops = stop_token_set(sampling, self.eos_token_ids)
         produced = 0
         async with contextlib.aclosing(self._outputs(request_id, prompt, params)) as outs:
@@ -348,7 +351,7 @@ class VllmEngine:
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume))
         produced = 0
         prompt = self._prompt(prompt_ids, images, tail=tuple(resume))
-        params = self._sampling_params(sampling, already=len(resume))
+        params = self._sampling_params(sampling, already=len(resume), prefix=tuple(resume))
         async with contextlib.aclosing(self._outputs(request_id, prompt, params)) as outs:
             async for out in outs:
                 completion = out.outputs[0] if out.outputs else None
@@ -420,11 +423,14 @@ class VllmEngine:
         }}
         return prompt
 
-    def _sampling_params(self, sampling: protocol.Sampling, kv_transfer: dict | None = None, already: int = 0):
+    def _sampling_params(self, sampling: protocol.Sampling, kv_transfer: dict | None = None, already: int = 0,
+                         prefix: tuple[int, ...] = ()):
         """vLLM's params for every ``protocol.Sampling`` control. ``already``: completion tokens
         that reach vLLM as prompt (prefill's first token, resumed ones), which ``min_tokens``
-        discounts. NOTE: vLLM counts presence / frequency penalties over the tokens IT generated,
-        so in e-p-d / ep-d they do not see the first token (the transformers engine's do)."""
+        discounts; ``prefix``: those tokens, over which a structured output's grammar is advanced
+        first (``shared.engines.vllm_structured``). NOTE: vLLM counts presence / frequency
+        penalties over the tokens IT generated, so in e-p-d / ep-d they do not see the first token
+        (the transformers engine's do)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -449,7 +455,8 @@ class VllmEngine:
             logprobs=sampling.logprobs,  # raw logprobs (vLLM's default logprobs_mode), like transformers'
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # the caller detokenises (and applies stop strings)
-            extra_args={"kv_transfer_params": kv_transfer} if kv_transfer is not None else None,
+            extra_args={**({"kv_transfer_params": kv_transfer} if kv_transfer is not None else {}),
+                        **_structured_args(sampling, prefix, stop_token_set(sampling, self.eos_token_ids))} or None,
         )
 
 
@@ -464,3 +471,11 @@ def _sampled(completion, i: int, sampling: protocol.Sampling) -> int:
                  key=lambda item: item[1].rank)
     return SampledToken(protocol.TokenLogprob(token, float(ranked[token].logprob),
                                               tuple((t, float(lp.logprob)) for t, lp in top)))
+
+
+def _structured_args(sampling: protocol.Sampling, prefix: tuple[int, ...], stop_ids) -> dict:
+    if sampling.structured is None:
+        return {}
+    from shared.engines import vllm_structured  # imports vLLM: only for requests that need it
+
+    return vllm_structured.extra_args(sampling, prefix, stop_ids)

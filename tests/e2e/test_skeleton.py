@@ -218,6 +218,13 @@ def test_seeded_sampling_controls_draw_what_epd_draws(client, model_dir):
     assert [len(e.top_logprobs) for e in with_lp.logprobs.content] == [2] * len(want)
 
 
+def test_structured_output_in_e_p_d(client, model_dir):
+    """response_format: decode continues the grammar after prefill's first token."""
+    from tests.e2e.test_api_conformance import check_structured_output
+
+    check_structured_output(client, model_dir)
+
+
 def test_unknown_model_and_bad_params(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
