@@ -153,7 +153,8 @@ class Frontend:
         events = _token_timing(self.streams.follow(adm.request_id, deadline_s=deadline_s), adm.t0)
         shaper = Shaper(adm.request_id, adm.model, chat=adm.chat,
                         include_usage=adm.prepared.stream and adm.prepared.include_usage,
-                        token_text=self.builder.token_text if adm.prepared.sampling.logprobs is not None else None)
+                        token_text=self.builder.token_text if adm.prepared.sampling.logprobs is not None else None,
+                        tool_mode=adm.prepared.tool_mode)
         try:
             first = await anext(events)
             async for reply in shape_replies(shaper, first, events, stream=adm.prepared.stream,

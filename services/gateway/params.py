@@ -41,8 +41,6 @@ _SHARED: dict[str, tuple[tuple, str]] = {
     "echo": ((False,), "echo is not supported"),
 }
 _CHAT: dict[str, tuple[tuple, str]] = {
-    "tools": (([],), "tool calling is not supported yet"),
-    "tool_choice": (("none",), "tool calling is not supported yet"),
     "functions": (([],), "function calling is not supported"),
     "function_call": (("none",), "function calling is not supported"),
     "audio": ((), "audio output is not supported"),
@@ -64,8 +62,6 @@ _COMPLETION: dict[str, tuple[tuple, str]] = {
 }
 # fields of a message beyond role / content / name
 _MESSAGE: dict[str, str] = {
-    "tool_calls": "tool calling is not supported yet",
-    "tool_call_id": "tool messages are not supported yet",
     "function_call": "function calling is not supported",
     "refusal": "assistant refusals in the history are not supported",
     "audio": "audio output references are not supported",
@@ -96,9 +92,9 @@ def check_fields(req, *, chat: bool) -> None:
     if not chat:
         return
     for i, msg in enumerate(req.messages):
-        if msg.role in ("tool", "function"):
-            raise _refuse(f"messages[{i}].role", f"{msg.role} messages need tool calling, which is not "
-                                                 "supported yet")
+        if msg.role == "function":
+            raise _refuse(f"messages[{i}].role", "function messages (the deprecated function calling) are not "
+                                                 "supported; use tools and role tool")
         for name, why in _MESSAGE.items():
             if getattr(msg, name) is not None:
                 raise _refuse(f"messages[{i}].{name}", why)

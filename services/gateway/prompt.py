@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gateway import params, schema
+import msgspec
+
+from services.gateway import params, schema, tools
 from shared import protocol
 from shared.media.files import file_url_path
 from shared.media.sources import (
@@ -48,6 +50,7 @@ class Prepared:
     sampling: protocol.Sampling = protocol.Sampling()
     stream: bool = False
     include_usage: bool = False
+    tool_mode: str = ""  # services.gateway.tools: "" | "auto" | "forced"
 
 
 class PromptBuilder:
@@ -110,19 +113,31 @@ class PromptBuilder:
             raise RequestFailed.bad_request("messages must contain at least one message", param="messages")
         media: list[MediaInput] = []
         rendered: list[dict] = []
+        tool_plan = tools.plan(req.tools, req.tool_choice)
         for i, msg in enumerate(req.messages):
+            tools.check_message(i, msg)
             rendered.append({"role": msg.role, "content": self._content(msg, i, media)})
+        native = tools.template_knows_tools(getattr(self._tok, "chat_template", None))
+        rendered = tools.render_messages(rendered, req.messages, tool_plan, native=native)
+        template_tools = {"tools": [{"type": "function", "function": f} for f in tool_plan.tools]} \
+            if native and tool_plan.tools else {}
         if len(media) > self._s.max_media_items:
             raise RequestFailed(413, f"request has {len(media)} media items; the limit is {self._s.max_media_items}",
                                 param="messages", code="too_many_media_items")
-        text = self._tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        text = self._tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **template_tools)
         ids = self._tokenize(text)
         if sum(1 for t in ids if t in self._placeholder_ids) != len(media):
             raise RequestFailed.bad_request(
                 f"text may not contain the reserved tokens {', '.join(self._placeholder_ids.values())}",
                 param="messages")
-        return Prepared(ids, media, self._sampling(req, req.max_completion_tokens or req.max_tokens),
-                        req.stream, bool(req.stream_options and req.stream_options.include_usage))
+        sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens)
+        if tool_plan.structured is not None:  # a forced call: the grammar of the allowed calls
+            if sampling.structured is not None:
+                raise RequestFailed.bad_request("tool_choice forcing a call cannot be combined with "
+                                                "response_format", param="tool_choice")
+            sampling = msgspec.structs.replace(sampling, structured=tool_plan.structured)
+        return Prepared(ids, media, sampling, req.stream, bool(req.stream_options and req.stream_options.include_usage),
+                        tool_plan.mode)
 
     def _content(self, msg: schema.Message, i: int, media: list[MediaInput]):
         if msg.content is None or isinstance(msg.content, str):

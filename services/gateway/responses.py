@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
+from services.gateway import tools
 from shared import protocol
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -91,7 +92,7 @@ class Shaper:
     (``text_completion``) objects, whole or as stream chunks."""
 
     def __init__(self, request_id: str, model: str, *, chat: bool, include_usage: bool = False,
-                 token_text: Callable[[int], str] | None = None) -> None:
+                 token_text: Callable[[int], str] | None = None, tool_mode: str = "") -> None:
         self.id = request_id
         self.model = model
         self.chat = chat
@@ -99,6 +100,7 @@ class Shaper:
         self.include_usage = include_usage  # stream chunks then carry "usage": null until the last
         self.token_text = token_text  # set: the request asked for logprobs (token id -> its text)
         self._offset = 0  # completions' text_offset of the next token
+        self.tool_mode = tool_mode  # "" | "auto" | "forced": see services.gateway.tools
 
     def logprobs(self, lps: Sequence[protocol.TokenLogprob]) -> dict | None:
         """OpenAI's ``logprobs`` object of a choice (chat: ``content``; completions: parallel
@@ -147,11 +149,23 @@ class Shaper:
         body["usage"] = usage_dict(usage)
         return body
 
+    def tool_calls_chunk(self, calls: list[dict]) -> dict:
+        delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        return self._chunk("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
+                                                      "finish_reason": None}])
+
     def whole(self, text: str, finish: protocol.Finish, logprobs: Sequence[protocol.TokenLogprob] = ()) -> dict:
         lp = self.logprobs(logprobs)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": lp, "finish_reason": finish.reason}
+            message: dict = {"role": "assistant", "content": text}
+            reason = finish.reason
+            if self.tool_mode:
+                message["content"], calls = tools.parse(text, self.tool_mode)
+                if calls:
+                    message["tool_calls"], reason = calls, "tool_calls"
+                else:
+                    message["content"] = text
+            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
             body = self._envelope("chat.completion", [choice])
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish.reason}
@@ -173,6 +187,7 @@ async def shape_replies(shaper: Shaper, first: protocol.StreamEvent, events: Asy
         yield Reply("chunk", shaper.chunk_body("", None, first=True))
     texts: list[str] = []
     lps: list[protocol.TokenLogprob] = []
+    calls_out = tools.ToolStream(shaper.tool_mode) if stream and shaper.tool_mode else None
     ev = first
     while True:
         match ev:
@@ -180,12 +195,22 @@ async def shape_replies(shaper: Shaper, first: protocol.StreamEvent, events: Asy
                 if not stream:
                     texts.append(text)
                     lps.extend(delta_lps)
+                elif calls_out is not None:
+                    if shown := calls_out.feed(text):
+                        yield Reply("chunk", shaper.chunk_body(shown, None))
                 elif text or (delta_lps and shaper.token_text is not None):
                     yield Reply("chunk", shaper.chunk_body(text, None, logprobs=delta_lps))
             case protocol.Finish(reason=reason, usage=usage):
                 if not stream:
                     yield Reply("completion", shaper.whole("".join(texts), ev, lps), last=True)
                     return
+                if calls_out is not None:
+                    rest, calls = calls_out.finish()
+                    if rest:
+                        yield Reply("chunk", shaper.chunk_body(rest, None))
+                    if calls:
+                        yield Reply("chunk", shaper.tool_calls_chunk(calls))
+                        reason = "tool_calls"
                 yield Reply("chunk", shaper.chunk_body(None, reason), last=not include_usage)
                 if include_usage:
                     yield Reply("chunk", shaper.usage_body(usage), last=True)

@@ -91,8 +91,11 @@ CHAT_REFUSED = [  # (keyword arguments of chat.completions.create, the param the
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "response_format.json_schema.schema"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                 "function": {"name": "g"}}},
+     "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
@@ -141,9 +144,10 @@ def test_chat_parameter_refused_by_name(client, kwargs, param):
 
 
 @pytest.mark.parametrize(("messages", "param"), [
-    ([{"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages[0].role"),
+    ([{"role": "tool", "content": "42"}], "messages[0].tool_call_id"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}], "messages[1].tool_calls"),
+        {"id": "c1", "type": "function"}]}], "messages[1].tool_calls[0]"),
+    ([{"role": "function", "name": "f", "content": "1"}], "messages[0].role"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png",
                                                                          "detail": "low"}}]}],
      "messages[0].content[0].image_url.detail"),
@@ -294,6 +298,64 @@ def check_structured_output(client, model_dir) -> None:
 
 def test_structured_output(client, model_dir):
     check_structured_output(client, model_dir)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "unit"],
+        "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}}}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["a", "b"],
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}},
+]
+HISTORY = [{"role": "user", "content": "What is 1 + 2, and the weather in Oslo?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+
+
+def _valid_call(call) -> None:
+    import jsonschema
+
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert call.type == "function" and call.id.startswith("call_")
+
+
+def check_tool_calls(client) -> None:
+    """Forced calls (named, required; whole and streamed as deltas) parse and validate even from
+    the random demo model; auto and none answer; a history with tool results is accepted."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in (named, "required"):
+        kw = dict(model=MODEL, messages=HISTORY, tools=TOOLS, tool_choice=choice, max_tokens=80, temperature=1.0,
+                  seed=11)
+        whole = client.chat.completions.create(**kw).choices[0]
+        assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1, whole
+        _valid_call(whole.message.tool_calls[0])
+        if choice == named:
+            assert whole.message.tool_calls[0].function.name == "get_weather"
+        parts, finish = {}, None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            c = chunk.choices[0]
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                got = parts.setdefault(d.index, {"name": "", "arguments": ""})
+                got["name"] += (d.function.name or "") if d.function else ""
+                got["arguments"] += (d.function.arguments or "") if d.function else ""
+        assert finish == "tool_calls" and len(parts) == 1
+        assert parts[0]["name"] == whole.message.tool_calls[0].function.name
+        assert json.loads(parts[0]["arguments"]) == json.loads(whole.message.tool_calls[0].function.arguments)
+    for choice in ("auto", "none"):
+        out = client.chat.completions.create(model=MODEL, messages=HISTORY, tools=TOOLS, tool_choice=choice,
+                                             max_tokens=8, temperature=0).choices[0]
+        assert out.finish_reason in ("stop", "length", "tool_calls")
+        if choice == "none":
+            assert not out.message.tool_calls
+
+
+def test_tool_calls(client):
+    check_tool_calls(client)
 
 
 def test_include_usage_gives_null_usage_until_the_last_chunk(client, fleet):

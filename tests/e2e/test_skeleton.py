@@ -218,11 +218,12 @@ def test_seeded_sampling_controls_draw_what_epd_draws(client, model_dir):
     assert [len(e.top_logprobs) for e in with_lp.logprobs.content] == [2] * len(want)
 
 
-def test_structured_output_in_e_p_d(client, model_dir):
-    """response_format: decode continues the grammar after prefill's first token."""
-    from tests.e2e.test_api_conformance import check_structured_output
+def test_structured_output_and_tool_calls_in_e_p_d(client, model_dir):
+    """response_format and forced tool calls: decode continues the grammar after prefill's first token."""
+    from tests.e2e.test_api_conformance import check_structured_output, check_tool_calls
 
     check_structured_output(client, model_dir)
+    check_tool_calls(client)  # forced calls: the same grammar across the split
 
 
 def test_unknown_model_and_bad_params(client):
