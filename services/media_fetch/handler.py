@@ -5,7 +5,7 @@ In: ``MediaFetchRequest`` (items are http(s) or file:// URLs, or inline bytes he
 gateway). Out: one ``EncodeRequest`` on ``mm.encode``. The gateway's inline slots are NOT
 released here: the gateway holds them until the request ends, so a restart from the source
 (after a lost tensor owner downstream) can read them again. Bad media ends the request with a
-400/413/422 (``RequestFailed``); the worker goes on. mm_hash = BLAKE3 of the raw fetched bytes,
+400/413 (``RequestFailed``); the worker goes on. mm_hash = BLAKE3 of the raw fetched bytes,
 so identical content hashes the same wherever it came from.
 
 Loading: http(s) through the shared :class:`MediaFetcher` (address policy, caps, timeouts),
@@ -143,7 +143,7 @@ class MediaFetchHandler:
     def _kind(self, src: protocol.MediaSource) -> tuple[int, Callable[[bytes, str], object]]:
         entry = self._kinds.get(src.kind)
         if entry is None:
-            raise MediaError(f"{src.param}: {src.kind} media is not supported by this server", status=422,
+            raise MediaError(f"{src.param}: {src.kind} media is not supported by this server", status=400,
                              code="unsupported_modality")
         return entry
 
