@@ -128,6 +128,9 @@ class MediaSource(Struct, frozen=True, kw_only=True):
     # video sampling asked by the request (0: the server's default, settings video_num_frames)
     num_frames: int = 0
     fps: float = 0.0  # > 0: sample this many frames per second instead (capped by max_video_frames)
+    # images (Qwen2-VL): the request's pixel budget (mm_processor_kwargs / detail; 0: the processor's)
+    min_pixels: int = 0
+    max_pixels: int = 0
     # kind "image_embeds" (precomputed embeddings, ``mime`` = "npy" | "safetensors"): the grid
     # they were encoded with (Qwen2-VL positions need it; (0, 0, 0) for other families)
     grid_thw: tuple[int, int, int] = (0, 0, 0)

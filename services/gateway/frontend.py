@@ -176,7 +176,7 @@ class Frontend:
         for m in prepared.media:
             if m.data is None:
                 items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url, num_frames=m.num_frames,
-                                                  fps=m.fps))
+                                                  fps=m.fps, min_pixels=m.min_pixels, max_pixels=m.max_pixels))
                 continue
             try:
                 ref = await self.transfer.put_wait(torch.frombuffer(bytearray(m.data), dtype=torch.uint8),
@@ -187,7 +187,8 @@ class Frontend:
                                   retry_after_s=1) from None
             leases.append(ref.lease)
             items.append(protocol.MediaSource(kind=m.kind, param=m.param, inline=ref, mime=m.mime,
-                                              num_frames=m.num_frames, fps=m.fps, grid_thw=m.grid_thw))
+                                              num_frames=m.num_frames, fps=m.fps, grid_thw=m.grid_thw,
+                                              min_pixels=m.min_pixels, max_pixels=m.max_pixels))
         owner = self.transfer.ref() if leases else None
         meta = protocol.RequestMeta(request_id=request_id, model=model, created_unix_ms=now_ms,
                                     deadline_unix_ms=now_ms + self.settings.request_timeout_ms,

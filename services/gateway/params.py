@@ -51,7 +51,6 @@ _CHAT: dict[str, tuple[tuple, str]] = {
     "web_search_options": ((), "web search is not supported"),
     "chat_template": ((), "per-request chat templates are not supported"),
     "chat_template_kwargs": (({},), "chat_template_kwargs are not supported"),
-    "mm_processor_kwargs": (({},), "mm_processor_kwargs are not supported"),
     "add_generation_prompt": ((True,), "the generation prompt is always added"),
     "continue_final_message": ((False,), "continue_final_message is not supported"),
     "documents": ((), "documents are not supported"),
@@ -172,6 +171,40 @@ def structured_output(response_format) -> protocol.StructuredOutput | None:
         raise RequestFailed.bad_request(f"response_format.json_schema.schema: {exc}",
                                         param="response_format.json_schema.schema") from None
     return out
+
+
+DETAIL_LOW_MAX_PIXELS = 512 * 512  # image_url.detail "low": at most OpenAI's low-detail 512x512 budget
+
+
+def pixel_budget(mm_processor_kwargs, *, supported: bool, settings: Settings) -> tuple[int, int]:
+    """(min_pixels, max_pixels) for the request's images from ``mm_processor_kwargs`` (0: the
+    processor's own); only the two Qwen image-processor keys are taken, where the family has them."""
+    if not mm_processor_kwargs:
+        return 0, 0
+    if not isinstance(mm_processor_kwargs, dict):
+        raise RequestFailed.bad_request("mm_processor_kwargs must be an object", param="mm_processor_kwargs")
+    for key in mm_processor_kwargs:
+        if key not in ("min_pixels", "max_pixels") or not supported:
+            raise _refuse(f"mm_processor_kwargs.{key}", "this server's model takes min_pixels and max_pixels only"
+                          if supported else "the served model's processor takes no per-request options")
+    lo, hi = mm_processor_kwargs.get("min_pixels", 0), mm_processor_kwargs.get("max_pixels", 0)
+    for name, value in (("min_pixels", lo), ("max_pixels", hi)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= settings.max_image_pixels:
+            raise RequestFailed.bad_request(f"mm_processor_kwargs.{name} must be an integer from 0 to "
+                                            f"{settings.max_image_pixels}", param=f"mm_processor_kwargs.{name}")
+    if lo and hi and lo > hi:
+        raise RequestFailed.bad_request("mm_processor_kwargs.min_pixels exceeds max_pixels",
+                                        param="mm_processor_kwargs.min_pixels")
+    return lo, hi
+
+
+def media_limits(counts: dict[str, int], settings: Settings) -> None:
+    """Per-modality limits (``max_<kind>s_per_request``): 400 naming the modality beyond them."""
+    for kind, limit in (("image", settings.max_images_per_request), ("video", settings.max_videos_per_request),
+                        ("audio", settings.max_audios_per_request)):
+        if limit and counts.get(kind, 0) > limit:
+            raise RequestFailed(400, f"request has {counts[kind]} {kind} items; this server takes at most {limit}",
+                                param="messages", code="too_many_media_items")
 
 
 def _logprobs(req) -> int | None:

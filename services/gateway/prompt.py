@@ -41,6 +41,8 @@ class MediaInput:
     num_frames: int = 0  # video sampling the request asked for (0: server default)
     fps: float = 0.0
     grid_thw: tuple[int, int, int] = (0, 0, 0)  # image_embeds: the grid they were encoded with
+    min_pixels: int = 0  # images: the request's pixel budget (0: the processor's own)
+    max_pixels: int = 0
 
 
 @dataclass
@@ -64,7 +66,7 @@ class PromptBuilder:
 
     def __init__(self, tokenizer, *, placeholder_token: str = "", max_model_len: int, settings: Settings,
                  placeholders: dict[str, str] | None = None, embeds_hidden_size: int = 0,
-                 embeds_merge_size: int = 0) -> None:
+                 embeds_merge_size: int = 0, pixel_budget: bool = False) -> None:
         self._tok = tokenizer
         self._placeholders = dict(placeholders) if placeholders is not None else {"image": placeholder_token}
         self._placeholder_ids = {tokenizer.convert_tokens_to_ids(t): t for t in self._placeholders.values()}
@@ -73,6 +75,7 @@ class PromptBuilder:
         # family's positions need grid_thw (Qwen2-VL: rows = t·h·w / merge²)
         self._embeds_hidden = embeds_hidden_size
         self._embeds_merge = embeds_merge_size
+        self._pixel_budget = pixel_budget  # the image processor takes min/max pixels per request (Qwen2-VL)
         self._s = settings
         self._allow = as_allowlist(settings.media_allow_hosts)
         self._max_bytes = {"image": settings.max_image_bytes, "video": settings.max_video_bytes,
@@ -104,7 +107,7 @@ class PromptBuilder:
             if family.name == "qwen2_vl" else 0
         return cls(AutoTokenizer.from_pretrained(model_dir), max_model_len=max_len, settings=settings,
                    placeholders=placeholders, embeds_hidden_size=hidden if only is None else 0,
-                   embeds_merge_size=merge)
+                   embeds_merge_size=merge, pixel_budget=family.name == "qwen2_vl")
 
     # ------------------------------------------------------------------ chat
     def chat(self, req: schema.ChatCompletionRequest) -> Prepared:
@@ -114,11 +117,17 @@ class PromptBuilder:
         media: list[MediaInput] = []
         rendered: list[dict] = []
         tool_plan = tools.plan(req.tools, req.tool_choice)
+        pixels = params.pixel_budget(req.mm_processor_kwargs, supported=self._pixel_budget, settings=self._s)
         for i, msg in enumerate(req.messages):
             tools.check_message(i, msg)
             rendered.append({"role": msg.role, "content": self._content(msg, i, media)})
         native = tools.template_knows_tools(getattr(self._tok, "chat_template", None))
         rendered = tools.render_messages(rendered, req.messages, tool_plan, native=native)
+        params.media_limits({k: sum(1 for m in media if m.kind == k) for k in ("image", "video", "audio")}, self._s)
+        for m in media:
+            if m.kind == "image":
+                lo, hi = pixels
+                m.min_pixels, m.max_pixels = lo, min(hi or m.max_pixels, m.max_pixels or hi)
         template_tools = {"tools": [{"type": "function", "function": f} for f in tool_plan.tools]} \
             if native and tool_plan.tools else {}
         if len(media) > self._s.max_media_items:
@@ -152,14 +161,16 @@ class PromptBuilder:
                     if msg.role != "user":
                         raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only",
                                                         param=param)
-                    if image_url.detail not in (None, "auto"):
-                        # no pixel budget per detail level yet: refused, never silently ignored
+                    if image_url.detail not in (None, "auto") and (
+                            image_url.detail not in ("low", "high") or not self._pixel_budget):
                         raise RequestFailed.bad_request(
-                            f"{param}.image_url.detail: only 'auto' is supported (images are sized by the "
-                            "server's processor settings)", param=f"{param}.image_url.detail",
-                            code="unsupported_parameter")
+                            f"{param}.image_url.detail: must be auto, low or high" if self._pixel_budget else
+                            f"{param}.image_url.detail: only 'auto' is supported by this model's processor",
+                            param=f"{param}.image_url.detail", code="unsupported_parameter")
                     self._check_modality("image", "image_url", param)
                     media.append(self._media("image", image_url.url, param))
+                    if image_url.detail == "low":  # a pixel budget, see params.DETAIL_LOW_MAX_PIXELS
+                        media[-1].max_pixels = params.DETAIL_LOW_MAX_PIXELS
                     parts.append({"type": "image"})
                 case schema.VideoPart(video_url=video_url):
                     self._check_modality("video", "video_url", param)

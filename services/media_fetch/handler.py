@@ -190,6 +190,8 @@ class MediaFetchHandler:
         h = blake3.blake3(raw)
         if src.kind == "image_embeds":  # embeddings are never the same input as an image's bytes
             h.update(f"|embeds:{src.mime}:{src.grid_thw}".encode())
+        if src.kind == "image" and (src.min_pixels or src.max_pixels):  # resized differently: another input
+            h.update(f"|pixels:{src.min_pixels}:{src.max_pixels}".encode())
         if src.kind == "video":  # the same bytes sampled differently are different inputs
             num_frames, fps = self._sampling(src)
             h.update(f"|video:num_frames={num_frames}:fps={fps:g}".encode())
@@ -199,6 +201,8 @@ class MediaFetchHandler:
         param = src.param
         img = decode_image(raw, max_pixels=self._s.max_image_pixels, param=param)
         try:
+            if src.min_pixels or src.max_pixels:  # the gateway allows them only where the family has them
+                return self._preprocess(img, min_pixels=src.min_pixels, max_pixels=src.max_pixels)
             return self._preprocess(img)
         except ValueError as exc:  # the model's processor refuses this image (e.g. extreme aspect ratio)
             raise MediaError(f"{param}: the image cannot be processed by this model: {str(exc)[:200]}") from None

@@ -115,7 +115,8 @@ CHAT_REFUSED = [  # (keyword arguments of chat.completions.create, the param the
     ({"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens"),
     ({"extra_body": {"echo": True}}, "echo"),
     ({"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
-    ({"extra_body": {"mm_processor_kwargs": {"max_pixels": 1000}}}, "mm_processor_kwargs"),
+    ({"extra_body": {"mm_processor_kwargs": {"do_resize": False}}}, "mm_processor_kwargs.do_resize"),
+    ({"extra_body": {"mm_processor_kwargs": {"max_pixels": -1}}}, "mm_processor_kwargs.max_pixels"),
     ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
     ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
     ({"extra_body": {"top_k": "many"}}, "top_k"),
@@ -149,7 +150,7 @@ def test_chat_parameter_refused_by_name(client, kwargs, param):
         {"id": "c1", "type": "function"}]}], "messages[1].tool_calls[0]"),
     ([{"role": "function", "name": "f", "content": "1"}], "messages[0].role"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png",
-                                                                         "detail": "low"}}]}],
+                                                                         "detail": "ultra"}}]}],
      "messages[0].content[0].image_url.detail"),
     ([{"role": "robot", "content": "hi"}], "messages[0].role"),
 ])
@@ -386,3 +387,20 @@ def test_models_follow_the_api_key_rule(client, fleet):
     anonymous = openai.OpenAI(base_url=fleet + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         anonymous.models.list()
+
+
+def test_pixel_budget_and_detail_change_the_image_tokens(client):
+    """The same image bytes under different budgets are different inputs (fewer prompt tokens),
+    encoded apart rather than answered from the embedding cache of another budget."""
+    from tests.e2e.test_skeleton import noise_image, png_data_url
+
+    url = png_data_url(noise_image(3, size=(320, 240)))
+
+    def prompt_tokens(detail=None, **kw) -> int:
+        part = {"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}}
+        return client.chat.completions.create(model=MODEL, max_tokens=1, temperature=0, messages=[
+            {"role": "user", "content": [part, {"type": "text", "text": "hi"}]}], **kw).usage.prompt_tokens
+
+    full = prompt_tokens()
+    small = prompt_tokens(extra_body={"mm_processor_kwargs": {"max_pixels": 112 * 112}})
+    assert small < full and prompt_tokens("high") == full and prompt_tokens() == full

@@ -110,3 +110,44 @@ async def test_stream_writer_records_the_logprobs_of_sampled_tokens(model_dir):
     assert [d.logprobs for d in deltas if d.token_ids] == [(lp[0],), (lp[1],)]
     assert all(type(t) is int for d in deltas for t in d.token_ids)
     assert protocol.decode_event(protocol.encode(deltas[0])) == deltas[0]  # it crosses Redis as msgpack
+
+
+def _image_body(extra: dict, detail: str | None = None, n: int = 1) -> bytes:
+    from tests.media import samples
+
+    url = {"url": samples.data_url(samples.png((64, 48))), **({"detail": detail} if detail else {})}
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
+        *({"type": "image_url", "image_url": url} for _ in range(n)), {"type": "text", "text": "hi"}]}],
+        **extra}).encode()
+
+
+def test_pixel_budget_and_detail_reach_the_media_items(front):
+    prepared, _ = front.prepare(_image_body({"mm_processor_kwargs": {"min_pixels": 3136, "max_pixels": 400_000}}),
+                                chat=True)
+    assert [(m.min_pixels, m.max_pixels) for m in prepared.media] == [(3136, 400_000)]
+    low, _ = front.prepare(_image_body({}, detail="low"), chat=True)
+    assert (low.media[0].min_pixels, low.media[0].max_pixels) == (0, 512 * 512)
+    both, _ = front.prepare(_image_body({"mm_processor_kwargs": {"max_pixels": 100_000}}, detail="low"), chat=True)
+    assert both.media[0].max_pixels == 100_000
+    high, _ = front.prepare(_image_body({}, detail="high"), chat=True)
+    assert (high.media[0].min_pixels, high.media[0].max_pixels) == (0, 0)
+
+
+def test_per_modality_limit(model_dir):
+    limited = _front(model_dir, max_images_per_request=2)
+    limited.prepare(_image_body({}, n=2), chat=True)
+    with pytest.raises(Rejected) as info:
+        limited.prepare(_image_body({}, n=3), chat=True)
+    ev = info.value.event
+    assert (ev.status, ev.param, ev.code) == (400, "messages", "too_many_media_items") and "at most 2" in ev.message
+
+
+def test_image_preprocessor_takes_the_budget(model_dir):
+    from PIL import Image
+
+    from shared.engines.qwen2_vl import ImagePreprocessor
+
+    pre = ImagePreprocessor(model_dir)
+    img = Image.new("RGB", (400, 300))
+    full, small = pre(img), pre(img, max_pixels=112 * 112)
+    assert small.n_tokens < full.n_tokens and small.grid_thw[1] * small.grid_thw[2] * 14 * 14 <= 112 * 112
