@@ -404,7 +404,7 @@ class VllmEngine:
         n_placeholders = sum(1 for t in prompt_ids if t == self.placeholder_token_id)
         if n_placeholders != len(images):
             raise EngineError(f"prompt has {n_placeholders} image placeholders but {len(images)} images given")
-        prompt: dict = {"prompt_token_ids": [*prompt_ids, *tail]}
+        prompt: dict = {"prompt_token_ids": [*prompt_ids, *(int(t) for t in tail)]}  # ids, not SampledToken
         if not images:
             return prompt
         if len(images) > self._max_images:
