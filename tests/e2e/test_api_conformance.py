@@ -139,7 +139,7 @@ CHAT_REFUSED = [  # (keyword arguments of chat.completions.create, the param the
 @pytest.mark.parametrize(("kwargs", "param"), CHAT_REFUSED, ids=[p for _, p in CHAT_REFUSED])
 def test_chat_parameter_refused_by_name(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, **kwargs)
+        client.chat.completions.create(model=MODEL, messages=MSGS, **{"max_tokens": 4, **kwargs})
     err = info.value.body
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
 
@@ -170,7 +170,7 @@ COMPLETION_REFUSED = [
 @pytest.mark.parametrize(("kwargs", "param"), COMPLETION_REFUSED, ids=[p for _, p in COMPLETION_REFUSED])
 def test_completion_parameter_refused_by_name(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **kwargs)
+        client.completions.create(model=MODEL, prompt=PROMPT, **{"max_tokens": 4, **kwargs})
     assert info.value.body["param"] == param, info.value.body
 
 
