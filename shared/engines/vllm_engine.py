@@ -225,7 +225,7 @@ class VllmEngine:
                 trust_remote_code=False,
                 worker_extension_cls=f"{vllm_process.__name__}.EngineProcessExtension",
                 # response_format: the grammar code the transformers engine runs (see vllm_structured)
-                logits_processors=["shared.engines.vllm_structured.StructuredOutputProcessor"],
+                logits_processors=["shared.engines.vllm_structured:StructuredOutputProcessor"],
                 **kv,
             )
             return AsyncLLM.from_engine_args(args)
