@@ -428,9 +428,8 @@ class VllmEngine:
         """vLLM's params for every ``protocol.Sampling`` control. ``already``: completion tokens
         that reach vLLM as prompt (prefill's first token, resumed ones), which ``min_tokens``
         discounts; ``prefix``: those tokens, over which a structured output's grammar is advanced
-        first (``shared.engines.vllm_structured``). NOTE: vLLM counts presence / frequency
-        penalties over the tokens IT generated, so in e-p-d / ep-d they do not see the first token
-        (the transformers engine's do)."""
+        first, and for which presence / frequency penalties are added (vLLM's own count only the
+        tokens IT generated), both by ``shared.engines.vllm_structured``."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -474,7 +473,7 @@ def _sampled(completion, i: int, sampling: protocol.Sampling) -> int:
 
 
 def _structured_args(sampling: protocol.Sampling, prefix: tuple[int, ...], stop_ids) -> dict:
-    if sampling.structured is None:
+    if sampling.structured is None and not (prefix and (sampling.presence_penalty or sampling.frequency_penalty)):
         return {}
     from shared.engines import vllm_structured  # imports vLLM: only for requests that need it
 

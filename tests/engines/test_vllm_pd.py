@@ -68,8 +68,8 @@ async def test_unreachable_producer_is_owner_gone(pair, cases):  # noqa: F811 (f
 
 async def test_controls_structured_output_and_logprobs_across_the_handoff(pair, compute, model_dir):  # noqa: F811
     """The split draws what the transformers engine draws: min_tokens discounted by prefill's
-    token, the grammar continued after it (shared.engines.vllm_structured), logprobs of both
-    halves. (presence / frequency penalties are left out: vLLM's do not see prefill's token.)"""
+    token, the grammar continued after it and presence / frequency penalties counting it
+    (shared.engines.vllm_structured), logprobs of both halves."""
     import json
 
     import jsonschema
@@ -79,6 +79,7 @@ async def test_controls_structured_output_and_logprobs_across_the_handoff(pair, 
 
     prompt = compute.render_prompt_ids(messages_for(0, "Tell me a story about the sea."))
     controls = protocol.Sampling(max_tokens=16, temperature=0.0, repetition_penalty=1.3, ignore_eos=True,
+                                 presence_penalty=0.8, frequency_penalty=0.6,
                                  logit_bias=((11, 3.0), (13, -100.0)), min_tokens=4, logprobs=2)
     structured = protocol.Sampling(max_tokens=120, temperature=0.0, logprobs=1,
                                    structured=protocol.StructuredOutput("json_schema", json.dumps(SCHEMA)))

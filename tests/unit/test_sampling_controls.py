@@ -98,3 +98,23 @@ async def test_stop_token_ids_end_the_completion(engines):
     banned = [t async for t in gen.generate("b", prompt, [], S(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                                  logit_bias=((stop, -100.0),)))]
     assert stop not in banned
+
+
+def test_vllm_prefix_penalties_compose_to_the_reference():
+    """vLLM's decode engine gets prefill's token (and resumed ones) as prompt: the processor's
+    compensation, followed by vLLM's own repetition and output-token penalties (simulated here
+    with vLLM's formulas), gives the transformers engine's logits."""
+    pytest.importorskip("vllm")
+    from shared.engines.vllm_structured import prefix_penalties
+
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(3)) * 3
+    prompt, prefix, outputs = [1, 2, 3], [5, 7, 5], [7, 9, 9]
+    s = S(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3)
+    want = process_logits(logits, s, 6, prompt_ids=prompt, output_ids=prefix + outputs)
+
+    x = prefix_penalties(logits, prefix, outputs, s.presence_penalty, s.frequency_penalty, s.repetition_penalty)
+    seen = sorted(set(prompt + prefix + outputs))  # vLLM: prefix tokens are prompt to it
+    x[seen] = torch.where(x[seen] > 0, x[seen] / 1.3, x[seen] * 1.3)
+    counts = torch.bincount(torch.tensor(outputs), minlength=40).float()
+    x -= 0.4 * counts + 0.7 * (counts > 0).float()
+    assert torch.allclose(x, want, atol=1e-5)
