@@ -190,10 +190,23 @@ def parse_completion(body: bytes) -> CompletionRequest:
     return _completion_decoder.decode(body)
 
 
+class _MessageKeys(Struct):
+    messages: list[dict[str, msgspec.Raw]] = []
+
+
+_message_keys_decoder = msgspec.json.Decoder(_MessageKeys)
+_MESSAGE_FIELDS = frozenset(Message.__struct_fields__)
+
+
 def unknown_fields(body: bytes, *, chat: bool) -> list[str]:
-    """Top-level keys of a (valid) body that this schema does not declare, in body order."""
+    """Keys of a (valid) body that this schema does not declare, as request paths in body
+    order: top-level ones, then (chat) those of each message."""
     known = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
-    return [k for k in _keys_decoder.decode(body) if k not in known]
+    out = [k for k in _keys_decoder.decode(body) if k not in known]
+    if chat:
+        out += [f"messages[{i}].{k}" for i, m in enumerate(_message_keys_decoder.decode(body).messages)
+                for k in m if k not in _MESSAGE_FIELDS]
+    return out
 
 
 def error_param(exc: msgspec.ValidationError) -> str | None:

@@ -153,6 +153,7 @@ def test_chat_parameter_refused_by_name(client, kwargs, param):
                                                                          "detail": "ultra"}}]}],
      "messages[0].content[0].image_url.detail"),
     ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+    ([{"role": "user", "content": "hi", "cache_control": {"type": "ephemeral"}}], "messages[0].cache_control"),
 ])
 def test_message_fields_refused_by_name(client, messages, param):
     with pytest.raises(openai.BadRequestError) as info:

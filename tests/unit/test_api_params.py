@@ -151,3 +151,12 @@ def test_image_preprocessor_takes_the_budget(model_dir):
     img = Image.new("RGB", (400, 300))
     full, small = pre(img), pre(img, max_pixels=112 * 112)
     assert small.n_tokens < full.n_tokens and small.grid_thw[1] * small.grid_thw[2] * 14 * 14 <= 112 * 112
+
+
+def test_unknown_message_fields_are_refused_by_path(front, model_dir):
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"},
+                                                    {"role": "user", "content": "x", "cache_control": {}}]}).encode()
+    with pytest.raises(Rejected) as info:
+        front.prepare(body, chat=True)
+    assert (info.value.event.status, info.value.event.param) == (400, "messages[1].cache_control")
+    _front(model_dir, allow_extra_request_fields=True).prepare(body, chat=True)
