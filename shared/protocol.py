@@ -22,14 +22,35 @@ from msgspec import Struct
 # ---------------------------------------------------------------- common parts
 
 
+class StructuredOutput(Struct, frozen=True):
+    """A grammar the completion must follow: ``kind`` "json_object" (any JSON object) or
+    "json_schema" (``schema``: the JSON Schema, as JSON text)."""
+
+    kind: str
+    schema: str = ""
+
+
 class Sampling(Struct, frozen=True, kw_only=True):
-    """Decoding parameters, validated by the gateway (ranges are checked there)."""
+    """Decoding parameters, validated by the gateway (ranges are checked there); every engine
+    applies all of them, the same way in prefill (first token) and decode (the rest): see
+    :mod:`shared.engines.sampling`. Defaults are "off"."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # on completion tokens
+    frequency_penalty: float = 0.0  # on completion tokens
+    repetition_penalty: float = 1.0  # on prompt and completion tokens (vLLM's / CTRL's)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # stop tokens (eos, stop_token_ids) masked until this many are generated
+    ignore_eos: bool = False  # eos does not end the completion
+    stop_token_ids: tuple[int, ...] = ()  # end the completion like eos (the token gets no text)
+    logprobs: int | None = None  # None: off; k: each token's logprob and the k most likely (raw logits)
+    structured: StructuredOutput | None = None  # constrained decoding (shared.engines.structured)
 
 
 class AgentRef(Struct, frozen=True):
@@ -107,6 +128,9 @@ class MediaSource(Struct, frozen=True, kw_only=True):
     # video sampling asked by the request (0: the server's default, settings video_num_frames)
     num_frames: int = 0
     fps: float = 0.0  # > 0: sample this many frames per second instead (capped by max_video_frames)
+    # images (Qwen2-VL): the request's pixel budget (mm_processor_kwargs / detail; 0: the processor's)
+    min_pixels: int = 0
+    max_pixels: int = 0
     # kind "image_embeds" (precomputed embeddings, ``mime`` = "npy" | "safetensors"): the grid
     # they were encoded with (Qwen2-VL positions need it; (0, 0, 0) for other families)
     grid_thw: tuple[int, int, int] = (0, 0, 0)
@@ -268,6 +292,16 @@ class EngineKv(Struct, frozen=True, kw_only=True):
     media: tuple[MediaShape, ...] = ()
 
 
+class TokenLogprob(Struct, frozen=True):
+    """A sampled token's log-probability under the model's raw logits (before penalties,
+    temperature and filtering, as vLLM's default ``raw_logprobs``), and the ``top`` most likely
+    tokens there as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class DecodeRequest(Struct, frozen=True, tag="decode.request"):
     """prefill → decode: KV by descriptor plus the first sampled token.
 
@@ -286,6 +320,7 @@ class DecodeRequest(Struct, frozen=True, tag="decode.request"):
     first_token: int
     cached_tokens: int = 0  # prompt positions whose KV came from prefill's prefix cache
     engine_kv: EngineKv | None = None
+    first_logprob: TokenLogprob | None = None  # with ``sampling.logprobs``: the first token's
 
 
 def empty_tensor_ref(agent: str) -> TensorRef:
@@ -351,6 +386,7 @@ class TokenDelta(Struct, frozen=True, tag="delta", tag_field="event"):
     seq: int
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, with ``sampling.logprobs``
 
 
 class Finish(Struct, frozen=True, tag="finish", tag_field="event"):

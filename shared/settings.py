@@ -164,6 +164,13 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     max_tokens_limit: Annotated[int, _d("largest max_tokens a request may ask for")] = 4096
     max_request_bytes: Annotated[int, _d("largest HTTP request body, bytes (413 beyond)")] = 32 * _MiB
     max_media_items: Annotated[int, _d("media items per request at most")] = 8
+    max_images_per_request: Annotated[int, _d("images per request at most (400 beyond; 0: only max_media_items "
+                                              "bounds them), like vLLM's limit_mm_per_prompt")] = 0
+    max_videos_per_request: Annotated[int, _d("videos per request at most (400 beyond; 0: no own limit)")] = 0
+    max_audios_per_request: Annotated[int, _d("audio clips per request at most (400 beyond; 0: no own limit)")] = 0
+    allow_extra_request_fields: Annotated[bool, _d(
+        "accept (and ignore) request fields the OpenAI schema does not define; off: a 400 names the "
+        "field")] = False
     max_inflight_requests: Annotated[int, _d("gateway admission bound: requests in flight (429 beyond)")] = 256
     queue_retry_ms: Annotated[int, _d(
         "how long the gateway keeps trying to queue a request while the broker is unreachable (a "

@@ -16,7 +16,7 @@ import msgspec
 
 from services.decode.stream import abort_check, read_log, stream_completion
 from shared import protocol
-from shared.engines.base import Engine
+from shared.engines.base import Engine, SampledToken
 from shared.stage import Context, Outcome
 from shared.tracing import timed_transfer
 from shared.transfer import OwnerGoneError
@@ -34,6 +34,8 @@ class DecodeHandler:
         if log.done:
             return done
         first = log.tokens[0] if log.tokens else msg.first_token
+        if not log.tokens and msg.first_logprob is not None:  # the stream writer records it with the token
+            first = SampledToken(msg.first_logprob)
         started = None
         if msg.engine_kv is not None:
             await _read_once(ctx, meta)
@@ -44,7 +46,7 @@ class DecodeHandler:
             with timed_transfer():
                 kv = await ctx.transfer.get(msg.owner, msg.kv)  # OwnerGoneError: the runner restarts
             tokens = self._engine.decode(meta.request_id, kv, msg.rope_delta, msg.prompt_len, first, meta.sampling,
-                                         resume=log.tokens[1:])
+                                         resume=log.tokens[1:], prompt_ids=meta.prompt_token_ids)
             del kv
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=msg.prompt_len,

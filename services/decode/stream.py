@@ -21,7 +21,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from shared import protocol, tracing
+from shared.engines.base import SampledToken
 from shared.engines.detok import IncrementalDetokenizer, StopChecker
+from shared.engines.sampling import stop_token_set
 from shared.stage import Context, EventSink
 from shared.tracing import path_so_far
 
@@ -58,6 +60,7 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
     request (a redelivery racing a live worker, a re-driven attempt) already wrote a position,
     this one stops without writing anything more, so the log holds each token once."""
     sampling = meta.sampling
+    stop_ids = stop_token_set(sampling, eos_token_ids)  # eos unless ignore_eos, and stop_token_ids
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopChecker(sampling.stop)
     generated, reason = 0, "length"
@@ -67,7 +70,10 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
         nonlocal sent
         sent += 1
         if sent > skip_deltas:  # the log already holds the first skip_deltas deltas
-            delta = protocol.TokenDelta(seq=seq, token_ids=token_ids, text=text)
+            # tokens are ids, or SampledToken ids carrying their logprob (requests with logprobs)
+            logprobs = tuple(t.logprob for t in token_ids if isinstance(t, SampledToken))
+            delta = protocol.TokenDelta(seq=seq, token_ids=tuple(int(t) for t in token_ids), text=text,
+                                        logprobs=logprobs)
             if not await events.append_delta(meta.request_id, delta, position=sent - 1):
                 raise _Superseded(sent - 1)
             if sent == 1:
@@ -83,7 +89,7 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
     try:
         async for token in stream:
             generated += 1
-            if token in eos_token_ids:
+            if token in stop_ids:
                 reason = "stop"
                 break
             res = stops.feed(detok.push(token))

@@ -118,6 +118,7 @@ def create_app(settings: Settings, gateway_id: str | None = None) -> web.Applica
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics.metrics_view)
@@ -126,10 +127,30 @@ def create_app(settings: Settings, gateway_id: str | None = None) -> web.Applica
 
 
 # ---------------------------------------------------------------------- routes
+def _model_card(s: Settings) -> dict:
+    return {"id": s.served_model_name, "object": "model", "created": 0, "owned_by": "mmfleet"}
+
+
 async def models(request: web.Request) -> web.Response:
+    """The served model, under the same API-key rule as the completions routes."""
+    try:
+        request.app[STATE].front.auth.identify(request.headers.get("Authorization"), via="http")
+    except Rejected as rejected:
+        return rejected.response()
+    return web.json_response({"object": "list", "data": [_model_card(request.app[SETTINGS])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}``: the served model's card, or OpenAI's 404 ``model_not_found``."""
+    try:
+        request.app[STATE].front.auth.identify(request.headers.get("Authorization"), via="http")
+    except Rejected as rejected:
+        return rejected.response()
     s = request.app[SETTINGS]
-    return web.json_response({"object": "list", "data": [
-        {"id": s.served_model_name, "object": "model", "created": 0, "owned_by": "mmfleet"}]})
+    name = request.match_info["model"]
+    if name != s.served_model_name:
+        return error_response(404, f"The model {name!r} does not exist", param="model", code="model_not_found")
+    return web.json_response(_model_card(s))
 
 
 async def health(_request: web.Request) -> web.Response:

@@ -5,7 +5,8 @@ and :meth:`Frontend.replies`, so they validate, refuse and answer identically (s
 same error texts, same JSON shapes):
 
 1. who: the API key (401) — before the body is even parsed;
-2. what: parse the OpenAI body and build the prompt (400/404/413/422 with the offending field);
+2. what: parse the OpenAI body (unknown fields and unsupported values refused by name, see
+   ``params``) and build the prompt (400/404/413 with the offending field);
 3. admission: the process's in-flight bound (429 ``overloaded``), then the key's rate (429
    ``rate_limit_exceeded``), so a request refused for load does not use up the key's quota;
 4. entry: inline ``data:`` media go into this process's NIXL pool (so no record carries
@@ -30,7 +31,7 @@ import msgspec
 import torch
 from aiokafka.errors import KafkaError
 
-from services.gateway import schema
+from services.gateway import params, schema
 from services.gateway.auth import Authenticator
 from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.redrive import Redriver
@@ -81,8 +82,16 @@ class Frontend:
         """Validate ``body`` and build its prompt: (prepared, model); raises ``Rejected``."""
         try:
             req = schema.parse_chat(body) if chat else schema.parse_completion(body)
+            unknown = [] if self.settings.allow_extra_request_fields else schema.unknown_fields(body, chat=chat)
+            if unknown:
+                raise Rejected.of(400, f"unknown parameter {unknown[0]!r} (this server refuses fields it does not "
+                                       "know rather than ignore them)", param=unknown[0],
+                                  code="unsupported_parameter")
+            params.check_fields(req, chat=chat)
             prepared = self.builder.chat(req) if chat else self.builder.completion(req)
-        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+        except msgspec.ValidationError as exc:
+            raise Rejected.of(400, f"invalid request body: {exc}", param=schema.error_param(exc)) from None
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise Rejected.of(400, f"invalid request body: {exc}") from None
         except RequestFailed as failed:
             raise Rejected(failed.event) from None
@@ -136,7 +145,10 @@ class Frontend:
         s = self.settings
         deadline_s = asyncio.get_running_loop().time() + s.request_timeout_ms / 1000
         events = _token_timing(self.streams.follow(adm.request_id, deadline_s=deadline_s), adm.t0)
-        shaper = Shaper(adm.request_id, adm.model, chat=adm.chat)
+        shaper = Shaper(adm.request_id, adm.model, chat=adm.chat,
+                        include_usage=adm.prepared.stream and adm.prepared.include_usage,
+                        token_text=self.builder.token_text if adm.prepared.sampling.logprobs is not None else None,
+                        tool_mode=adm.prepared.tool_mode)
         try:
             first = await anext(events)
             async for reply in shape_replies(shaper, first, events, stream=adm.prepared.stream,
@@ -158,7 +170,7 @@ class Frontend:
         for m in prepared.media:
             if m.data is None:
                 items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url, num_frames=m.num_frames,
-                                                  fps=m.fps))
+                                                  fps=m.fps, min_pixels=m.min_pixels, max_pixels=m.max_pixels))
                 continue
             try:
                 ref = await self.transfer.put_wait(torch.frombuffer(bytearray(m.data), dtype=torch.uint8),
@@ -169,7 +181,8 @@ class Frontend:
                                   retry_after_s=1) from None
             leases.append(ref.lease)
             items.append(protocol.MediaSource(kind=m.kind, param=m.param, inline=ref, mime=m.mime,
-                                              num_frames=m.num_frames, fps=m.fps, grid_thw=m.grid_thw))
+                                              num_frames=m.num_frames, fps=m.fps, grid_thw=m.grid_thw,
+                                              min_pixels=m.min_pixels, max_pixels=m.max_pixels))
         owner = self.transfer.ref() if leases else None
         meta = protocol.RequestMeta(request_id=request_id, model=model, created_unix_ms=now_ms,
                                     deadline_unix_ms=now_ms + self.settings.request_timeout_ms,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gateway import schema
+import msgspec
+
+from services.gateway import params, schema, tools
 from services.gateway.templates import model_chat_template, render_chat
 from shared import protocol
 from shared.media.files import file_url_path
@@ -40,6 +42,8 @@ class MediaInput:
     num_frames: int = 0  # video sampling the request asked for (0: server default)
     fps: float = 0.0
     grid_thw: tuple[int, int, int] = (0, 0, 0)  # image_embeds: the grid they were encoded with
+    min_pixels: int = 0  # images: the request's pixel budget (0: the processor's own)
+    max_pixels: int = 0
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Prepared:
     sampling: protocol.Sampling = protocol.Sampling()
     stream: bool = False
     include_usage: bool = False
+    tool_mode: str = ""  # services.gateway.tools: "" | "auto" | "forced"
 
 
 class PromptBuilder:
@@ -62,7 +67,7 @@ class PromptBuilder:
 
     def __init__(self, tokenizer, *, placeholder_token: str = "", max_model_len: int, settings: Settings,
                  placeholders: dict[str, str] | None = None, embeds_hidden_size: int = 0,
-                 embeds_merge_size: int = 0, chat_template: str | None = None) -> None:
+                 embeds_merge_size: int = 0, chat_template: str | None = None, pixel_budget: bool = False) -> None:
         self._tok = tokenizer
         # the model's template (see templates.py: setting, processor's, tokenizer's)
         self._template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
@@ -73,10 +78,15 @@ class PromptBuilder:
         # family's positions need grid_thw (Qwen2-VL: rows = t·h·w / merge²)
         self._embeds_hidden = embeds_hidden_size
         self._embeds_merge = embeds_merge_size
+        self._pixel_budget = pixel_budget  # the image processor takes min/max pixels per request (Qwen2-VL)
         self._s = settings
         self._allow = as_allowlist(settings.media_allow_hosts)
         self._max_bytes = {"image": settings.max_image_bytes, "video": settings.max_video_bytes,
                            "audio": settings.max_audio_bytes, "image_embeds": settings.max_image_bytes}
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs show it."""
+        return self._tok.decode([token_id])
 
     @property
     def modalities(self) -> frozenset[str]:
@@ -103,7 +113,7 @@ class PromptBuilder:
         tokenizer = getattr(processor, "tokenizer", None) or AutoTokenizer.from_pretrained(model_dir)
         return cls(tokenizer, max_model_len=max_len, settings=settings,
                    placeholders=placeholders, embeds_hidden_size=hidden if only is None else 0,
-                   embeds_merge_size=merge,
+                   embeds_merge_size=merge, pixel_budget=family.name == "qwen2_vl",
                    chat_template=model_chat_template(settings.chat_template, processor, tokenizer))
 
     # ------------------------------------------------------------------ chat
@@ -113,20 +123,38 @@ class PromptBuilder:
             raise RequestFailed.bad_request("messages must contain at least one message", param="messages")
         media: list[MediaInput] = []
         rendered: list[dict] = []
+        tool_plan = tools.plan(req.tools, req.tool_choice)
+        pixels = params.pixel_budget(req.mm_processor_kwargs, supported=self._pixel_budget, settings=self._s)
         for i, msg in enumerate(req.messages):
+            tools.check_message(i, msg)
             rendered.append({"role": msg.role, "content": self._content(msg, i, media)})
+        native = tools.template_knows_tools(req.chat_template or self._template)
+        rendered = tools.render_messages(rendered, req.messages, tool_plan, native=native)
+        params.media_limits({k: sum(1 for m in media if m.kind == k) for k in ("image", "video", "audio")}, self._s)
+        for m in media:
+            if m.kind == "image":
+                lo, hi = pixels
+                m.min_pixels, m.max_pixels = lo, min(hi or m.max_pixels, m.max_pixels or hi)
+        template_tools = {"tools": [{"type": "function", "function": f} for f in tool_plan.tools]} \
+            if native and tool_plan.tools else {}
         if len(media) > self._s.max_media_items:
             raise RequestFailed(413, f"request has {len(media)} media items; the limit is {self._s.max_media_items}",
                                 param="messages", code="too_many_media_items")
         text = render_chat(self._tok, self._template, rendered, req,
-                           trust_request_template=self._s.trust_request_chat_template)
+                           trust_request_template=self._s.trust_request_chat_template, **template_tools)
         ids = self._tokenize(text)
         if sum(1 for t in ids if t in self._placeholder_ids) != len(media):
             raise RequestFailed.bad_request(
                 f"text may not contain the reserved tokens {', '.join(self._placeholder_ids.values())}",
                 param="messages")
-        return Prepared(ids, media, self._sampling(req, req.max_completion_tokens or req.max_tokens),
-                        req.stream, bool(req.stream_options and req.stream_options.include_usage))
+        sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens)
+        if tool_plan.structured is not None:  # a forced call: the grammar of the allowed calls
+            if sampling.structured is not None:
+                raise RequestFailed.bad_request("tool_choice forcing a call cannot be combined with "
+                                                "response_format", param="tool_choice")
+            sampling = msgspec.structs.replace(sampling, structured=tool_plan.structured)
+        return Prepared(ids, media, sampling, req.stream, bool(req.stream_options and req.stream_options.include_usage),
+                        tool_plan.mode)
 
     def _content(self, msg: schema.Message, i: int, media: list[MediaInput]):
         if msg.content is None or isinstance(msg.content, str):
@@ -141,11 +169,16 @@ class PromptBuilder:
                     if msg.role != "user":
                         raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only",
                                                         param=param)
-                    if image_url.detail not in (None, "auto", "low", "high"):
-                        raise RequestFailed.bad_request(f"{param}: image_url.detail must be one of auto, low, high",
-                                                        param=param)
+                    if image_url.detail not in (None, "auto") and (
+                            image_url.detail not in ("low", "high") or not self._pixel_budget):
+                        raise RequestFailed.bad_request(
+                            f"{param}.image_url.detail: must be auto, low or high" if self._pixel_budget else
+                            f"{param}.image_url.detail: only 'auto' is supported by this model's processor",
+                            param=f"{param}.image_url.detail", code="unsupported_parameter")
                     self._check_modality("image", "image_url", param)
                     media.append(self._media("image", image_url.url, param))
+                    if image_url.detail == "low":  # a pixel budget, see params.DETAIL_LOW_MAX_PIXELS
+                        media[-1].max_pixels = params.DETAIL_LOW_MAX_PIXELS
                     parts.append({"type": "image"})
                 case schema.VideoPart(video_url=video_url):
                     self._check_modality("video", "video_url", param)
@@ -177,7 +210,7 @@ class PromptBuilder:
                     parts.append({"type": "audio"})
                 case _:
                     kind = type(part).__struct_config__.tag
-                    raise RequestFailed(422, f"{param}: {kind} content is not supported", param=param,
+                    raise RequestFailed(400, f"{param}: {kind} content is not supported", param=param,
                                         code="unsupported_modality")
         return parts
 
@@ -195,7 +228,7 @@ class PromptBuilder:
         from shared.media.embeds import FORMATS, parse_embeddings
 
         if not self._embeds_hidden:
-            raise RequestFailed(422, f"{param}: this server does not take image_embeds", param=param,
+            raise RequestFailed(400, f"{param}: this server does not take image_embeds", param=param,
                                 code="unsupported_modality")
         if embeds.format not in FORMATS:
             raise RequestFailed.bad_request(f"{param}: image_embeds.format must be one of {', '.join(FORMATS)}",
@@ -277,12 +310,10 @@ class PromptBuilder:
 
     # ------------------------------------------------------------------ shared checks
     def _check_common(self, model: str, n: int | None) -> None:
+        """The model; ``n`` and every other field is checked by ``params.check_fields``."""
         if model != self._s.served_model_name:
             raise RequestFailed(404, f"model {model!r} does not exist; this server serves "
                                      f"{self._s.served_model_name!r}", param="model", code="model_not_found")
-        if n not in (None, 1):
-            raise RequestFailed(422, "n > 1 is not supported; send separate requests", param="n",
-                                code="unsupported_parameter")
 
     def _tokenize(self, text: str) -> list[int]:
         ids = list(self._tok(text, add_special_tokens=False)["input_ids"])  # as the processor does
@@ -293,18 +324,4 @@ class PromptBuilder:
         return ids
 
     def _sampling(self, req, max_tokens: int | None) -> protocol.Sampling:
-        temperature = 1.0 if req.temperature is None else req.temperature
-        top_p = 1.0 if req.top_p is None else req.top_p
-        if not 0.0 <= temperature <= 2.0:
-            raise RequestFailed.bad_request("temperature must be between 0 and 2", param="temperature")
-        if not 0.0 < top_p <= 1.0:
-            raise RequestFailed.bad_request("top_p must be in (0, 1]", param="top_p")
-        max_tokens = self._s.default_max_tokens if max_tokens is None else max_tokens
-        if not 1 <= max_tokens <= self._s.max_tokens_limit:
-            raise RequestFailed.bad_request(f"max_tokens must be between 1 and {self._s.max_tokens_limit}",
-                                            param="max_tokens")
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        if len(stop) > 4 or any(not s for s in stop):
-            raise RequestFailed.bad_request("stop takes up to 4 non-empty strings", param="stop")
-        return protocol.Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                 seed=req.seed, stop=stop)
+        return params.sampling(req, self._s, max_tokens, len(self._tok))

@@ -8,12 +8,13 @@ as one body or as SSE ``data:`` lines, the Kafka ingress as one record each.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
 
+from services.gateway import tools
 from shared import protocol
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -90,36 +91,84 @@ class Shaper:
     """Builds the JSON of one request's responses: chat (``chat.completion``) or text
     (``text_completion``) objects, whole or as stream chunks."""
 
-    def __init__(self, request_id: str, model: str, *, chat: bool) -> None:
+    def __init__(self, request_id: str, model: str, *, chat: bool, include_usage: bool = False,
+                 token_text: Callable[[int], str] | None = None, tool_mode: str = "") -> None:
         self.id = request_id
         self.model = model
         self.chat = chat
         self.created = int(time.time())
+        self.include_usage = include_usage  # stream chunks then carry "usage": null until the last
+        self.token_text = token_text  # set: the request asked for logprobs (token id -> its text)
+        self._offset = 0  # completions' text_offset of the next token
+        self.tool_mode = tool_mode  # "" | "auto" | "forced": see services.gateway.tools
+
+    def logprobs(self, lps: Sequence[protocol.TokenLogprob]) -> dict | None:
+        """OpenAI's ``logprobs`` object of a choice (chat: ``content``; completions: parallel
+        lists) for ``lps``; None when the request did not ask for logprobs."""
+        if self.token_text is None:
+            return None
+        text = self.token_text
+        if self.chat:
+            def entry(tid: int, lp: float) -> dict:
+                t = text(tid)
+                return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+            return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                    for x in lps], "refusal": None}
+        tokens = [text(x.token_id) for x in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+                "top_logprobs": [{text(t): v for t, v in (*x.top, (x.token_id, x.logprob))} for x in lps],
+                "text_offset": offsets}
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def chunk_body(self, text: str | None, finish_reason: str | None, *, first: bool = False) -> dict:
+    def _chunk(self, obj: str, choices: list[dict]) -> dict:
+        body = self._envelope(obj, choices)
+        if self.include_usage:  # as OpenAI: every chunk has the key, null but in the usage chunk
+            body["usage"] = None
+        return body
+
+    def chunk_body(self, text: str | None, finish_reason: str | None, *, first: bool = False,
+                   logprobs: Sequence[protocol.TokenLogprob] = ()) -> dict:
+        lp = self.logprobs(logprobs) if logprobs else None
         if self.chat:
             delta: dict = {"role": "assistant", "content": text or ""} if first else (
-                {"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
+                {"content": text} if text or lp else {})
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            return self._chunk("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
+        return self._chunk("text_completion", [choice])
 
     def usage_body(self, usage: protocol.Usage) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
         body["usage"] = usage_dict(usage)
         return body
 
-    def whole(self, text: str, finish: protocol.Finish) -> dict:
+    def tool_calls_chunk(self, calls: list[dict]) -> dict:
+        delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        return self._chunk("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
+                                                      "finish_reason": None}])
+
+    def whole(self, text: str, finish: protocol.Finish, logprobs: Sequence[protocol.TokenLogprob] = ()) -> dict:
+        lp = self.logprobs(logprobs)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish.reason}
+            message: dict = {"role": "assistant", "content": text}
+            reason = finish.reason
+            if self.tool_mode:
+                message["content"], calls = tools.parse(text, self.tool_mode)
+                if calls:
+                    message["tool_calls"], reason = calls, "tool_calls"
+                else:
+                    message["content"] = text
+            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
             body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish.reason}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish.reason}
             body = self._envelope("text_completion", [choice])
         body["usage"] = usage_dict(finish.usage)
         return body
@@ -137,18 +186,31 @@ async def shape_replies(shaper: Shaper, first: protocol.StreamEvent, events: Asy
     if stream:
         yield Reply("chunk", shaper.chunk_body("", None, first=True))
     texts: list[str] = []
+    lps: list[protocol.TokenLogprob] = []
+    calls_out = tools.ToolStream(shaper.tool_mode) if stream and shaper.tool_mode else None
     ev = first
     while True:
         match ev:
-            case protocol.TokenDelta(text=text):
+            case protocol.TokenDelta(text=text, logprobs=delta_lps):
                 if not stream:
                     texts.append(text)
-                elif text:
-                    yield Reply("chunk", shaper.chunk_body(text, None))
+                    lps.extend(delta_lps)
+                elif calls_out is not None:
+                    if shown := calls_out.feed(text):
+                        yield Reply("chunk", shaper.chunk_body(shown, None))
+                elif text or (delta_lps and shaper.token_text is not None):
+                    yield Reply("chunk", shaper.chunk_body(text, None, logprobs=delta_lps))
             case protocol.Finish(reason=reason, usage=usage):
                 if not stream:
-                    yield Reply("completion", shaper.whole("".join(texts), ev), last=True)
+                    yield Reply("completion", shaper.whole("".join(texts), ev, lps), last=True)
                     return
+                if calls_out is not None:
+                    rest, calls = calls_out.finish()
+                    if rest:
+                        yield Reply("chunk", shaper.chunk_body(rest, None))
+                    if calls:
+                        yield Reply("chunk", shaper.tool_calls_chunk(calls))
+                        reason = "tool_calls"
                 yield Reply("chunk", shaper.chunk_body(None, reason), last=not include_usage)
                 if include_usage:
                     yield Reply("chunk", shaper.usage_body(usage), last=True)

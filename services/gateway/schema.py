@@ -1,13 +1,17 @@
 """The OpenAI request bodies the gateway accepts, as msgspec Structs.
 
-Decoding a body with :func:`parse_chat` validates its shape in one pass and yields errors that
-name the offending JSON path (``$.messages[0].content[1].type``), which go back to the client
-verbatim in a 400. Fields OpenAI defines but mmfleet ignores harmlessly (``user``,
-``metadata``...) are accepted and dropped; unknown fields are ignored like OpenAI does.
+Decoding a body with :func:`parse_chat` / :func:`parse_completion` validates its shape in one
+pass; errors name the offending JSON path (``$.messages[0].content[1].type``), which goes back
+to the client in a 400 (``param``). Every field OpenAI (or vLLM, for its sampling extras)
+defines for these endpoints is declared here, so none is dropped unseen: what mmfleet does
+with each is decided in :mod:`services.gateway.params` (used, accepted as a no-op that cannot
+change the answer, or refused by name). A top-level field declared nowhere is refused too
+(:func:`unknown_fields`) unless the operator allows extras (``allow_extra_request_fields``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
 import msgspec
@@ -69,17 +73,24 @@ Part = Union[TextPart, ImagePart, VideoPart, AudioURLPart, InputAudioPart, Image
 
 
 class Message(Struct, frozen=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[Part] | None = None
     name: str | None = None
+    # tool use (refused by name until tools are served, see services.gateway.params)
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    refusal: str | None = None
+    audio: Any = None
 
 
 class StreamOptions(Struct, frozen=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk (refused, see params)
 
 
 class _GenerationParams(Struct, frozen=True, kw_only=True):
-    """Fields chat and text completions share."""
+    """Fields chat and text completions share (OpenAI's, then vLLM's sampling extras)."""
 
     model: str
     stream: bool = False
@@ -91,23 +102,84 @@ class _GenerationParams(Struct, frozen=True, kw_only=True):
     stop: str | list[str] | None = None
     n: int | None = None
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # OpenAI fields that cannot change the answer (accepted, no effect)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # vLLM's sampling extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    # vLLM's other extras, declared so a refusal can name them (see params.REFUSED)
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    priority: Any = None
+    request_id: Any = None
+    return_tokens_as_token_ids: Any = None
+    add_special_tokens: Any = None
+    response_format: Any = None
+    echo: Any = None
 
 
 class ChatCompletionRequest(_GenerationParams, frozen=True, kw_only=True):
     messages: list[Message]
     max_completion_tokens: int | None = None
-    # vLLM's extensions: a template for this request (only where the operator allows it) and
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    # vLLM chat extras: a template for this request (only where the operator allows it) and
     # variables for the template (services/gateway/templates.py)
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
 
 
 class CompletionRequest(_GenerationParams, frozen=True, kw_only=True):
     prompt: str
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_keys_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_CHAT_FIELDS = frozenset(ChatCompletionRequest.__struct_fields__)
+_COMPLETION_FIELDS = frozenset(CompletionRequest.__struct_fields__)
 
 
 def parse_chat(body: bytes) -> ChatCompletionRequest:
@@ -117,3 +189,34 @@ def parse_chat(body: bytes) -> ChatCompletionRequest:
 
 def parse_completion(body: bytes) -> CompletionRequest:
     return _completion_decoder.decode(body)
+
+
+class _MessageKeys(Struct):
+    messages: list[dict[str, msgspec.Raw]] = []
+
+
+_message_keys_decoder = msgspec.json.Decoder(_MessageKeys)
+_MESSAGE_FIELDS = frozenset(Message.__struct_fields__)
+
+
+def unknown_fields(body: bytes, *, chat: bool) -> list[str]:
+    """Keys of a (valid) body that this schema does not declare, as request paths in body
+    order: top-level ones, then (chat) those of each message."""
+    known = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+    out = [k for k in _keys_decoder.decode(body) if k not in known]
+    if chat:
+        out += [f"messages[{i}].{k}" for i, m in enumerate(_message_keys_decoder.decode(body).messages)
+                for k in m if k not in _MESSAGE_FIELDS]
+    return out
+
+
+def error_param(exc: msgspec.ValidationError) -> str | None:
+    """The request path of a validation error (``messages[0].role``; a missing field's own
+    path), or None when it names none."""
+    text = str(exc)
+    mark = text.rfind("- at `$")
+    path = text[mark + len("- at `$"):].rstrip("`").lstrip(".") if mark >= 0 else ""
+    missing = re.match(r"Object missing required field `(\w+)`", text)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None

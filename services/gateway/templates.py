@@ -45,7 +45,8 @@ def model_chat_template(override: str, processor, tokenizer) -> str | None:
 
 
 def render_chat(tokenizer, template: str | None, messages: list[dict], request, *,
-                trust_request_template: bool) -> str:
+                trust_request_template: bool, tools: list[dict] | None = None) -> str:
+    """``tools``: the request's tools in the template's own form (a template that renders them)."""
     import jinja2
 
     param = "messages"
@@ -67,6 +68,7 @@ def render_chat(tokenizer, template: str | None, messages: list[dict], request, 
                                         param="chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True, **kwargs)
+                                             add_generation_prompt=True, **({"tools": tools} if tools else {}),
+                                             **kwargs)
     except jinja2.TemplateError as exc:
         raise RequestFailed.bad_request(f"the chat template failed to render: {exc}", param=param) from None

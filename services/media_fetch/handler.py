@@ -5,7 +5,7 @@ In: ``MediaFetchRequest`` (items are http(s) or file:// URLs, or inline bytes he
 gateway). Out: one ``EncodeRequest`` on ``mm.encode``. The gateway's inline slots are NOT
 released here: the gateway holds them until the request ends, so a restart from the source
 (after a lost tensor owner downstream) can read them again. Bad media ends the request with a
-400/413/422 (``RequestFailed``); the worker goes on. mm_hash = BLAKE3 of the raw fetched bytes,
+400/413 (``RequestFailed``); the worker goes on. mm_hash = BLAKE3 of the raw fetched bytes,
 so identical content hashes the same wherever it came from.
 
 Loading: http(s) through the shared :class:`MediaFetcher` (address policy, caps, timeouts),
@@ -148,7 +148,7 @@ class MediaFetchHandler:
     def _kind(self, src: protocol.MediaSource) -> tuple[int, Callable[[bytes, str], object]]:
         entry = self._kinds.get(src.kind)
         if entry is None:
-            raise MediaError(f"{src.param}: {src.kind} media is not supported by this server", status=422,
+            raise MediaError(f"{src.param}: {src.kind} media is not supported by this server", status=400,
                              code="unsupported_modality")
         return entry
 
@@ -195,6 +195,8 @@ class MediaFetchHandler:
         h = blake3.blake3(raw)
         if src.kind == "image_embeds":  # embeddings are never the same input as an image's bytes
             h.update(f"|embeds:{src.mime}:{src.grid_thw}".encode())
+        if src.kind == "image" and (src.min_pixels or src.max_pixels):  # resized differently: another input
+            h.update(f"|pixels:{src.min_pixels}:{src.max_pixels}".encode())
         if src.kind == "video":  # the same bytes sampled differently are different inputs
             num_frames, fps = self._sampling(src)
             h.update(f"|video:num_frames={num_frames}:fps={fps:g}".encode())
@@ -204,6 +206,8 @@ class MediaFetchHandler:
         param = src.param
         img = decode_image(raw, max_pixels=self._s.max_image_pixels, param=param)
         try:
+            if src.min_pixels or src.max_pixels:  # the gateway allows them only where the family has them
+                return self._preprocess(img, min_pixels=src.min_pixels, max_pixels=src.max_pixels)
             return self._preprocess(img)
         except ValueError as exc:  # the model's processor refuses this image (e.g. extreme aspect ratio)
             raise MediaError(f"{param}: the image cannot be processed by this model: {str(exc)[:200]}") from None

@@ -92,6 +92,7 @@ class PrefillHandler:
             with timed_transfer():
                 kv_ref = await ctx.transfer.put_wait(out.kv, timeout_ms=5_000)
         decode = protocol.DecodeRequest(meta=meta, owner=owner, kv=kv_ref, prompt_len=out.prompt_len,
-                                        rope_delta=out.rope_delta, first_token=out.first_token,
-                                        cached_tokens=lookup.prefix_len, engine_kv=out.engine_kv)
+                                        rope_delta=out.rope_delta, first_token=int(out.first_token),
+                                        cached_tokens=lookup.prefix_len, engine_kv=out.engine_kv,
+                                        first_logprob=getattr(out.first_token, "logprob", None))
         return Outcome([Produce(TOPIC_DECODE, meta.request_id, decode), *events], embedding_releases(msg))

@@ -15,6 +15,9 @@ unsupported mode fails loudly before taking traffic, never mid-request):
 Token streams are ``AsyncIterator[int]``; the consumer stops early (stop string, client gone)
 by closing the iterator (``aclose``), which must free the request's engine state.
 Greedy tokens (temperature 0) of every engine must equal ``transformers`` ``generate()``.
+Every engine applies all of ``protocol.Sampling`` (penalties, ``logit_bias``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ...), in prefill's first token as in decode's; with
+``sampling.logprobs`` the tokens they yield are :class:`SampledToken` (id + logprob).
 """
 
 from __future__ import annotations
@@ -38,6 +41,19 @@ class MediaEmbeds(NamedTuple):
     kind: str = "image"
     second_per_grid_t: float = 0.0  # Qwen2.5-VL videos: their M-RoPE time step (protocol.PixelItem)
 
+
+
+class SampledToken(int):
+    """A token id that also carries its ``protocol.TokenLogprob`` (requests with
+    ``sampling.logprobs``): engines yield these instead of plain ints, so every consumer of a
+    token stream keeps working on ids while the stream writer can record the logprobs."""
+
+    logprob: protocol.TokenLogprob
+
+    def __new__(cls, logprob: protocol.TokenLogprob) -> SampledToken:
+        tok = super().__new__(cls, logprob.token_id)
+        tok.logprob = logprob
+        return tok
 
 
 @dataclass(frozen=True)
@@ -111,7 +127,9 @@ class Engine(Protocol):
         ...
 
     def decode(self, request_id: str, kv: torch.Tensor, rope_delta: int, prompt_len: int, first_token: int,
-               sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
+               sampling: protocol.Sampling, resume: tuple[int, ...] = (),
+               prompt_ids: tuple[int, ...] = ()) -> AsyncIterator[int]:
         """Continue after ``first_token`` (not yielded again); yields the following tokens,
-        the first ``len(resume)`` of them forced to ``resume``."""
+        the first ``len(resume)`` of them forced to ``resume``. ``prompt_ids``: the request's
+        prompt tokens, for the sampling controls that look at them (``repetition_penalty``)."""
         ...

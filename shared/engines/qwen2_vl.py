@@ -85,9 +85,20 @@ class ImagePreprocessor:
         self._image_processor = processor.image_processor
         self._merge = int(self._image_processor.merge_size)
 
+    @property
+    def pixel_bounds(self) -> tuple[int, int]:
+        """(min, max) pixels an image is resized into by default."""
+        size = self._image_processor.size
+        return int(size["shortest_edge"]), int(size["longest_edge"])
+
     @torch.inference_mode()
-    def __call__(self, img: Image.Image) -> MediaPixels:
-        out = self._image_processor(images=[img], return_tensors="pt")
+    def __call__(self, img: Image.Image, min_pixels: int = 0, max_pixels: int = 0) -> MediaPixels:
+        """``min_pixels`` / ``max_pixels`` (0: the processor's own): the request's pixel budget."""
+        kw = {}
+        if min_pixels or max_pixels:
+            lo, hi = self.pixel_bounds
+            kw["size"] = {"shortest_edge": min_pixels or min(lo, max_pixels), "longest_edge": max_pixels or hi}
+        out = self._image_processor(images=[img], return_tensors="pt", **kw)
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
         n_tokens = grid[0] * grid[1] * grid[2] // (self._merge**2)
         return MediaPixels(out["pixel_values"].to(torch.float32).contiguous(), grid, n_tokens)

@@ -1,27 +1,39 @@
-"""Next-token sampling from a logits vector.
+"""Next-token sampling from a logits vector: the transformers engine's reference of every
+``protocol.Sampling`` control, in vLLM's order.
 
-Contract: ``Sampler(temperature, top_p, seed)`` belongs to ONE request.
-- ``temperature == 0`` → greedy: ``argmax`` (first index on ties, like ``generate``);
-  no randomness is consumed.
-- otherwise logits / temperature, nucleus (top_p) filtering, then one draw from a
-  private ``torch.Generator`` seeded with ``seed``: the same seed and the same logits
-  sequence give the same tokens, independent of other requests and of torch's
-  global RNG.  ``seed=None`` seeds from OS entropy (not reproducible).
+Contract of :func:`sample_at` (one call per completion token, prefill for token 0 and decode
+for the rest, possibly in other processes):
+1. ``logit_bias`` is added; while fewer than ``min_tokens`` are generated the request's stop
+   tokens (:func:`stop_token_set`) are masked;
+2. penalties: ``repetition_penalty`` over prompt and completion tokens (positive logits
+   divided, negative multiplied), then ``frequency_penalty`` × count and ``presence_penalty``
+   over completion tokens;
+3. ``temperature == 0`` → greedy ``argmax`` (first index on ties, like ``generate``), no
+   randomness consumed; otherwise logits / temperature, ``min_p``, ``top_k``, ``top_p``
+   filtering, one draw.
+The draw for step ``k`` comes from a private ``torch.Generator`` seeded with (seed, k): the
+same seed, history and logits give the same token whichever process draws which step.
+``seed=None`` seeds from OS entropy (not reproducible).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 
 class Sampler:
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> None:
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, *,
+                 top_k: int = 0, min_p: float = 0.0) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         self.temperature = float(temperature)
         self.top_p = float(top_p)
+        self.top_k = int(top_k)
+        self.min_p = float(min_p)
         self._generator = torch.Generator()
         if seed is None:
             self._generator.seed()
@@ -38,6 +50,12 @@ class Sampler:
         if self.greedy:
             return int(torch.argmax(logits).item())
         probs = torch.softmax(logits / self.temperature, dim=-1)
+        if self.min_p > 0.0 or 0 < self.top_k < probs.numel():  # (untouched otherwise: same draws as before)
+            if self.min_p > 0.0:
+                probs = probs.masked_fill(probs < self.min_p * probs.max(), 0.0)
+            if 0 < self.top_k < probs.numel():
+                probs = probs.masked_fill(probs < torch.topk(probs, self.top_k).values[-1], 0.0)
+            probs = probs / probs.sum()
         if self.top_p < 1.0:
             probs = _top_p_filter(probs, self.top_p)
         return int(torch.multinomial(probs, 1, generator=self._generator).item())
@@ -55,13 +73,62 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return filtered / filtered.sum()
 
 
-def sample_at(logits: torch.Tensor, sampling, step: int) -> int:
+def stop_token_set(sampling, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    """The tokens that end this request's completion: eos (unless ``ignore_eos``) and its
+    ``stop_token_ids``."""
+    eos = frozenset() if sampling.ignore_eos else frozenset(eos_token_ids)
+    return eos | frozenset(sampling.stop_token_ids)
+
+
+def process_logits(logits: torch.Tensor, sampling, step: int, *, prompt_ids: Sequence[int] = (),
+                   output_ids: Sequence[int] = (), stop_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+    """Steps 1-2 of the contract on a float32 copy of ``logits`` [vocab]; ``output_ids``: the
+    completion's tokens before ``step``; ``stop_ids``: :func:`stop_token_set`."""
+    logits = logits.detach().reshape(-1).to(torch.float32).clone()
+    vocab = logits.numel()
+    if sampling.logit_bias:
+        ids = torch.tensor([t for t, _ in sampling.logit_bias if t < vocab], dtype=torch.long)
+        logits[ids] += torch.tensor([b for t, b in sampling.logit_bias if t < vocab], dtype=torch.float32)
+    if step < sampling.min_tokens and stop_ids:
+        logits[torch.tensor([t for t in stop_ids if t < vocab], dtype=torch.long)] = float("-inf")
+    if sampling.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in (*prompt_ids, *output_ids) if t < vocab}), dtype=torch.long)
+        if seen.numel():
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / sampling.repetition_penalty, vals * sampling.repetition_penalty)
+    if (sampling.frequency_penalty or sampling.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor([t for t in output_ids if t < vocab], dtype=torch.long),
+                                minlength=vocab).to(torch.float32)
+        logits -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).to(torch.float32)
+    return logits
+
+
+def sample_at(logits: torch.Tensor, sampling, step: int, *, prompt_ids: Sequence[int] = (),
+              output_ids: Sequence[int] = (), stop_ids: frozenset[int] = frozenset()) -> int:
     """Sample completion token number ``step`` for a request with ``sampling`` parameters
-    (``protocol.Sampling``).
+    (``protocol.Sampling``); see the module docstring.
 
     A seeded request draws step ``k`` from a generator seeded with (seed, k), not from one
     generator carried across steps: prefill samples step 0 and decode the rest, possibly in
     other processes, and the tokens must not depend on which process drew which step.
     """
     seed = None if sampling.seed is None else (int(sampling.seed) * 1_000_003 + step) % (2**63)
-    return Sampler(sampling.temperature, sampling.top_p, seed)(logits)
+    logits = process_logits(logits, sampling, step, prompt_ids=prompt_ids, output_ids=output_ids,
+                            stop_ids=stop_ids)
+    return Sampler(sampling.temperature, sampling.top_p, seed, top_k=sampling.top_k, min_p=sampling.min_p)(logits)
+
+
+def with_logprob(token: int, logits: torch.Tensor, sampling):
+    """``token`` as a ``SampledToken`` carrying its logprob under the raw ``logits`` and the
+    ``sampling.logprobs`` most likely tokens; the plain id when logprobs are off."""
+    if sampling.logprobs is None:
+        return token
+    from shared import protocol
+    from shared.engines.base import SampledToken
+
+    lp = torch.log_softmax(logits.detach().reshape(-1).to(torch.float32), dim=-1)
+    top = ()
+    if sampling.logprobs > 0:
+        values, ids = torch.topk(lp, min(sampling.logprobs, lp.numel()))
+        top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
+    return SampledToken(protocol.TokenLogprob(int(token), float(lp[token]), top))

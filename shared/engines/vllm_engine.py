@@ -94,7 +94,8 @@ import torch
 
 from shared import protocol
 from shared.engines import vllm_pd, vllm_process
-from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput
+from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput, SampledToken
+from shared.engines.sampling import stop_token_set
 from shared.transfer.tensors import OwnerGoneError
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,8 @@ class VllmEngine:
                 disable_log_stats=True,
                 trust_remote_code=False,
                 worker_extension_cls=f"{vllm_process.__name__}.EngineProcessExtension",
+                # response_format: the grammar code the transformers engine runs (see vllm_structured)
+                logits_processors=["shared.engines.vllm_structured:StructuredOutputProcessor"],
                 **kv,
             )
             return AsyncLLM.from_engine_args(args)
@@ -263,7 +266,8 @@ class VllmEngine:
                           "the encode stage uses the transformers vision encoder")
 
     async def decode(self, request_id: str, kv: torch.Tensor, rope_delta: int, prompt_len: int, first_token: int,
-                     sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
+                     sampling: protocol.Sampling, resume: tuple[int, ...] = (),
+                     prompt_ids: tuple[int, ...] = ()) -> AsyncIterator[int]:
         raise EngineError("vllm engine cannot import a packed KV tensor: its KV moves engine to engine "
                           "(capability 'remote_kv', decode_remote)")
         yield  # pragma: no cover  (makes this an async generator, like the protocol's decode)
@@ -282,7 +286,7 @@ class VllmEngine:
                 prompt_len = len(out.prompt_token_ids or ()) or prompt_len
                 completion = out.outputs[0] if out.outputs else None
                 if completion is not None and completion.token_ids and first is None:
-                    first = int(completion.token_ids[0])
+                    first = _sampled(completion, 0, sampling)
                 if out.finished:
                     kv_params = out.kv_transfer_params
         if first is None:
@@ -306,11 +310,13 @@ class VllmEngine:
         # Nothing left to generate: still read once (one discarded token), which tells the
         # producer to free the blocks now; unread, its engine core would keep stepping, a busy
         # loop, until their lease passes.
-        done = remaining <= 0 or (first_token, *resume)[-1] in self.eos_token_ids
+        done = remaining <= 0 or (first_token, *resume)[-1] in stop_token_set(sampling, self.eos_token_ids)
         media = vllm_pd.placeholder_media(kv.media, self.hidden_size)
         prompt = self._prompt(list(prompt_ids), media, tail=(first_token, *resume))
         params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1 if done else remaining),
-                                       kv_transfer=vllm_pd.from_wire(kv))
+                                       kv_transfer=vllm_pd.from_wire(kv), already=1 + len(resume),
+                                       prefix=(int(first_token), *resume))
+        stops = stop_token_set(sampling, self.eos_token_ids)
         produced = 0
         async with contextlib.aclosing(self._outputs(request_id, prompt, params)) as outs:
             async for out in outs:
@@ -320,10 +326,10 @@ class VllmEngine:
                 if completion.finish_reason == "error":
                     raise OwnerGoneError(f"vllm could not read the prompt's KV from engine {kv.remote_engine_id} at "
                                          f"{kv.remote_host}:{kv.remote_port} (producer gone or its lease passed)")
-                for token in completion.token_ids:
+                for i, token in enumerate(completion.token_ids):
                     produced += 1
-                    yield int(token)
-                    if token in self.eos_token_ids or produced >= remaining:
+                    yield _sampled(completion, i, sampling)
+                    if token in stops or produced >= remaining:
                         return
 
     # ------------------------------------------------------------------ generate
@@ -338,20 +344,22 @@ class VllmEngine:
         """
         for token in resume:
             yield token
-        if len(resume) >= sampling.max_tokens or (resume and resume[-1] in self.eos_token_ids):
+        stops = stop_token_set(sampling, self.eos_token_ids)
+        if len(resume) >= sampling.max_tokens or (resume and resume[-1] in stops):
             return
         if resume:
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume))
         produced = 0
         prompt = self._prompt(prompt_ids, images, tail=tuple(resume))
-        async with contextlib.aclosing(self._outputs(request_id, prompt, self._sampling_params(sampling))) as outs:
+        params = self._sampling_params(sampling, already=len(resume), prefix=tuple(resume))
+        async with contextlib.aclosing(self._outputs(request_id, prompt, params)) as outs:
             async for out in outs:
                 completion = out.outputs[0] if out.outputs else None
                 if completion is not None:
-                    for token in completion.token_ids:
+                    for i, token in enumerate(completion.token_ids):
                         produced += 1
-                        yield int(token)
-                        if token in self.eos_token_ids or produced >= sampling.max_tokens:
+                        yield _sampled(completion, i, sampling)
+                        if token in stops or produced >= sampling.max_tokens:
                             return
 
     async def _outputs(self, request_id: str, prompt: dict, params) -> AsyncIterator:
@@ -396,7 +404,7 @@ class VllmEngine:
         n_placeholders = sum(1 for t in prompt_ids if t == self.placeholder_token_id)
         if n_placeholders != len(images):
             raise EngineError(f"prompt has {n_placeholders} image placeholders but {len(images)} images given")
-        prompt: dict = {"prompt_token_ids": [*prompt_ids, *tail]}
+        prompt: dict = {"prompt_token_ids": [*prompt_ids, *(int(t) for t in tail)]}  # ids, not SampledToken
         if not images:
             return prompt
         if len(images) > self._max_images:
@@ -415,7 +423,13 @@ class VllmEngine:
         }}
         return prompt
 
-    def _sampling_params(self, sampling: protocol.Sampling, kv_transfer: dict | None = None):
+    def _sampling_params(self, sampling: protocol.Sampling, kv_transfer: dict | None = None, already: int = 0,
+                         prefix: tuple[int, ...] = ()):
+        """vLLM's params for every ``protocol.Sampling`` control. ``already``: completion tokens
+        that reach vLLM as prompt (prefill's first token, resumed ones), which ``min_tokens``
+        discounts; ``prefix``: those tokens, over which a structured output's grammar is advanced
+        first, and for which presence / frequency penalties are added (vLLM's own count only the
+        tokens IT generated), both by ``shared.engines.vllm_structured``."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -427,8 +441,40 @@ class VllmEngine:
             top_p=float(sampling.top_p),
             seed=sampling.seed,
             max_tokens=int(sampling.max_tokens),
-            stop_token_ids=sorted(self.eos_token_ids),
+            top_k=int(sampling.top_k),
+            min_p=float(sampling.min_p),
+            presence_penalty=float(sampling.presence_penalty),
+            frequency_penalty=float(sampling.frequency_penalty),
+            repetition_penalty=float(sampling.repetition_penalty),
+            logit_bias=dict(sampling.logit_bias) or None,
+            min_tokens=min(max(0, sampling.min_tokens - already), int(sampling.max_tokens)),
+            # eos travels as stop_token_ids (see the module docstring), so ignore_eos drops it there
+            ignore_eos=bool(sampling.ignore_eos),
+            stop_token_ids=sorted(stop_token_set(sampling, self.eos_token_ids)),
+            logprobs=sampling.logprobs,  # raw logprobs (vLLM's default logprobs_mode), like transformers'
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # the caller detokenises (and applies stop strings)
-            extra_args={"kv_transfer_params": kv_transfer} if kv_transfer is not None else None,
+            extra_args={**({"kv_transfer_params": kv_transfer} if kv_transfer is not None else {}),
+                        **_structured_args(sampling, prefix, stop_token_set(sampling, self.eos_token_ids))} or None,
         )
+
+
+def _sampled(completion, i: int, sampling: protocol.Sampling) -> int:
+    """Token ``i`` of a DELTA output: the id, or with ``sampling.logprobs`` a ``SampledToken``
+    carrying vLLM's logprob of it and the ``logprobs`` most likely tokens (by vLLM's rank)."""
+    token = int(completion.token_ids[i])
+    if sampling.logprobs is None or not completion.logprobs:
+        return token
+    ranked = completion.logprobs[i]
+    top = sorted(((int(t), lp) for t, lp in ranked.items() if lp.rank is not None and lp.rank <= sampling.logprobs),
+                 key=lambda item: item[1].rank)
+    return SampledToken(protocol.TokenLogprob(token, float(ranked[token].logprob),
+                                              tuple((t, float(lp.logprob)) for t, lp in top)))
+
+
+def _structured_args(sampling: protocol.Sampling, prefix: tuple[int, ...], stop_ids) -> dict:
+    if sampling.structured is None and not (prefix and (sampling.presence_penalty or sampling.frequency_penalty)):
+        return {}
+    from shared.engines import vllm_structured  # imports vLLM: only for requests that need it
+
+    return vllm_structured.extra_args(sampling, prefix, stop_ids)

@@ -3,7 +3,7 @@
 :mod:`shared.media.files`).
 
 Every check raises ``MediaError`` with a message that tells the user what to fix; stages turn
-it into a 400/413/422 for the request (never a worker crash). These functions are pure and
+it into a 400/413 for the request (never a worker crash). These functions are pure and
 safe on arbitrary input: anything but ``MediaError`` escaping them is a bug (a property test
 holds them to that).
 """

@@ -218,8 +218,8 @@ CASES = [
     Case("part: image_url without url", 400, "url", chat({"type": "image_url", "image_url": {}}), None),
     Case("part: url is a number", 400, "$.messages[0].content[0].image_url.url",
          chat({"type": "image_url", "image_url": {"url": 5}}), None),
-    Case("part: bad detail", 400, "detail must be one of auto, low, high", part("https://example.com/a.png",
-                                                                                 detail="max")),
+    Case("part: bad detail", 400, "image_url.detail: must be auto, low or high",
+         part("https://example.com/a.png", detail="max"), f"{P0}.image_url.detail"),
     Case("part: image in a system message", 400, "user messages only",
          chat(img("https://example.com/a.png"), role="system")),
     # --- modalities the served model (Qwen2-VL: text, image, video) does not take

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests import procs
+from tests.e2e.test_api_conformance import check_structured_output, check_tool_calls
 from tests.e2e.test_skeleton import gradient_image, noise_image, png_data_url, ref_parts, reference_text
 
 MAX_TOKENS = 12
@@ -67,6 +68,8 @@ def test_mode_engine_parity(mode, engine, kafka_bootstrap, redis_url, model_dir,
                                client.chat.completions.create(stream=True, **kwargs) if c.choices)
             assert whole == references[name], f"{mode}/{engine}/{name}"
             assert streamed == references[name], f"{mode}/{engine}/{name} (stream)"
+        check_structured_output(client, model_dir)  # response_format in this mode and engine
+        check_tool_calls(client)
 
 
 def test_engine_without_kv_transfer_is_refused_with_a_clear_message():

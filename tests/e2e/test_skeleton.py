@@ -202,6 +202,30 @@ def test_models_and_health(client, fleet):
             assert resp.status == 200
 
 
+def test_seeded_sampling_controls_draw_what_epd_draws(client, model_dir):
+    """The seeded request test_api_conformance sends to an EPD fleet gives, in e-p-d (prefill
+    samples the first token, decode the rest), the same in-process engine's tokens."""
+    from tests.e2e.test_api_conformance import MODEL, MSGS, SEEDED, expected_logprobs, expected_text, seeded_body
+
+    got = client.chat.completions.create(model=MODEL, messages=MSGS, **SEEDED).choices[0]
+    assert got.message.content == expected_text(model_dir, seeded_body())[0]
+    # logprobs: the first token's travels from prefill to decode in the DecodeRequest
+    with_lp = client.chat.completions.create(model=MODEL, messages=MSGS, logprobs=True, top_logprobs=2,
+                                             **SEEDED).choices[0]
+    want = expected_logprobs(model_dir, {**seeded_body(), "logprobs": True, "top_logprobs": 2})
+    assert with_lp.message.content == got.message.content
+    assert [e.logprob for e in with_lp.logprobs.content] == pytest.approx([w.logprob for w in want], abs=1e-3)
+    assert [len(e.top_logprobs) for e in with_lp.logprobs.content] == [2] * len(want)
+
+
+def test_structured_output_and_tool_calls_in_e_p_d(client, model_dir):
+    """response_format and forced tool calls: decode continues the grammar after prefill's first token."""
+    from tests.e2e.test_api_conformance import check_structured_output, check_tool_calls
+
+    check_structured_output(client, model_dir)
+    check_tool_calls(client)  # forced calls: the same grammar across the split
+
+
 def test_unknown_model_and_bad_params(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])

@@ -252,3 +252,33 @@ def test_engine_core_exits_when_its_worker_is_killed(model_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+CONTROLS = protocol.Sampling(max_tokens=16, temperature=0.0, presence_penalty=0.8, frequency_penalty=0.6,
+                             repetition_penalty=1.3, logit_bias=((11, 3.0), (13, -100.0)), min_tokens=4,
+                             ignore_eos=True, logprobs=2)
+
+
+async def transformers_tokens(model_dir, prompt_ids, sampling) -> list:
+    """The transformers engine's tokens (SampledToken with logprobs) for the same request."""
+    from shared.engines.transformers_engine import TransformersEngine
+
+    ref = TransformersEngine(model_dir)
+    await ref.start()
+    try:
+        return [t async for t in ref.generate("ref", list(prompt_ids), [], sampling)]
+    finally:
+        await ref.stop()
+
+
+def assert_same(got: list, expected: list) -> None:
+    assert got == expected
+    for g, e in zip(got, expected, strict=True):
+        assert g.logprob.logprob == pytest.approx(e.logprob.logprob, abs=1e-3)
+        assert [t for t, _ in g.logprob.top] == [t for t, _ in e.logprob.top]
+
+
+async def test_sampling_controls_and_logprobs_match_transformers(engine, compute, model_dir):
+    prompt = compute.render_prompt_ids(messages_for(0, "Tell me a story about the sea."))
+    expected = await transformers_tokens(model_dir, prompt, CONTROLS)
+    assert_same(await collect(engine.generate("controls", prompt, [], CONTROLS)), expected)

@@ -64,3 +64,27 @@ async def test_unreachable_producer_is_owner_gone(pair, cases):  # noqa: F811 (f
                                    remote_port=vllm_pd.free_port("127.0.0.1"))
     with pytest.raises(OwnerGoneError):
         await collect(consumer.decode_remote("pd-gone", list(prompt_ids), gone, out.first_token, GREEDY))
+
+
+async def test_controls_structured_output_and_logprobs_across_the_handoff(pair, compute, model_dir):  # noqa: F811
+    """The split draws what the transformers engine draws: min_tokens discounted by prefill's
+    token, the grammar continued after it and presence / frequency penalties counting it
+    (shared.engines.vllm_structured), logprobs of both halves."""
+    import json
+
+    import jsonschema
+
+    from tests.engines.test_vllm_engine import assert_same, messages_for, transformers_tokens
+    from tests.unit.test_structured_output import SCHEMA
+
+    prompt = compute.render_prompt_ids(messages_for(0, "Tell me a story about the sea."))
+    controls = protocol.Sampling(max_tokens=16, temperature=0.0, repetition_penalty=1.3, ignore_eos=True,
+                                 presence_penalty=0.8, frequency_penalty=0.6,
+                                 logit_bias=((11, 3.0), (13, -100.0)), min_tokens=4, logprobs=2)
+    structured = protocol.Sampling(max_tokens=120, temperature=0.0, logprobs=1,
+                                   structured=protocol.StructuredOutput("json_schema", json.dumps(SCHEMA)))
+    for name, sampling in (("controls", controls), ("structured", structured)):
+        expected = await transformers_tokens(model_dir, prompt, sampling)
+        assert_same(await handoff(pair, f"pd-{name}", prompt, [], sampling), expected)
+    text = compute.tokenizer.decode([t for t in expected if t not in compute.eos_token_ids], skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), SCHEMA)

@@ -131,9 +131,9 @@ async def test_refused_sources(world, url, fragment):
     assert ev.param == "messages[0].content[0]"
 
 
-async def test_unknown_kind_is_422(world):
+async def test_unknown_kind_is_400(world):
     ev = await _fail(world, _request("k", [world["server"].base + "/a.png"], kind="video"))
-    assert ev.status == 422 and "video media is not supported" in ev.message
+    assert ev.status == 400 and "video media is not supported" in ev.message
 
 
 async def test_inline_media_over_the_cap_is_refused_before_reading_it(world):

@@ -1,0 +1,125 @@
+"""Grammar-constrained decoding (``protocol.Sampling.structured``) with xgrammar, the same code
+in every engine: the transformers engine calls it around its sampler, vLLM's engine core
+through :mod:`shared.engines.vllm_structured`.
+
+Contract: :meth:`Grammars.constraint` gives a :class:`Constraint` for one request, already
+advanced over ``prefix`` (the completion tokens drawn elsewhere: prefill's first token, a
+resumed attempt's), so decode continues the grammar exactly where prefill left it.
+:meth:`Constraint.mask` sets every token the grammar does not allow next to ``-inf``; once the
+grammar is complete only the stop tokens remain. JSON is compact (no free whitespace): a model
+that is not trained for JSON (the random demo model) cannot stall in endless whitespace.
+
+Why xgrammar: measured on the demo tokenizer (2026-11-22, this 2-core machine) for a small
+schema: tokenizer info 4 ms, compile 3 ms, 0.12 ms per token mask; llguidance took 175 ms per
+token mask in the same loop. It is also vLLM's default structured-output backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from shared import protocol
+
+log = logging.getLogger(__name__)
+MAX_CACHED_GRAMMARS = 64  # compiled grammars kept per process (a few KiB to a few MiB each)
+
+
+class GrammarError(ValueError):
+    """The request's grammar cannot be built (bad JSON Schema, unsupported keyword)."""
+
+
+def check(spec: protocol.StructuredOutput) -> None:
+    """Validate ``spec`` without a tokenizer (the gateway's 400); raises :class:`GrammarError`."""
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json_schema":
+            xgr.Grammar.from_json_schema(spec.schema, any_whitespace=False)
+        elif spec.kind != "json_object":
+            raise GrammarError(f"unknown structured output kind {spec.kind!r}")
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise GrammarError(_message(exc)) from None
+
+
+def _message(exc: Exception) -> str:
+    """xgrammar's error without its C++ source location prefix."""
+    first = (str(exc).splitlines() or [""])[0]
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first)[:300]
+
+
+class Constraint:
+    """One request's grammar state."""
+
+    def __init__(self, matcher, vocab_size: int, bitmask_vocab: int) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self._matcher = matcher
+        self._vocab = vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, bitmask_vocab)
+        self.failed = False  # a token the grammar refused was forced in (a resumed log): stop constraining
+
+    def accept(self, token: int) -> None:
+        if self.failed or self._matcher.is_terminated():
+            return
+        if not self._matcher.accept_token(int(token)):
+            log.warning("token %d does not fit the request's grammar; no longer constraining it", token)
+            self.failed = True
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of ``logits`` [vocab] with the tokens the grammar forbids next at ``-inf``."""
+        logits = logits.detach().reshape(-1).to(torch.float32).clone()
+        if self.failed:
+            return logits
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        self._xgr.apply_token_bitmask_inplace(logits[None], self._bitmask.to(logits.device), vocab_size=self._vocab)
+        return logits
+
+
+class Grammars:
+    """One per engine (process): the tokenizer's xgrammar view and a bounded cache of compiled
+    grammars. ``stop_token_ids``: what ends a completion (eos) — allowed once the grammar is done."""
+
+    def __init__(self, tokenizer, stop_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self._stops = sorted(int(t) for t in stop_token_ids)
+        self._compilers: dict[int, object] = {}
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+
+    def _compiler(self, vocab_size: int):
+        import xgrammar as xgr
+
+        comp = self._compilers.get(vocab_size)
+        if comp is None:
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=self._stops or None)
+            comp = self._compilers[vocab_size] = xgr.GrammarCompiler(info, max_threads=1)
+        return comp
+
+    def constraint(self, spec: protocol.StructuredOutput, vocab_size: int, prefix: Sequence[int] = ()) -> Constraint:
+        """``vocab_size``: the width of the model's logits (may exceed the tokenizer's)."""
+        import xgrammar as xgr
+
+        key = (vocab_size, spec.kind, spec.schema)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            comp = self._compiler(vocab_size)
+            schema = spec.schema if spec.kind == "json_schema" else json.dumps({"type": "object"})
+            try:
+                compiled = comp.compile_json_schema(schema, any_whitespace=False)
+            except (RuntimeError, ValueError, TypeError) as exc:
+                raise GrammarError(_message(exc)) from None
+            self._cache[key] = compiled
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        c = Constraint(xgr.GrammarMatcher(compiled), vocab_size, vocab_size)
+        for token in prefix:
+            c.accept(token)
+        return c
