@@ -44,7 +44,6 @@ class Redriver:
         self._doorbell = doorbell
         self._poll_s = poll_ms / 1000
         self._tracked: dict[str, protocol.RequestMeta] = {}
-        self._epoch = EpochWatch(ledger.broker_epoch)
         self.redriven = 0  # requests produced again, for logs and tests
 
     def track(self, meta: protocol.RequestMeta) -> None:
@@ -57,8 +56,9 @@ class Redriver:
     async def run(self) -> None:
         """Poll the epoch until cancelled. Redis errors only delay the check (a flushed Redis
         loses the token: the last one seen stays the reference)."""
+        epoch = EpochWatch(self._ledger.broker_epoch)
         while True:
-            if await self._epoch.changed():
+            if await epoch.changed():
                 log.warning("the broker was restarted and lost its records; re-driving %d requests",
                             len(self._tracked))
                 await self._redrive_all()
