@@ -35,7 +35,7 @@ from shared.doorbell import Doorbell
 from shared.engines.base import Engine
 from shared.keys import STAGES, TOPIC_PREFILL, RedisKeys
 from shared.kv.prefix_cache import PrefixCache
-from shared.kv.reuse import PrefixReuse
+from shared.kv.reuse import EngineCacheReport, PrefixReuse
 from shared.kv.router import Router
 from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
 from shared.ledger import StageLedger
@@ -83,7 +83,8 @@ def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...
     host = settings.vllm_kv_host
     if host == "auto":
         host = socket.gethostbyname(socket.gethostname())
-    return cls(model_dir, kv_role=role, kv_host=host, kv_lease_s=max(1, settings.lease_ttl_ms // 1000))
+    return cls(model_dir, kv_role=role, kv_host=host, kv_lease_s=max(1, settings.lease_ttl_ms // 1000),
+               kv_block_size=settings.kv_block_size)
 
 
 def engine_capabilities(name: str):
@@ -131,13 +132,19 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         kv_worker = "prefill" in stages and "decode" not in stages
         # the metric label leaves out pid and random suffix: a restart continues the same series
         # (processes on one host are told apart by the scrape target, Prometheus' `instance`)
+        label = f"{'+'.join(stages)}@{socket.gethostname()}"
+        caps = engine_capabilities(settings.engine)
         reuse = PrefixReuse(PrefixCache(settings.prefix_cache_bytes, settings.kv_block_size), placeholder,
-                            metric_label=f"{'+'.join(stages)}@{socket.gethostname()}") \
-            if kv_worker and settings.prefix_cache_bytes > 0 else None
+                            metric_label=label) \
+            if kv_worker and caps.prefix_kv and settings.prefix_cache_bytes > 0 else None
+        # an engine with its own prefix cache (vLLM) reports it in the same block keys
+        engine_cache = EngineCacheReport(placeholder, settings.kv_block_size, metric_label=label) \
+            if kv_worker and caps.kv_events else None
         reporter = LoadReporter(redis, keys, worker_id, load, settings) if kv_worker else None
         handlers = await _build_handlers(stages, settings, model_dir, stack,
                                          _CacheParts(redis, transfer, worker_id), reuse, load,
-                                         router.audit if reuse is not None else None)
+                                         router.audit if reuse is not None or engine_cache is not None else None,
+                                         engine_cache)
         ledger = StageLedger(redis, RedisKeys(settings.redis_prefix), lease_ms=settings.stage_lease_ms,
                              done_ttl_s=settings.done_ttl_s)
         contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer, ledger=ledger)
@@ -234,7 +241,8 @@ def _preprocessors(model_dir, served: frozenset[str]) -> dict:
 
 async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir, stack: AsyncExitStack,
                           parts: _CacheParts, reuse: PrefixReuse | None = None,
-                          load: LoadTracker | None = None, audit=None) -> dict:
+                          load: LoadTracker | None = None, audit=None,
+                          engine_cache: EngineCacheReport | None = None) -> dict:
     engines: dict[str, Engine] = {}
     index = None
     if settings.embedding_cache_bytes > 0:
@@ -306,7 +314,7 @@ async def _build_handlers(stages: tuple[str, ...], settings: Settings, model_dir
         else:
             from services.prefill.handler import PrefillHandler
 
-            handlers["prefill"] = PrefillHandler(lm, reuse, load, puller, audit)
+            handlers["prefill"] = PrefillHandler(lm, reuse, load, puller, audit, engine_cache)
     if "decode" in stages and "prefill" not in stages:
         from services.decode.handler import DecodeHandler
 

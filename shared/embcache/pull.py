@@ -41,7 +41,7 @@ class EmbeddingPuller:
         for e in embeds:
             if isinstance(e, BaseException):
                 raise e
-        return [MediaEmbeds(emb, it.grid_thw, it.kind) for emb, it in zip(embeds, items, strict=True)]
+        return [MediaEmbeds(emb, it.grid_thw, it.kind, it.mm_hash) for emb, it in zip(embeds, items, strict=True)]
 
     async def _one(self, owner: protocol.AgentRef, it: protocol.EmbeddingItem, ctx: Context):
         key = it.cache_key

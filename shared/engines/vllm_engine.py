@@ -86,15 +86,17 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import msgspec
 import torch
 
 from shared import protocol
-from shared.engines import vllm_pd, vllm_process
+from shared.engines import vllm_kv_events, vllm_pd, vllm_process
 from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput
+from shared.engines.vllm_inputs import PromptBuilder
 from shared.transfer.tensors import OwnerGoneError
 
 log = logging.getLogger(__name__)
@@ -112,7 +114,8 @@ _BUILD_ENV = {
 
 class VllmEngine:
     name = "vllm"
-    capabilities = Capabilities(encode=False, generate=True, kv_export=True, kv_import=True, remote_kv=True)
+    capabilities = Capabilities(encode=False, generate=True, kv_export=True, kv_import=True, remote_kv=True,
+                                kv_events=True)
 
     def __init__(
         self,
@@ -130,10 +133,16 @@ class VllmEngine:
         kv_role: str | None = None,
         kv_host: str = "127.0.0.1",
         kv_lease_s: int = 30,
+        kv_block_size: int = 16,
+        kv_event_wait_s: float = 1.0,
     ) -> None:
         """``kv_role``: None (generate only), ``vllm_pd.PRODUCER`` (prefill apart) or
         ``vllm_pd.CONSUMER`` (decode apart); ``kv_host``: the address consumers reach this
-        engine's NIXL side channel at; ``kv_lease_s``: how long a producer keeps unread KV."""
+        engine's NIXL side channel at; ``kv_lease_s``: how long a producer keeps unread KV;
+        ``kv_block_size``: the fleet's KV block (hashing, routing): vLLM's block is the
+        smallest multiple of it and 32 (:mod:`shared.engines.vllm_kv_events`), and a producer
+        reports its prefix cache's changes in those keys, waiting up to ``kv_event_wait_s``
+        for a prefill's own block events."""
         from transformers import AutoTokenizer, GenerationConfig
 
         self._model_dir = Path(model_dir)
@@ -152,16 +161,21 @@ class VllmEngine:
         self._kv_role = kv_role
         self._kv_host = kv_host
         self._kv_lease_s = kv_lease_s
+        self.kv_block_size = kv_block_size
+        self.block_size = vllm_kv_events.vllm_block_size(kv_block_size)
+        self._kv_event_wait_s = kv_event_wait_s
 
         config = json.loads((self._model_dir / "config.json").read_text())
         text_cfg = config.get("text_config", config)
-        self.placeholder_token_id: int = int(config["image_token_id"])
-        self.merge_size: int = int(config.get("vision_config", {}).get("spatial_merge_size", 2))
         self.hidden_size: int = int(text_cfg["hidden_size"])
         model_len = int(text_cfg["max_position_embeddings"])
         self.max_model_len: int = min(max_model_len, model_len) if max_model_len else model_len
         self.tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
         self.eos_token_ids: frozenset[int] = vllm_process.eos_ids(self._model_dir, text_cfg, GenerationConfig)
+        # refuses (ValueError naming the reason) a family or modality vLLM cannot take as embeddings
+        self.prompts = PromptBuilder(self._model_dir, self.tokenizer, max_images_per_prompt)
+        self.modalities = self.prompts.modalities
+        self._events: vllm_kv_events.EventSubscriber | None = None  # a producer's cache events
 
         self._llm = None  # vllm AsyncLLM once started
         self._in_flight: set[str] = set()
@@ -173,24 +187,31 @@ class VllmEngine:
         if self._llm is not None:
             return
         self._stopping = False
-        from shared.models.registry import family_of, served_modalities
-
-        # refuse, before any traffic, a family this adapter cannot serve (ValueError names it)
-        self.modalities = served_modalities(family_of(self._model_dir), self.name)
         t0 = time.monotonic()
+        if self._kv_role == vllm_pd.PRODUCER:  # connect first: the engine core binds the path
+            self._events = vllm_kv_events.EventSubscriber(
+                vllm_kv_events.ipc_endpoint(),
+                vllm_kv_events.BlockTranslator(self.block_size // self.kv_block_size))
+            self._events.start()
         # Building the engine blocks (spawns the engine core and waits for it to load the
         # model): run it off the event loop. AsyncLLM binds to the running loop only when a
         # request arrives (its output handler starts on the first add_request).
         box: list = []
         # (the engine travels in ``box``, not as the thread's return value: asyncio keeps the
         # last to_thread future alive, and with it a reference that would outlive stop())
-        await asyncio.to_thread(lambda: box.append(self._build()))
+        try:
+            await asyncio.to_thread(lambda: box.append(self._build()))
+        except BaseException:
+            await self._stop_events()
+            raise
         self._llm = box.pop()
         self.max_model_len = int(self._llm.model_config.max_model_len)
         try:
-            await self._llm.collective_rpc("mmfleet_setup_engine_process", timeout=30)
+            armed = await self._llm.collective_rpc("mmfleet_setup_engine_process", timeout=30)
         except Exception as exc:  # noqa: BLE001 — a missing watchdog must not fail start-up
-            log.warning("vllm engine core has no parent watchdog (%r): it would outlive a SIGKILLed worker", exc)
+            armed = [exc]
+        if armed != [True]:
+            log.warning("vllm engine core has no parent watchdog (%r): it would outlive a SIGKILLed worker", armed)
         self.startup_s = time.monotonic() - t0
         log.info("vllm engine up in %.1f s (model %s, max_model_len %d)", self.startup_s,
                  self._model_dir, self.max_model_len)
@@ -199,12 +220,14 @@ class VllmEngine:
         saved = dict(os.environ)
         os.environ.update(_BUILD_ENV)
         os.environ["OMP_NUM_THREADS"] = str(self._num_threads)
-        kv = {}
+        os.environ.update(vllm_process.watchdog_env())
+        # vLLM's own prefix cache (ours is not used with vLLM), but not in a decode consumer
+        kv: dict = {"enable_prefix_caching": self._kv_role != vllm_pd.CONSUMER}
         if self._kv_role is not None:
             os.environ.update(vllm_pd.side_channel_env(self._kv_host, vllm_pd.free_port(self._kv_host)))
             kv["kv_transfer_config"] = vllm_pd.transfer_config(self._kv_role, self._kv_lease_s)
-            if self._kv_role == vllm_pd.CONSUMER:  # zero placeholder embeddings: see vllm_pd
-                kv["enable_prefix_caching"] = False
+        if self._events is not None:
+            kv["kv_events_config"] = vllm_kv_events.events_config(self._events.endpoint)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -217,7 +240,8 @@ class VllmEngine:
                 max_model_len=self.max_model_len,
                 enforce_eager=self._enforce_eager,
                 enable_mm_embeds=True,
-                limit_mm_per_prompt={"image": self._max_images, "video": 0},
+                limit_mm_per_prompt=self.prompts.limits(),
+                block_size=self.block_size,
                 kv_cache_memory_bytes=self._kv_cache_bytes,
                 gpu_memory_utilization=self._gpu_memory_utilization,
                 disable_log_stats=True,
@@ -251,6 +275,12 @@ class VllmEngine:
                              "processes", None) or [])
         await asyncio.to_thread(vllm_process.shutdown, llm, procs, self._shutdown_timeout_s)
         del llm  # drop the last reference now, not at interpreter exit (its __del__ shuts down again)
+        await self._stop_events()
+
+    async def _stop_events(self) -> None:
+        events, self._events = self._events, None
+        if events is not None:
+            await events.stop()
 
     async def abort(self, request_id: str) -> None:
         llm = self._llm
@@ -270,26 +300,57 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ prefill / decode apart
     async def prefill(self, request_id: str, prompt_ids: list[int], images: list[MediaEmbeds],
-                      sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
-        """Prompt → first token, the KV left in this engine for a consumer (kv_producer only)."""
+                      sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None,
+                      block_keys: Sequence[int] = ()) -> PrefillOutput:
+        """Prompt → first token, the KV left in this engine for a consumer (kv_producer only).
+
+        ``block_keys``: the prompt's block hashes in the fleet's keys; the output's
+        ``kv_changes`` are this engine's prefix-cache changes since the last prefill in those
+        keys (this request's blocks included: it waits up to ``kv_event_wait_s`` for their
+        events), ``cached_tokens`` the positions vLLM's prefix cache gave."""
         if self._kv_role != vllm_pd.PRODUCER:
             raise EngineError("this vllm engine was not built as a KV producer (kv_role); it cannot prefill apart")
         params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1),
                                        kv_transfer={"do_remote_decode": True})
-        first, kv_params, prompt_len = None, None, 0
-        async with contextlib.aclosing(self._outputs(request_id, self._prompt(prompt_ids, images), params)) as outs:
-            async for out in outs:
-                prompt_len = len(out.prompt_token_ids or ()) or prompt_len
-                completion = out.outputs[0] if out.outputs else None
-                if completion is not None and completion.token_ids and first is None:
-                    first = int(completion.token_ids[0])
-                if out.finished:
-                    kv_params = out.kv_transfer_params
-        if first is None:
-            raise EngineError(f"vllm produced no first token for {request_id!r}")
+        events = self._events
+        session = f"{request_id}#{uuid.uuid4().hex[:8]}"  # a redelivered request_id is a new session
+        if events is not None:
+            events.translator.register(session, block_keys)
+        first, kv_params, prompt_len, cached = None, None, 0, 0
+        try:
+            async with contextlib.aclosing(self._outputs(request_id, self.prompts.build(prompt_ids, images), params,
+                                                         session_id=session)) as outs:
+                async for out in outs:
+                    prompt_len = len(out.prompt_token_ids or ()) or prompt_len
+                    cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+                    completion = out.outputs[0] if out.outputs else None
+                    if completion is not None and completion.token_ids and first is None:
+                        first = int(completion.token_ids[0])
+                    if out.finished:
+                        kv_params = out.kv_transfer_params
+            if first is None:
+                raise EngineError(f"vllm produced no first token for {request_id!r}")
+            changes = await self._kv_changes(session, prompt_len, len(block_keys)) if events is not None else None
+        finally:
+            if events is not None:
+                events.translator.forget(session)
         media = [protocol.MediaShape(getattr(m, "kind", "image"), tuple(m[1]), int(m[0].shape[0])) for m in images]
         return PrefillOutput(first_token=first, kv=None, rope_delta=0, prompt_len=prompt_len,
-                             engine_kv=vllm_pd.to_wire(kv_params, media))
+                             engine_kv=vllm_pd.to_wire(kv_params, media), cached_tokens=cached, kv_changes=changes)
+
+    async def _kv_changes(self, session: str, prompt_len: int, n_keys: int):
+        """The cache changes to report after a prefill, once its own blocks' events are in."""
+        events = self._events
+        ratio = events.translator.ratio
+        want = min(prompt_len // self.block_size, n_keys // ratio)
+        if not await events.translator.wait_stored(session, want, self._kv_event_wait_s):
+            failed = events.failed()
+            if failed is not None:
+                raise EngineError(f"vllm kv-event reader died: {failed!r}") from failed
+            log.warning("vllm kv events: %d of %d block events of %s not in after %.1f s; the routing table "
+                        "learns of them with a later prefill", want - events.translator.seen(session), want,
+                        session, self._kv_event_wait_s)
+        return events.translator.take()
 
     async def decode_remote(self, request_id: str, prompt_ids: list[int], kv: protocol.EngineKv, first_token: int,
                             sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
@@ -308,7 +369,7 @@ class VllmEngine:
         # loop, until their lease passes.
         done = remaining <= 0 or (first_token, *resume)[-1] in self.eos_token_ids
         media = vllm_pd.placeholder_media(kv.media, self.hidden_size)
-        prompt = self._prompt(list(prompt_ids), media, tail=(first_token, *resume))
+        prompt = self.prompts.build(list(prompt_ids), media, tail=(first_token, *resume))
         params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1 if done else remaining),
                                        kv_transfer=vllm_pd.from_wire(kv))
         produced = 0
@@ -343,7 +404,7 @@ class VllmEngine:
         if resume:
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume))
         produced = 0
-        prompt = self._prompt(prompt_ids, images, tail=tuple(resume))
+        prompt = self.prompts.build(prompt_ids, images, tail=tuple(resume))
         async with contextlib.aclosing(self._outputs(request_id, prompt, self._sampling_params(sampling))) as outs:
             async for out in outs:
                 completion = out.outputs[0] if out.outputs else None
@@ -354,11 +415,11 @@ class VllmEngine:
                         if token in self.eos_token_ids or produced >= sampling.max_tokens:
                             return
 
-    async def _outputs(self, request_id: str, prompt: dict, params) -> AsyncIterator:
+    async def _outputs(self, request_id: str, prompt: dict, params, session_id: str | None = None) -> AsyncIterator:
         """vLLM's outputs for one request until it finishes; closing this iterator early
         aborts the request (callers hold it in ``contextlib.aclosing``, so closing them closes
         it at once rather than when it is garbage-collected). Requests vLLM refuses raise
-        :class:`EngineError`."""
+        :class:`EngineError`. ``session_id``: stamped by vLLM on the request's KV events."""
         llm = self._llm
         if llm is None:
             raise EngineError("vllm engine is not started" if not self._stopping else "vllm engine is stopping")
@@ -371,7 +432,7 @@ class VllmEngine:
             raise EngineError(f"vllm rejected the prompt: {exc}") from exc
 
         self._in_flight.add(request_id)
-        stream = llm.generate(engine_input, params, request_id)
+        stream = llm.generate(engine_input, params, request_id, session_id=session_id)
         try:
             async for out in stream:
                 yield out
@@ -386,34 +447,6 @@ class VllmEngine:
             # on our side first (eos / max_tokens seen before vLLM marked it finished).
             with contextlib.suppress(Exception):
                 await stream.aclose()
-
-    def _prompt(self, prompt_ids: list[int], images: list[MediaEmbeds], tail: tuple[int, ...] = ()) -> dict:
-        """vLLM's prompt dict; ``tail``: completion tokens appended after the placeholders are
-        counted (a generated token may equal a placeholder id)."""
-        other = sorted({getattr(it, "kind", "image") for it in images} - {"image"})
-        if other:
-            raise EngineError(f"the vllm engine serves image embeddings only, not {', '.join(other)}")
-        n_placeholders = sum(1 for t in prompt_ids if t == self.placeholder_token_id)
-        if n_placeholders != len(images):
-            raise EngineError(f"prompt has {n_placeholders} image placeholders but {len(images)} images given")
-        prompt: dict = {"prompt_token_ids": [*prompt_ids, *tail]}
-        if not images:
-            return prompt
-        if len(images) > self._max_images:
-            raise EngineError(f"{len(images)} images exceed this engine's limit of {self._max_images} per prompt")
-        embeds, grids = [], []
-        for emb, (t, h, w), *_ in images:
-            n = t * h * w // (self.merge_size**2)
-            if emb.dim() != 2 or emb.shape[0] != n:
-                raise EngineError(f"image embedding of shape {tuple(emb.shape)} does not fit grid {(t, h, w)} "
-                                  f"({n} tokens)")
-            embeds.append(emb.to(torch.float32))
-            grids.append((t, h, w))
-        prompt["multi_modal_data"] = {"image": {
-            "image_embeds": torch.cat(embeds, dim=0).contiguous(),
-            "image_grid_thw": torch.tensor(grids, dtype=torch.long),
-        }}
-        return prompt
 
     def _sampling_params(self, sampling: protocol.Sampling, kv_transfer: dict | None = None):
         from vllm import SamplingParams
