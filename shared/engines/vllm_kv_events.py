@@ -10,8 +10,8 @@ like the transformers path's (``shared.kv.reuse.kv_event_outputs``).
 
 How a vLLM block becomes our keys:
 - Every vLLM request carries ``session_id`` = a key of ours, and vLLM stamps it on each
-  ``BlockStored`` of that request — blocks it computed and blocks it reused from the cache
-  (``emit_cached_block_events``). Before submitting, the engine registers the prompt's block
+  ``BlockStored`` of that request (the blocks it computed; blocks it reused were announced by
+  the request that computed them). Before submitting, the engine registers the prompt's block
   hashes under that key (:meth:`BlockTranslator.register`: computed by the caller with the
   router's function, so they are exactly the router's).
 - vLLM's block size is a multiple of ours (:func:`vllm_block_size`): vLLM block ``i`` (its index
@@ -85,7 +85,6 @@ class BlockTranslator:
         self._stored: dict[int, None] = {}  # pending changes, in order (dicts: ordered sets)
         self._removed: dict[int, None] = {}
         self._cleared = False
-        self._seen: dict[str, int] = {}  # session -> vLLM blocks of its prompt seen stored
         self._waiters: dict[str, list[tuple[int, asyncio.Future]]] = {}
         self.unmatched = 0  # stored blocks we could not place (unknown session or parent)
 
@@ -93,23 +92,20 @@ class BlockTranslator:
     def register(self, session: str, hashes: Sequence[int]) -> None:
         self._sessions[session] = tuple(hashes)
         self._sessions.move_to_end(session)
-        self._seen.setdefault(session, 0)
         while len(self._sessions) > self._max_sessions:
-            old, _ = self._sessions.popitem(last=False)
-            self._seen.pop(old, None)
+            self._sessions.popitem(last=False)
 
     def forget(self, session: str) -> None:
         self._sessions.pop(session, None)
-        self._seen.pop(session, None)
         for _, fut in self._waiters.pop(session, []):
             if not fut.done():
                 fut.set_result(False)
 
     async def wait_stored(self, session: str, n_blocks: int, timeout_s: float) -> bool:
-        """Until ``n_blocks`` of ``session``'s prompt blocks were reported stored (computed or
-        reused), or ``timeout_s`` passes (False). vLLM sends events on their own socket, so they
-        may trail the request's output by a step."""
-        if n_blocks <= 0 or self._seen.get(session, 0) >= n_blocks:
+        """Until the keys of ``session``'s first ``n_blocks`` vLLM blocks are all held (blocks it
+        computed reported stored, blocks it reused stored before), or ``timeout_s`` passes
+        (False). vLLM sends events on their own socket: they may trail the request's output."""
+        if n_blocks <= 0 or self.held_blocks(session) >= n_blocks:
             return True
         fut = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(session, []).append((n_blocks, fut))
@@ -124,8 +120,12 @@ class BlockTranslator:
             else:
                 self._waiters.pop(session, None)
 
-    def seen(self, session: str) -> int:
-        return self._seen.get(session, 0)
+    def held_blocks(self, session: str) -> int:
+        """How many of ``session``'s leading vLLM blocks have every key held."""
+        ours, r, n = self._sessions.get(session, ()), self.ratio, 0
+        while (n + 1) * r <= len(ours) and all(k in self._refs for k in ours[n * r:(n + 1) * r]):
+            n += 1
+        return n
 
     def take(self) -> CacheChanges:
         """The changes since the last call, net: a key both stored and removed meanwhile is
@@ -183,13 +183,12 @@ class BlockTranslator:
                         self._stored[k] = None
             else:
                 self._blocks.move_to_end(h)
-            if keys:
-                self._seen[session] = max(self._seen.get(session, 0), at + 1)
         while len(self._blocks) > self._max_blocks:
             old = next(iter(self._blocks))
             log.warning("kv events: more than %d vLLM blocks tracked; forgetting the oldest", self._max_blocks)
             self._drop(old)
-        self._wake(session)
+        for waiting in list(self._waiters):
+            self._wake(waiting)
 
     def _drop(self, h) -> None:
         entry = self._blocks.pop(h, None)
@@ -204,9 +203,9 @@ class BlockTranslator:
             self._removed[k] = None
 
     def _wake(self, session: str) -> None:
-        seen = self._seen.get(session, 0)
+        held = self.held_blocks(session)
         for n, fut in self._waiters.get(session, []):
-            if seen >= n and not fut.done():
+            if held >= n and not fut.done():
                 fut.set_result(True)
 
 
@@ -280,6 +279,18 @@ class EventSubscriber:
         if path != self.endpoint:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+    async def changes_after(self, session: str, n_blocks: int, timeout_s: float) -> CacheChanges:
+        """The changes to report with a prefill, once ``n_blocks`` of its own blocks were seen
+        (or ``timeout_s`` passed: logged, the table then learns of them with a later report)."""
+        if not await self.translator.wait_stored(session, n_blocks, timeout_s):
+            failed = self.failed()
+            if failed is not None:
+                raise RuntimeError(f"the vLLM kv-event reader died: {failed!r}") from failed
+            log.warning("kv events: %d of %d block events of %s not in after %.1f s; the routing table learns "
+                        "of them with a later prefill", n_blocks - self.translator.held_blocks(session), n_blocks,
+                        session, timeout_s)
+        return self.translator.take()
 
     def failed(self) -> BaseException | None:
         """The reader's exception if it ended by one (it should not end while running)."""
