@@ -257,27 +257,24 @@ class VllmEngine:
         session = f"{request_id}#{uuid.uuid4().hex[:8]}"  # a redelivered request_id is a new session
         if events is not None:
             events.translator.register(session, block_keys)
+        # (registrations are kept, LRU-bounded, past this call: events that trail it still translate)
         first, kv_params, prompt_len, cached = None, None, 0, 0
-        try:
-            async with contextlib.aclosing(self._outputs(request_id, self.prompts.build(prompt_ids, images), params,
-                                                         session_id=session)) as outs:
-                async for out in outs:
-                    prompt_len = len(out.prompt_token_ids or ()) or prompt_len
-                    cached = int(getattr(out, "num_cached_tokens", 0) or 0)
-                    completion = out.outputs[0] if out.outputs else None
-                    if completion is not None and completion.token_ids and first is None:
-                        first = int(completion.token_ids[0])
-                    if out.finished:
-                        kv_params = out.kv_transfer_params
-            if first is None:
-                raise EngineError(f"vllm produced no first token for {request_id!r}")
-            changes = None
-            if events is not None:  # whole vLLM blocks of the prompt that have keys: wait for their events
-                want = min(prompt_len // self.block_size, len(block_keys) // events.translator.ratio)
-                changes = await events.changes_after(session, want, self._kv_event_wait_s)
-        finally:
-            if events is not None:
-                events.translator.forget(session)
+        async with contextlib.aclosing(self._outputs(request_id, self.prompts.build(prompt_ids, images), params,
+                                                     session_id=session)) as outs:
+            async for out in outs:
+                prompt_len = len(out.prompt_token_ids or ()) or prompt_len
+                cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+                completion = out.outputs[0] if out.outputs else None
+                if completion is not None and completion.token_ids and first is None:
+                    first = int(completion.token_ids[0])
+                if out.finished:
+                    kv_params = out.kv_transfer_params
+        if first is None:
+            raise EngineError(f"vllm produced no first token for {request_id!r}")
+        changes = None
+        if events is not None:  # the prompt's whole vLLM blocks that have keys: wait for their events
+            want = min(prompt_len // self.block_size, len(block_keys) // events.translator.ratio)
+            changes = await events.changes_after(session, want, self._kv_event_wait_s)
         media = [protocol.MediaShape(getattr(m, "kind", "image"), tuple(m[1]), int(m[0].shape[0])) for m in images]
         return PrefillOutput(first_token=first, kv=None, rope_delta=0, prompt_len=prompt_len,
                              engine_kv=vllm_pd.to_wire(kv_params, media), cached_tokens=cached, kv_changes=changes)

@@ -95,12 +95,6 @@ class BlockTranslator:
         while len(self._sessions) > self._max_sessions:
             self._sessions.popitem(last=False)
 
-    def forget(self, session: str) -> None:
-        self._sessions.pop(session, None)
-        for _, fut in self._waiters.pop(session, []):
-            if not fut.done():
-                fut.set_result(False)
-
     async def wait_stored(self, session: str, n_blocks: int, timeout_s: float) -> bool:
         """Until the keys of ``session``'s first ``n_blocks`` vLLM blocks are all held (blocks it
         computed reported stored, blocks it reused stored before), or ``timeout_s`` passes
