@@ -102,6 +102,12 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     model_dir = resolve_model_path(settings)
     try:  # an engine that cannot serve this model family, or a GPU that is not there, fails here
         served_modalities(family_of(model_dir), settings.engine)
+        if settings.engine == "vllm":  # weights vLLM's loader cannot map (shared.engines.vllm_inputs)
+            from shared.engines.vllm_inputs import checkpoint_refusal
+
+            why = checkpoint_refusal(model_dir, family_of(model_dir).name)
+            if why:
+                raise ValueError(why)
         placement = resolve_placement(settings.device, settings.dtype)
     except ValueError as exc:
         raise SystemExit(f"cannot start worker: {exc}") from None

@@ -14,6 +14,11 @@ tests/engines/test_vllm_families.py):
 - Qwen2-Audio: ``{"audio": [embeds, ...]}`` likewise (vLLM's audio-embedding items).
 - LLaVA-NeXT-Video: refused at start (``shared.models.registry``): vLLM's model takes
   ``pixel_values_videos`` only, no video embeddings.
+- Checkpoints: vLLM 0.32's loaders map the hub's weight names. LLaVA and Qwen2-Audio
+  checkpoints saved by transformers 5 (the tiny offline builds are) nest some modules
+  differently (``TRANSFORMERS5_LAYOUTS``): refused at start (:func:`checkpoint_refusal`) with
+  that reason rather than failing inside vLLM's loader; the same weights renamed to the hub
+  layout load and serve (tests/engines/test_vllm_families.py).
 Each item's ``mm_hash`` (BLAKE3 of its bytes) goes as vLLM's ``multi_modal_uuids``: vLLM's
 prefix-cache keys (and its multimodal caches) then name the item by its bytes, as ours do, and
 vLLM does not hash the embedding tensors. Items without one (a decode consumer's zero
@@ -32,6 +37,34 @@ from shared.engines.base import EngineError, MediaEmbeds
 ENGINE = "vllm"
 
 
+# family -> (a key prefix only transformers-5 saves have, that prefix's part to rewrite, what the hub
+# layout vLLM 0.32 loads has there): checkpoints saved by transformers 5 nest some modules
+# differently from the hub's, and vLLM's loaders map only the hub's names
+TRANSFORMERS5_LAYOUTS: dict[str, tuple[str, str, str]] = {
+    "llava": ("vision_tower.embeddings.", "vision_tower.", "vision_tower.vision_model."),
+    "qwen2_audio": ("language_model.model.model.", "language_model.model.model.", "language_model.model."),
+}
+
+
+def checkpoint_refusal(model_dir: str | Path, family: str) -> str | None:
+    """Why vLLM cannot load the weights at ``model_dir`` (None: it can, as far as known). Reads
+    only the safetensors headers."""
+    layout = TRANSFORMERS5_LAYOUTS.get(family)
+    if layout is None:
+        return None
+    from safetensors import safe_open
+
+    marker, old, new = layout
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            bad = next((k for k in f.keys() if k.startswith((marker, "model." + marker))), None)
+        if bad is not None:
+            return (f"vLLM 0.32 cannot load this {family} checkpoint: it was saved in transformers 5's layout "
+                    f"({bad!r}) where vLLM's loader expects the hub's ('{old}*' as '{new}*'); re-save it in the "
+                    f"hub layout or use --engine transformers")
+    return None
+
+
 class PromptBuilder:
     """One model's prompt rules (family, placeholder ids, Qwen's merge size)."""
 
@@ -41,6 +74,9 @@ class PromptBuilder:
         family = family_of(model_dir)
         self.family = family.name
         self.modalities = served_modalities(family, ENGINE)  # ValueError (with the reason) if not served
+        why = checkpoint_refusal(model_dir, family.name)
+        if why:
+            raise ValueError(why)
         self.placeholders: dict[str, int] = {}
         for modality in sorted(self.modalities):
             token = family.placeholders[modality]
