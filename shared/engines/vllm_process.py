@@ -15,7 +15,9 @@ vLLM only records it and exits once built) and ``_exit``s after 15 s if that did
 It is armed at the earliest point each program offers: the worker's ``__main__``
 (``services.cli``, which spawn re-imports in the child before anything of vLLM), this module's
 import in the core (vLLM imports it at executor start, for any ``__main__``), and the
-extension's set-up call.
+extension's set-up call. A core that finds its parent already dead when it gets there (killed
+during the core's first seconds of imports) exits at once: vLLM would wait minutes for the
+handshake with it.
 
 Processes. ``AsyncLLM`` always runs the engine core (scheduler + model) in a child process,
 started with ``spawn`` (vLLM's CPU platform forces spawn); the parent only renders inputs and
@@ -113,9 +115,14 @@ def arm_parent_watchdog() -> bool:
     if _armed:
         return True
     expected = os.environ.get(PARENT_ENV)
-    if not expected or expected != str(os.getppid()):
-        return False  # not an engine core, or its parent is already gone (the core then stops on
-        # its own: vLLM's handshake with a dead parent fails)
+    if not expected:
+        return False  # not spawned by an engine's build
+    if expected != str(os.getppid()):
+        if _alive(int(expected)):
+            return False  # a grandchild (e.g. a multiproc executor worker): its own parent watches it
+        # The parent died before this process got here (its first seconds go to imports): vLLM
+        # would wait minutes for a handshake with it. Nothing here is worth an orderly exit.
+        os._exit(1)
     import multiprocessing
     import signal
     import threading
@@ -130,13 +137,23 @@ def arm_parent_watchdog() -> bool:
             wait([sentinel])  # readable (EOF) once the parent is gone
         else:
             while str(os.getppid()) == expected:
-                time.sleep(1.0)
+                time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(WATCHDOG_GRACE_S)
         os._exit(1)
 
     threading.Thread(target=watch, name="mmfleet-parent-watch", daemon=True).start()
     _armed = True
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     return True
 
 
