@@ -133,6 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     kv.add_argument("--text-words", type=int, default=48, help="words of text per user turn")
     kv.add_argument("--concurrency", type=int, default=4)
     kv.add_argument("--prefill-replicas", type=int, default=3)
+    kv.add_argument("--engine", action="append", choices=["transformers", "vllm"], default=[],
+                    help="language-model engine of the fleets (repeatable: each runs both policies); "
+                         "default transformers")
     _common(kv)
     step = sub.add_parser("step", help="step load (idle -> burst -> idle): --autoscale vs a fixed maximal fleet")
     step.add_argument("--burst-rate", type=float, default=3.0, help="requests/s during the burst")
@@ -204,7 +207,8 @@ def _bench(args: argparse.Namespace) -> int:
                              extra_env=extra_env, ready_timeout_s=args.ready_timeout_s)
         result = kvbench.run_kv(out, opts, sessions=args.sessions, turns=args.turns, window=args.window,
                                 text_words=args.text_words, concurrency=args.concurrency,
-                                replicas=args.prefill_replicas, progress=not args.no_progress)
+                                replicas=args.prefill_replicas, progress=not args.no_progress,
+                                engines=tuple(dict.fromkeys(args.engine)) or ("transformers",))
         print(kvbench.write(result, out, plots=not args.no_plots).read_text())
         print(f"results in {out}", file=sys.stderr)
         return 1 if result.get("failed") or not result["runs"] else 0

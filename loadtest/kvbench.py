@@ -11,6 +11,11 @@ TTFT p50 / p99 (also over all turns), and why follow-ups missed: each request's 
 hit / cold / load / evicted / moved / unrouted) and the lag of KV events into the routing table
 (p50 / p99 / max over the run). Goals: hit rate >= 90 % (round-robin ~ 1/N) and follow-up TTFT
 p50 >= 2x better than round-robin.
+
+``engines``: the language-model engines to run it on (``transformers``, ``vllm``: the fleet's
+``engine`` setting), each with both policies; with more than one, rows and goals are named
+``<engine>/<policy>``. With vLLM, its own prefix cache serves the hits and its KV events feed
+the routing table (shared.engines.vllm_kv_events).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from loadtest.targets import TargetOptions
 from loadtest.workloads import WorkloadConfig, build
 
 POLICIES = ("kv", "round_robin")
+ENGINES = ("transformers", "vllm")
 CAUSES = ("hit", "cold", "load", "evicted", "moved", "unrouted")  # as shared.kv.audit
 
 
@@ -37,25 +43,35 @@ def kv_workload(sessions: int, turns: int, window: int, text_words: int, seed: i
 
 
 def run_kv(out: Path, opts: TargetOptions, *, sessions: int, turns: int, window: int, text_words: int,
-           concurrency: int, replicas: int, progress: bool = True) -> dict:
+           concurrency: int, replicas: int, progress: bool = True,
+           engines: tuple[str, ...] = ("transformers",)) -> dict:
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown or not engines:
+        raise ValueError(f"engines {unknown or '(none)'}: choose from {', '.join(ENGINES)}")
     workload = kv_workload(sessions, turns, window, text_words)
     specs = build(workload)
     shape = LoadShape("concurrency", concurrency, len(specs), duration_s=600, grace_s=60)
     result: dict = {"config": {"workload": workload.to_dict(), "concurrency": concurrency,
-                               "prefill_replicas": replicas}, "policies": {}, "runs": []}
-    for policy in POLICIES:
-        env = {**opts.extra_env, "MMFLEET_STAGE_REPLICAS": f"prefill={replicas}", "MMFLEET_ROUTING_POLICY": policy,
-               "MMFLEET_TOPIC_PARTITIONS": str(max(4, 2 * replicas))}
-        cfg = BenchConfig(targets=["fleet:e-p-d"], workload=workload, shapes=[shape], out_dir=out, warmup=0,
-                          progress=progress)
-        res = run_bench(cfg, replace(opts, extra_env=env))
-        for run in res["runs"]:
-            run["target"] = f"fleet:e-p-d[{policy}]"
-            result["runs"].append(run)
-            result["policies"][policy] = summarize(run["records"], specs, run.get("kv_event_lags_ms"))
-        if res["failed"]:
-            result.setdefault("failed", {}).update({f"{k}[{policy}]": v for k, v in res["failed"].items()})
-    result["goals"] = goals(result["policies"])
+                               "prefill_replicas": replicas, "engines": list(engines)},
+                    "policies": {}, "runs": [], "goals": []}
+    for engine in engines:
+        named = (lambda p: p) if len(engines) == 1 else (lambda p, e=engine: f"{e}/{p}")
+        per_policy: dict = {}
+        for policy in POLICIES:
+            env = {**opts.extra_env, "MMFLEET_STAGE_REPLICAS": f"prefill={replicas}",
+                   "MMFLEET_ROUTING_POLICY": policy, "MMFLEET_TOPIC_PARTITIONS": str(max(4, 2 * replicas)),
+                   "MMFLEET_ENGINE": engine}
+            cfg = BenchConfig(targets=["fleet:e-p-d"], workload=workload, shapes=[shape], out_dir=out, warmup=0,
+                              progress=progress)
+            res = run_bench(cfg, replace(opts, extra_env=env))
+            for run in res["runs"]:
+                run["target"] = f"fleet:e-p-d[{named(policy)}]"
+                result["runs"].append(run)
+                per_policy[policy] = summarize(run["records"], specs, run.get("kv_event_lags_ms"))
+                result["policies"][named(policy)] = per_policy[policy]
+            if res["failed"]:
+                result.setdefault("failed", {}).update({f"{k}[{named(policy)}]": v for k, v in res["failed"].items()})
+        result["goals"] += [{**g, "goal": named(g["goal"])} for g in goals(per_policy)]
     return result
 
 

@@ -250,5 +250,13 @@ def _submit(args: argparse.Namespace, settings: settings_mod.Settings) -> int:
     return 0
 
 
+if __name__ == "__mp_main__":
+    # A multiprocessing spawn child of a worker (vLLM's engine core imports this module as its
+    # __mp_main__ before anything else): die with the worker, even if it is SIGKILLed while
+    # its engine is still starting. A no-op in any other child.
+    from shared.engines.vllm_process import arm_parent_watchdog
+
+    arm_parent_watchdog()
+
 if __name__ == "__main__":
     sys.exit(main())

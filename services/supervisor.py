@@ -5,7 +5,9 @@ Order: Kafka (use the broker at ``kafka_bootstrap`` if one answers, else start t
 port) → the demo model (built once, cached) → topics → one worker per stage group (more where
 ``stage_replicas`` asks, e.g. ``prefill=3``) → gateway.
 
-Children get ``PR_SET_PDEATHSIG`` so they die with the supervisor even if it is SIGKILLed. A
+Children get ``PR_SET_PDEATHSIG`` so they die with the supervisor even if it is SIGKILLed. Each
+runs in a session (process group) of its own; once a child has exited, whatever is left in its
+group (a vLLM engine core whose worker was SIGKILLed) is SIGKILLed before the restart. A
 worker or gateway that exits unexpectedly is restarted with backoff (1 s doubling to 30 s,
 reset after a minute of good health). A broker or Redis started here is restarted too, and
 the topics are created again after a broker restart: the embedded broker keeps everything in
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -80,6 +83,17 @@ class Child:
         self.started_at = time.monotonic()
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
+    def kill_leftovers(self) -> None:
+        """SIGKILL what is left of the exited child's process group (its session: the group id
+        is the child's pid; Linux does not reuse it while a member lives)."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return  # nothing left
+        log.warning("%s: killed processes it left behind (its process group %d)", self.name, self.proc.pid)
+
     def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -94,6 +108,7 @@ class Child:
                 log.warning("%s did not stop in %.0f s; killing", self.name, timeout_s)
                 self.proc.kill()
                 self.proc.wait()
+        self.kill_leftovers()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -299,6 +314,7 @@ class Fleet:
         child.restarts += 1
         delay = min(2 ** (child.restarts - 1), 30)
         log.warning("%s exited with %s; restarting in %d s", child.name, child.proc.returncode, delay)
+        child.kill_leftovers()
         await asyncio.sleep(delay)
         if not self._stopping.is_set():
             child.start()

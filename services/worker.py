@@ -83,7 +83,8 @@ def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...
     host = settings.vllm_kv_host
     if host == "auto":
         host = socket.gethostbyname(socket.gethostname())
-    return cls(model_dir, kv_role=role, kv_host=host, kv_lease_s=max(1, settings.lease_ttl_ms // 1000))
+    return cls(model_dir, kv_role=role, kv_host=host, kv_lease_s=max(1, settings.lease_ttl_ms // 1000),
+               kv_block_size=settings.kv_block_size)
 
 
 def engine_capabilities(name: str):
@@ -101,6 +102,12 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     try:  # a model not there, an engine that cannot serve its family, a GPU not there: fail here
         model_dir = resolve_model_path(settings)
         served_modalities(family_of(model_dir), settings.engine)
+        if settings.engine == "vllm":  # weights vLLM's loader cannot map (shared.engines.vllm_inputs)
+            from shared.engines.vllm_inputs import checkpoint_refusal
+
+            why = checkpoint_refusal(model_dir, family_of(model_dir).name)
+            if why:
+                raise ValueError(why)
         placement = resolve_placement(settings.device, settings.dtype)
     except ValueError as exc:
         raise SystemExit(f"cannot start worker: {exc}") from None

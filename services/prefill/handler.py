@@ -10,17 +10,20 @@ worker's pool, or (``capabilities.remote_kv``, vLLM) left in the engine with its
 Prefix reuse (with a ``PrefixReuse`` and an engine with ``capabilities.prefix_kv``): the
 longest cached prefix of the prompt's KV blocks is reused and only the rest is computed; the
 prompt's blocks are then kept, and what the cache stored / evicted goes out on
-``mm.kv-events`` for the routing table. ``load`` counts the positions still to compute.
+``mm.kv-events`` for the routing table. An engine with its own prefix cache
+(``capabilities.kv_events``, with an ``EngineCacheReport``) gets the prompt's block hashes
+instead and reports its cache's changes in them, which go out the same way. ``load`` counts
+the positions still to compute.
 """
 
 from __future__ import annotations
 
 from shared import protocol
 from shared.embcache.pull import EmbeddingPuller
-from shared.engines.base import Engine, MediaEmbeds
+from shared.engines.base import Engine, MediaEmbeds, PrefillOutput
 from shared.keys import TOPIC_DECODE
 from shared.kv.audit import RouteAudit
-from shared.kv.reuse import Lookup, PrefixReuse
+from shared.kv.reuse import EngineCacheReport, Lookup, PrefixReuse
 from shared.kv.table import LoadTracker
 from shared.stage import Context, Outcome, Produce, RequestFailed
 from shared.tracing import timed_transfer
@@ -63,10 +66,12 @@ _PLAIN = EmbeddingPuller()
 
 class PrefillHandler:
     def __init__(self, engine: Engine, prefix: PrefixReuse | None = None, load: LoadTracker | None = None,
-                 puller: EmbeddingPuller | None = None, audit: RouteAudit | None = None) -> None:
+                 puller: EmbeddingPuller | None = None, audit: RouteAudit | None = None,
+                 engine_cache: EngineCacheReport | None = None) -> None:
         self._engine = engine
         self._prefix = prefix if engine.capabilities.prefix_kv else None
-        self._audit = audit if self._prefix is not None else None
+        self._engine_cache = engine_cache if engine.capabilities.kv_events else None
+        self._audit = audit if self._prefix is not None or self._engine_cache is not None else None
         self._load = load or LoadTracker()
         self._puller = puller
 
@@ -75,6 +80,8 @@ class PrefillHandler:
         meta = msg.meta
         total = check_context(msg, self._engine.max_model_len)
         media = await pull_media(msg, ctx, self._puller)
+        if self._engine_cache is not None:
+            return await self._handle_engine_cache(msg, ctx, total, media)
         lookup = self._prefix.lookup(msg, total) if self._prefix is not None else Lookup([], None, 0, 0)
         if self._audit is not None:  # why this request did (not) reuse KV, beside the request
             self._audit.prefilled(meta.request_id, ctx.worker_id, lookup.hit_blocks)
@@ -85,6 +92,24 @@ class PrefillHandler:
                 out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling,
                                                  prefix_kv=lookup.prefix_kv)
         events = self._prefix.keep(lookup, out.kv, ctx.worker_id) if self._prefix is not None else []
+        return await self._outcome(msg, ctx, out, lookup.prefix_len, events)
+
+    async def _handle_engine_cache(self, msg: protocol.PrefillRequest, ctx: Context, total: int,
+                                   media: list[MediaEmbeds]) -> Outcome:
+        """The engine's own prefix cache: it gets the block hashes, reports hits and changes."""
+        meta, report = msg.meta, self._engine_cache
+        hashes = report.hashes(msg)
+        with self._load.track(total):  # the hit is known only once the engine has scheduled it
+            out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling,
+                                             block_keys=hashes)
+        if self._audit is not None:
+            self._audit.prefilled(meta.request_id, ctx.worker_id, report.hit_blocks(out.cached_tokens))
+        events = report.report(hashes, out.cached_tokens, out.kv_changes, ctx.worker_id)
+        return await self._outcome(msg, ctx, out, out.cached_tokens, events)
+
+    async def _outcome(self, msg: protocol.PrefillRequest, ctx: Context, out: PrefillOutput, cached_tokens: int,
+                       events: list[Produce]) -> Outcome:
+        meta = msg.meta
         owner = ctx.transfer.ref()
         if out.engine_kv is not None:  # the KV stays in the engine; decode's engine reads it
             kv_ref = protocol.empty_tensor_ref(owner.name)
@@ -93,6 +118,6 @@ class PrefillHandler:
                 kv_ref = await ctx.transfer.put_wait(out.kv, timeout_ms=5_000)
         decode = protocol.DecodeRequest(meta=meta, owner=owner, kv=kv_ref, prompt_len=out.prompt_len,
                                         rope_delta=out.rope_delta, first_token=int(out.first_token),
-                                        cached_tokens=lookup.prefix_len, engine_kv=out.engine_kv,
+                                        cached_tokens=cached_tokens, engine_kv=out.engine_kv,
                                         first_logprob=getattr(out.first_token, "logprob", None))
         return Outcome([Produce(TOPIC_DECODE, meta.request_id, decode), *events], embedding_releases(msg))

@@ -29,20 +29,28 @@ async def build(parts: StageParts) -> StageBuild:
 
         return StageBuild(GenerateHandler(lm, puller), concurrency=settings.decode_concurrency)
     from services.prefill.handler import PrefillHandler
+    from services.worker import engine_capabilities
     from shared.kv.prefix_cache import PrefixCache
-    from shared.kv.reuse import PrefixReuse
+    from shared.kv.reuse import EngineCacheReport, PrefixReuse
     from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
     from shared.models.registry import placeholder_token_id
 
     load = LoadTracker()
     # the metric label leaves out pid and random suffix: a restart continues the same series
     # (processes on one host are told apart by the scrape target, Prometheus' `instance`)
-    reuse = PrefixReuse(PrefixCache(settings.prefix_cache_bytes, settings.kv_block_size),
-                        placeholder_token_id(parts.model_dir),
-                        metric_label=f"{'+'.join(parts.stages)}@{socket.gethostname()}") \
-        if settings.prefix_cache_bytes > 0 else None
+    label = f"{'+'.join(parts.stages)}@{socket.gethostname()}"
+    placeholder = placeholder_token_id(parts.model_dir)
+    caps = engine_capabilities(settings.engine)
+    reuse = PrefixReuse(PrefixCache(settings.prefix_cache_bytes, settings.kv_block_size), placeholder,
+                        metric_label=label) \
+        if caps.prefix_kv and settings.prefix_cache_bytes > 0 else None
+    # an engine with its own prefix cache (vLLM) reports it in the same block keys
+    engine_cache = EngineCacheReport(placeholder, settings.kv_block_size, metric_label=label) \
+        if caps.kv_events else None
     reporter = LoadReporter(parts.redis, parts.keys, parts.worker_id, load, settings)
-    handler = PrefillHandler(lm, reuse, load, puller, parts.router.audit if reuse is not None else None)
+    handler = PrefillHandler(lm, reuse, load, puller,
+                             parts.router.audit if reuse is not None or engine_cache is not None else None,
+                             engine_cache)
     return StageBuild(handler, listener=reporter, consumers=(KvTableUpdater(parts.redis, parts.keys, settings),),
                       background=(reporter.run,))
 

@@ -41,7 +41,7 @@ class EmbeddingPuller:
         for e in embeds:
             if isinstance(e, BaseException):
                 raise e
-        return [MediaEmbeds(emb, it.grid_thw, it.kind, it.second_per_grid_t)
+        return [MediaEmbeds(emb, it.grid_thw, it.kind, second_per_grid_t=it.second_per_grid_t, mm_hash=it.mm_hash)
                 for emb, it in zip(embeds, items, strict=True)]
 
     async def _one(self, owner: protocol.AgentRef, it: protocol.EmbeddingItem, ctx: Context):

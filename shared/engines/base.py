@@ -29,6 +29,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from shared import protocol
+from shared.kv.prefix_cache import CacheChanges
 
 
 class MediaEmbeds(NamedTuple):
@@ -40,6 +41,7 @@ class MediaEmbeds(NamedTuple):
     grid_thw: tuple[int, int, int]
     kind: str = "image"
     second_per_grid_t: float = 0.0  # Qwen2.5-VL videos: their M-RoPE time step (protocol.PixelItem)
+    mm_hash: str = ""  # BLAKE3 of the item's bytes (shared.kv.blocks); engines with their own caches key on it
 
 
 
@@ -69,6 +71,9 @@ class Capabilities:
     # ``decode_remote`` has the consumer's engine read it (vLLM's NixlConnector). Without it
     # the KV is a packed tensor that the stages move through their own NIXL pools.
     remote_kv: bool = False
+    # the engine keeps its own prefix cache and reports what it stored / evicted, keyed by the
+    # block hashes the caller gives ``prefill(block_keys=...)``, in ``PrefillOutput.kv_changes``
+    kv_events: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,9 @@ class PrefillOutput:
     rope_delta: int
     prompt_len: int
     engine_kv: protocol.EngineKv | None = None
+    cached_tokens: int = 0  # prompt positions the engine's own prefix cache gave (kv_events engines)
+    # the engine's prefix-cache changes since its last report, in the caller's block keys
+    kv_changes: CacheChanges | None = None
 
 
 class EngineError(RuntimeError):
@@ -116,7 +124,9 @@ class Engine(Protocol):
     async def prefill(self, request_id: str, prompt_ids: list[int], media: list[MediaEmbeds],
                       sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
         """``prefix_kv``: packed KV of the expanded prompt's first positions (fewer than all),
-        only with ``capabilities.prefix_kv``; the output's ``kv`` covers the whole prompt."""
+        only with ``capabilities.prefix_kv``; the output's ``kv`` covers the whole prompt.
+        Engines with ``capabilities.kv_events`` also take ``block_keys``: the prompt's block
+        hashes (:func:`shared.kv.blocks.block_hashes`, as the router computes them)."""
         ...
 
     def decode_remote(self, request_id: str, prompt_ids: list[int], kv: protocol.EngineKv, first_token: int,

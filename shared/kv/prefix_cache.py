@@ -24,6 +24,10 @@ import torch
 class CacheChanges:
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
+    cleared: bool = False  # everything held before was dropped (applied before ``stored``)
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.cleared)
 
 
 class PrefixCache:

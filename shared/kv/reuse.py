@@ -4,6 +4,11 @@ before the forward, keep the new blocks after it, count both, and say so on ``mm
 The reused prefix is the cached whole blocks, cut to ``prompt_len - 1`` positions when they
 cover the whole prompt: at least one position is always computed, since its logits give the
 first token. The blocks hashed here are exactly the router's (same function, same message).
+
+Engines with a prefix cache of their own (``capabilities.kv_events``: vLLM) use
+:class:`EngineCacheReport` instead: the same hashes go to the engine, which reports its
+cache's changes in those keys; both paths publish through :func:`kv_event_outputs`, i.e. as
+outputs of the prefill handler, produced by the stage runner with the request's decode message.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from prometheus_client import Counter, Gauge
 from shared import protocol
 from shared.keys import TOPIC_KV_EVENTS
 from shared.kv.blocks import block_hashes
-from shared.kv.prefix_cache import PrefixCache
+from shared.kv.prefix_cache import CacheChanges, PrefixCache
 from shared.stage import Produce
 
 BLOCKS_HIT = Counter("mmfleet_prefix_blocks_hit_total", "Prompt KV blocks reused from the prefix cache", ["worker"])
@@ -60,7 +65,40 @@ class PrefixReuse:
         BLOCKS_COMPUTED.labels(self._label).inc(len(lookup.hashes) - lookup.hit_blocks)
         changes = self.cache.store(lookup.hashes, kv)
         CACHE_BYTES.labels(self._label).set(self.cache.bytes)
-        if not (changes.stored or changes.removed):
-            return []
-        event = protocol.KvEvent(worker_id=worker_id, stored=tuple(changes.stored), removed=tuple(changes.removed))
-        return [Produce(TOPIC_KV_EVENTS, worker_id, event)]
+        return kv_event_outputs(worker_id, changes)
+
+
+def kv_event_outputs(worker_id: str, changes: CacheChanges | None) -> list[Produce]:
+    """The ``mm.kv-events`` record for a worker's cache changes (none when nothing changed);
+    keyed by worker id, so one worker's events stay in order."""
+    if not changes:
+        return []
+    event = protocol.KvEvent(worker_id=worker_id, stored=tuple(changes.stored), removed=tuple(changes.removed),
+                             cleared=changes.cleared)
+    return [Produce(TOPIC_KV_EVENTS, worker_id, event)]
+
+
+class EngineCacheReport:
+    """For an engine with its own prefix cache: the prompt's block hashes to give it (the
+    router's, from the same message) and what its reported changes publish. Counts blocks hit /
+    computed like :class:`PrefixReuse` (hits from the engine's ``cached_tokens``)."""
+
+    def __init__(self, placeholder_id: "int | frozenset[int]", block_size: int, *,
+                 metric_label: str = "prefill") -> None:
+        self.block_size = block_size
+        self._placeholder = placeholder_id
+        self._label = metric_label
+
+    def hashes(self, msg: protocol.PrefillRequest) -> list[int]:
+        return block_hashes(msg.meta.prompt_token_ids, msg.items, placeholder_id=self._placeholder,
+                            block_size=self.block_size)
+
+    def hit_blocks(self, cached_tokens: int) -> int:
+        return cached_tokens // self.block_size
+
+    def report(self, hashes: list[int], cached_tokens: int, changes: CacheChanges | None,
+               worker_id: str) -> list[Produce]:
+        hit = min(self.hit_blocks(cached_tokens), len(hashes))
+        BLOCKS_HIT.labels(self._label).inc(hit)
+        BLOCKS_COMPUTED.labels(self._label).inc(len(hashes) - hit)
+        return kv_event_outputs(worker_id, changes)

@@ -175,6 +175,8 @@ class KvTableUpdater:
                 log.warning("kv-table: undecodable event skipped: %r", exc)
                 continue
             key = self._keys.kv_blocks(ev.worker_id)
+            if ev.cleared:  # the worker's cache was emptied (or its events resynchronised)
+                pipe.delete(key)
             if ev.stored:
                 pipe.sadd(key, *map(str, ev.stored))
             if ev.removed:

@@ -44,8 +44,16 @@ FAMILIES: dict[str, Family] = {
 # engine -> family -> the modalities it serves (None: every family, every modality of it)
 ENGINE_SUPPORT: dict[str, dict[str, frozenset[str]] | None] = {
     "transformers": None,
-    # image embeddings only (see vllm_engine); Qwen2.5-VL takes them as Qwen2-VL does
-    "vllm": {"qwen2_vl": frozenset({"image"}), "qwen2_5_vl": frozenset({"image"})},
+    # from precomputed embeddings only (the encode stage stays transformers'): shared.engines.vllm_inputs;
+    # Qwen2.5-VL images as Qwen2-VL's (its videos need their time step, not passed to vLLM yet)
+    "vllm": {"qwen2_vl": frozenset({"image", "video"}), "qwen2_5_vl": frozenset({"image"}),
+             "llava": frozenset({"image"}), "qwen2_audio": frozenset({"audio"})},
+}
+
+# engine -> family -> why that engine cannot serve it (said at start-up)
+ENGINE_REFUSALS: dict[str, dict[str, str]] = {
+    "vllm": {"llava_next_video": "vLLM's LLaVA-NeXT-Video takes raw frames (pixel_values_videos) only, "
+                                 "no video embeddings, and mmfleet's encode stage hands prefill embeddings"},
 }
 
 
@@ -70,8 +78,9 @@ def served_modalities(family: Family, engine: str) -> frozenset[str]:
     if support is None:
         return family.modalities
     if family.name not in support:
-        raise ValueError(f"engine {engine!r} does not serve {family.name} models; it serves "
-                         f"{', '.join(sorted(support))} (use --engine transformers for {family.name})")
+        why = ENGINE_REFUSALS.get(engine, {}).get(family.name)
+        raise ValueError(f"engine {engine!r} does not serve {family.name} models{f' ({why})' if why else ''}; "
+                         f"it serves {', '.join(sorted(support))} (use --engine transformers for {family.name})")
     return family.modalities & support[family.name]
 
 

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from shared import protocol  # noqa: E402
-from shared.engines.base import EngineError  # noqa: E402
+from shared.engines.base import EngineError, MediaEmbeds  # noqa: E402
 from shared.engines.qwen2_vl import Qwen2VLCompute  # noqa: E402
 from shared.engines.vllm_engine import VllmEngine  # noqa: E402
 from shared.models.reference import load_reference, reference_generate  # noqa: E402
@@ -92,7 +92,12 @@ async def collect(it) -> list[int]:
 
 def children() -> dict[int, str]:
     """pid → "comm state cmdline" of this process's children."""
-    me, found = os.getpid(), {}
+    return children_of(os.getpid())
+
+
+def children_of(me: int) -> dict[int, str]:
+    """pid → "comm state cmdline" of ``me``'s children."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -122,6 +127,29 @@ async def test_greedy_matches_generate(engine, cases, name):
     prompt_ids, images, expected = cases[name]
     got = await collect(engine.generate(f"parity-{name}", prompt_ids, images, GREEDY))
     assert got == expected
+
+
+@pytest.mark.parametrize("layout", [["video"], ["image", "video"]])
+async def test_video_greedy_matches_generate(engine, compute, reference, model_dir, layout):
+    """Qwen2-VL video (``video_embeds`` + ``video_grid_thw``), alone and after an image."""
+    from tests.unit.test_engine_qwen2_vl_video import clip
+    from tests.unit.test_engine_qwen2_vl_video import msgs as video_msgs
+
+    videos = [clip(seed) for seed in range(layout.count("video"))]
+    images = [make_images()["hgrad"]][:layout.count("image")]
+    expected = reference_generate(model_dir, video_msgs(layout), images, MAX_NEW_TOKENS, loaded=reference,
+                                  videos=videos)
+    vids, imgs = iter(videos), iter(images)
+    pixels = []
+    for kind in layout:
+        px = compute.preprocess_video(next(vids)) if kind == "video" else compute.preprocess_image(next(imgs))
+        pixels.append(type(px)(px.pixel_values, px.grid_thw, px.n_tokens, kind))
+    # mm_hash: as the fleet's (BLAKE3 of the bytes), one name per content; vLLM keys its caches on it
+    media = [MediaEmbeds(f, p.grid_thw, p.kind, f"{'-'.join(layout)}-{i}")
+             for i, (f, p) in enumerate(zip(compute.encode_media(pixels), pixels))]
+    got = await collect(engine.generate(f"video-{'-'.join(layout)}", compute.render_prompt_ids(video_msgs(layout)),
+                                        media, GREEDY))
+    assert got == expected and len(set(expected)) > 1
 
 
 # Prompts whose greedy completion ends in eos within 40 tokens on the tiny model: one on
@@ -214,8 +242,10 @@ if __name__ == "__main__":
 """
 
 
-def test_engine_core_exits_when_its_worker_is_killed(model_dir, tmp_path):
-    """SIGKILL (no stop()): the parent watchdog ends vLLM's engine-core process anyway."""
+@pytest.mark.parametrize("when", ["starting", "ready"])
+def test_engine_core_exits_when_its_worker_is_killed(model_dir, tmp_path, when):
+    """SIGKILL (no stop()), while the engine starts or once it serves: the parent watchdog
+    (armed in the engine core as it starts) ends vLLM's engine-core process anyway."""
     import signal
     import subprocess
     import sys
@@ -229,21 +259,31 @@ def test_engine_core_exits_when_its_worker_is_killed(model_dir, tmp_path):
                             stderr=subprocess.DEVNULL, text=True, env=env)
     watchdog = threading.Timer(180, proc.kill)  # a hung start-up fails the test, not the session
     watchdog.start()
-    try:
-        for line in proc.stdout:  # vLLM logs to stdout too
-            if line.strip() == "READY":
-                break
-        else:
-            pytest.fail(f"engine process exited before READY (rc {proc.wait()})")
-        kids = [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
+
+    def kids() -> list[int]:
+        return [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True,
                                                text=True).stdout.split()]
-        assert kids, "expected vLLM's engine-core child"
+
+    try:
+        if when == "ready":
+            for line in proc.stdout:  # vLLM logs to stdout too
+                if line.strip() == "READY":
+                    break
+            else:
+                pytest.fail(f"engine process exited before READY (rc {proc.wait()})")
+            found = kids()
+        else:  # as soon as the engine core is spawned (its first seconds: imports, model load)
+            found = []
+            while not found and proc.poll() is None:
+                time.sleep(0.2)
+                found = [p for p, cmd in children_of(proc.pid).items() if "resource_tracker" not in cmd]
+        assert found, "expected vLLM's engine-core child"
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in kids):
+        deadline = time.monotonic() + 90  # "starting": the core arms once its imports are done
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in found):
             time.sleep(0.5)
-        left = [p for p in kids if Path(f"/proc/{p}").exists()]
+        left = [p for p in found if Path(f"/proc/{p}").exists()]
         for p in left:  # do not leak them into the rest of the session
             os.kill(p, signal.SIGKILL)
         assert left == []

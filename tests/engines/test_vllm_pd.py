@@ -2,20 +2,34 @@
 the KV over NIXL (vLLM's NixlConnector, CPU buffers) and decodes. Greedy tokens must equal
 one-process ``generate()``; the consumer never sees the images (zero placeholders), so equal
 tokens mean the KV really moved. Two engines for the module (~30-60 s of start-up here).
+The producer's prefix cache reports to the routing table through vLLM's KV events (last test).
 """
 
 from __future__ import annotations
+
+import uuid
 
 import msgspec
 import pytest
 
 pytest.importorskip("vllm")
 
+from services.prefill.handler import PrefillHandler  # noqa: E402
 from shared import protocol  # noqa: E402
 from shared.engines import vllm_pd  # noqa: E402
+from shared.engines.transformers_engine import TransformersEngine  # noqa: E402
 from shared.engines.vllm_engine import VllmEngine  # noqa: E402
+from shared.keys import TOPIC_DECODE, TOPIC_KV_EVENTS, TOPIC_PREFILL, RedisKeys  # noqa: E402
+from shared.kv.prefix_cache import PrefixCache  # noqa: E402
+from shared.kv.reuse import EngineCacheReport, PrefixReuse  # noqa: E402
+from shared.kv.router import Router  # noqa: E402
+from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker  # noqa: E402
+from shared.models.registry import placeholder_token_id  # noqa: E402
+from shared.settings import Settings  # noqa: E402
+from shared.stage import Context  # noqa: E402
 from shared.transfer import OwnerGoneError  # noqa: E402
 from tests.engines.test_vllm_engine import CASES, GREEDY, cases, collect, compute, reference  # noqa: E402,F401
+from tests.fakes import ListSink, MemoryTransfer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +102,109 @@ async def test_controls_structured_output_and_logprobs_across_the_handoff(pair, 
         assert_same(await handoff(pair, f"pd-{name}", prompt, [], sampling), expected)
     text = compute.tokenizer.decode([t for t in expected if t not in compute.eos_token_ids], skip_special_tokens=True)
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+# ---------------------------------------------------------------- vLLM's prefix cache → routing table
+KV_WORKER = "prefill-vllm-test"
+
+
+def kv_request(compute, rid: str, img, mm_hash: str, enc: MemoryTransfer) -> protocol.PrefillRequest:  # noqa: F811 (fixture name)
+    """Text before and after one image (blocks of text only, of the image, of text after it),
+    the image's embeddings held by an 'encode' agent as the encode stage would."""
+    text = " ".join(["the quick brown fox jumps over a lazy dog"] * 6)
+    messages = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"},
+                                             {"type": "text", "text": text}]}]
+    px = compute.preprocess_image(img)
+    (emb,) = compute.encode_media([px])
+    meta = protocol.RequestMeta(request_id=rid, model="m", deadline_unix_ms=0, created_unix_ms=0,
+                                prompt_token_ids=tuple(compute.render_prompt_ids(messages)),
+                                sampling=protocol.Sampling(max_tokens=4, temperature=0.0))
+    item = protocol.EmbeddingItem(0, mm_hash, px.grid_thw, px.n_tokens, enc.put(emb))
+    return protocol.PrefillRequest(meta=meta, items=(item,), owners=(enc.ref(),))
+
+
+async def prefill_and_read(handler, consumer, msg, ctx):
+    """The prefill handler's outcome → (its DecodeRequest, its KvEvent or None); the consumer
+    then reads the KV (which frees the producer's blocks, as decode does in a fleet)."""
+    outcome = await handler.handle(msg, ctx)
+    by_topic = {p.topic: p.value for p in outcome.produce}
+    decode = by_topic[TOPIC_DECODE]
+    if decode.engine_kv is not None:
+        await collect(consumer.decode_remote(msg.meta.request_id, list(msg.meta.prompt_token_ids), decode.engine_kv,
+                                             decode.first_token, msg.meta.sampling))
+    return decode, by_topic.get(TOPIC_KV_EVENTS)
+
+
+async def test_prefill_kv_events_land_in_the_routing_table_with_the_transformers_keys(
+        pair, compute, model_dir, redis_url):  # noqa: F811 (fixture)
+    """A vLLM prefill worker's prefix cache, through vLLM's KV events, lists in the routing table
+    exactly the block keys the transformers path's prefix cache stores for the same request
+    (mm_hash included), as far as vLLM's whole blocks go; the router then picks that worker; the
+    same prompt again hits vLLM's cache (cached_tokens) and adds no keys; another image behind
+    the same tokens adds only the keys from its image block on."""
+    import numpy as np
+    from aiokafka import TopicPartition
+    from PIL import Image
+    from redis import asyncio as aioredis
+
+    producer, consumer = pair
+    placeholder = placeholder_token_id(model_dir)
+    ours = producer.kv_block_size
+    world: dict = {}
+    enc = MemoryTransfer("encode", world)
+    ctx = Context(stage="prefill", worker_id=KV_WORKER, events=ListSink(), transfer=MemoryTransfer("prefill", world))
+    handler = PrefillHandler(producer, engine_cache=EngineCacheReport(placeholder, ours))
+    rng = np.random.default_rng(5)
+    img_a, img_b = (Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)) for _ in range(2))
+
+    msg_a = kv_request(compute, "kv-a", img_a, "mm-a", enc)
+    decode_a, ev_a = await prefill_and_read(handler, consumer, msg_a, ctx)
+    whole = decode_a.prompt_len // producer.block_size * (producer.block_size // ours)  # our keys vLLM can hold
+    assert whole >= 4 and ev_a is not None and ev_a.worker_id == KV_WORKER
+
+    # the transformers path on the same request: its prefix cache's stored keys
+    tf = TransformersEngine(model_dir)
+    await tf.start()
+    try:
+        tf_handler = PrefillHandler(tf, PrefixReuse(PrefixCache(1 << 26, ours), placeholder))
+        tf_ctx = Context(stage="prefill", worker_id="prefill-tf", events=ListSink(),
+                         transfer=MemoryTransfer("prefill-tf", world))
+        tf_out = await tf_handler.handle(kv_request(compute, "kv-a-tf", img_a, "mm-a", enc), tf_ctx)
+    finally:
+        await tf.stop()
+    (tf_ev,) = [p.value for p in tf_out.produce if p.topic == TOPIC_KV_EVENTS]
+    assert list(ev_a.stored) == list(tf_ev.stored[:whole]) and not ev_a.removed
+
+    # into the routing table (the kv-table updater's apply, as from mm.kv-events) and routed on
+    settings = Settings(redis_url=redis_url, redis_prefix=f"vkv{uuid.uuid4().hex[:8]}", kv_block_size=ours)
+    redis = aioredis.from_url(redis_url)
+    keys = RedisKeys(settings.redis_prefix)
+    try:
+        reporter = LoadReporter(redis, keys, KV_WORKER, LoadTracker(), settings)
+        await reporter.on_partitions_assigned([TopicPartition(TOPIC_PREFILL, 0)])
+        other = LoadReporter(redis, keys, "prefill-other", LoadTracker(), settings)
+        await other.on_partitions_assigned([TopicPartition(TOPIC_PREFILL, 1)])
+        updater = KvTableUpdater(redis, keys, settings)
+        await updater.apply([protocol.encode(ev_a)])
+        held = {int(x) for x in await redis.smembers(keys.kv_blocks(KV_WORKER))}
+        assert held == set(tf_ev.stored[:whole])
+        decision = await Router(redis, keys, settings, placeholder).decide(kv_request(compute, "kv-a2", img_a,
+                                                                                       "mm-a", enc))
+        assert (decision.worker_id, decision.overlap, decision.partition) == (KV_WORKER, whole, 0)
+    finally:
+        await redis.aclose()
+
+    # the same prompt again: vLLM's own prefix cache serves it, nothing new to list
+    decode_again, ev_again = await prefill_and_read(handler, consumer, kv_request(compute, "kv-a3", img_a, "mm-a",
+                                                                                  enc), ctx)
+    assert decode_again.cached_tokens >= (whole // (producer.block_size // ours) - 1) * producer.block_size > 0
+    assert ev_again is None or not ev_again.stored
+    assert decode_again.first_token == decode_a.first_token
+
+    # another image behind the same tokens: new keys from the image's block on, text before shared
+    msg_b = kv_request(compute, "kv-b", img_b, "mm-b", enc)
+    _decode_b, ev_b = await prefill_and_read(handler, consumer, msg_b, ctx)
+    keys_b = EngineCacheReport(placeholder, ours).hashes(msg_b)[:whole]
+    keys_a = set(tf_ev.stored[:whole])
+    assert ev_b is not None and set(ev_b.stored) == set(keys_b) - keys_a
+    assert 0 < len(ev_b.stored) < whole and keys_b[0] in keys_a

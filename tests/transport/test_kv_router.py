@@ -72,6 +72,16 @@ async def test_removed_blocks_stop_attracting(table):
     assert (await router(table).decide(request(prompt))).overlap == 0
 
 
+async def test_a_cleared_event_replaces_what_the_worker_held(table):
+    """``cleared`` (an engine's AllBlocksCleared, or a resync of its event translation) drops
+    every block the table listed for the worker before the event's own ``stored``."""
+    a, b = (block_hashes(list(range(s, s + 8)), [], placeholder_id=PH, block_size=BLOCK) for s in (300, 400))
+    await stored(table, "w1", a)
+    await table["updater"].apply([protocol.encode(protocol.KvEvent(worker_id="w1", stored=tuple(b), cleared=True))])
+    held = {int(x) for x in await table["redis"].smembers(table["keys"].kv_blocks("w1"))}
+    assert held == set(b)
+
+
 async def test_with_no_information_load_is_spread_and_a_loaded_worker_avoided(table):
     r = router(table)
     picks = Counter([(await r.decide(request([5] * 9))).worker_id for _ in range(40)])

@@ -21,9 +21,14 @@ def test_modalities_per_family_and_engine(model_dir):
     assert qwen.name == "qwen2_vl" and qwen.modalities == {"image", "video"}
     assert qwen.image_placeholder == "<|image_pad|>" and qwen.placeholders["video"] == "<|video_pad|>"
     assert served_modalities(qwen, "transformers") == {"image", "video"}
-    assert served_modalities(qwen, "vllm") == {"image"}
-    with pytest.raises(ValueError, match="engine 'vllm' does not serve llava models"):
-        served_modalities(Family("llava", {"image": "<image>"}), "vllm")
+    assert served_modalities(qwen, "vllm") == {"image", "video"}
+    assert served_modalities(FAMILIES["llava"], "vllm") == {"image"}
+    assert served_modalities(FAMILIES["qwen2_audio"], "vllm") == {"audio"}
+    with pytest.raises(ValueError, match=r"engine 'vllm' does not serve llava_next_video models \(vLLM's "
+                                         r"LLaVA-NeXT-Video takes raw frames"):
+        served_modalities(FAMILIES["llava_next_video"], "vllm")
+    with pytest.raises(ValueError, match="engine 'vllm' does not serve mystery models; it serves"):
+        served_modalities(Family("mystery", {"image": "<image>"}), "vllm")
     with pytest.raises(ValueError, match="unknown engine 'sglang'"):
         served_modalities(qwen, "sglang")
     assert set(FAMILIES) == {"qwen2_vl", "qwen2_5_vl", "qwen2_audio", "llava", "llava_next", "llava_next_video"}
@@ -38,25 +43,37 @@ def test_unknown_family_and_demo(tmp_path):
         resolve_model_path(Settings(demo_model="gpt", cache_dir=str(tmp_path)))
 
 
-def test_gateway_with_vllm_refuses_video(model_dir):
+def test_gateway_with_vllm_takes_video(model_dir):
     builder = PromptBuilder.for_model(model_dir, Settings(engine="vllm"))
-    assert builder.modalities == {"image"}
+    assert builder.modalities == {"image", "video"}
     body = json.dumps({"model": "mmfleet-demo", "messages": [{"role": "user", "content": [
-        {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}]}]}).encode()
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}).encode()
     with pytest.raises(RequestFailed) as info:
         builder.chat(schema.parse_chat(body))
-    assert info.value.event.status == 400 and "does not accept video input" in info.value.event.message
-    assert PromptBuilder.for_model(model_dir, Settings()).modalities == {"image", "video"}
+    assert info.value.event.status == 400 and "does not accept audio input" in info.value.event.message
 
 
-def test_vllm_engine_refuses_video_items(model_dir):
+def test_vllm_prompts_check_items_against_placeholders(model_dir):
     pytest.importorskip("vllm")
     from shared.engines.base import EngineError
     from shared.engines.vllm_engine import VllmEngine
 
     engine = VllmEngine(model_dir)  # not started: building a prompt needs no engine core
-    video_id = engine.tokenizer.convert_tokens_to_ids("<|video_pad|>")
-    with pytest.raises(EngineError, match="image embeddings only, not video"):
-        engine._prompt([1, engine.placeholder_token_id, video_id],
-                       [MediaEmbeds(torch.zeros(4, 128), (1, 4, 4)), MediaEmbeds(torch.zeros(4, 128), (2, 2, 4),
-                                                                                  "video")])
+    tok = engine.tokenizer.convert_tokens_to_ids
+    image_id, video_id = tok("<|image_pad|>"), tok("<|video_pad|>")
+    image, video = MediaEmbeds(torch.zeros(4, 128), (1, 4, 4), "image", "h1"), \
+        MediaEmbeds(torch.zeros(4, 128), (2, 2, 4), "video", "h2")
+    prompt = engine.prompts.build([1, image_id, video_id], [image, video], tail=(video_id,))
+    assert prompt["prompt_token_ids"] == [1, image_id, video_id, video_id]
+    assert set(prompt["multi_modal_data"]) == {"image", "video"}
+    assert prompt["multi_modal_data"]["video"]["video_grid_thw"].tolist() == [[2, 2, 4]]
+    assert prompt["multi_modal_uuids"] == {"image": ["h1"], "video": ["h2"]}
+    with pytest.raises(EngineError, match="1 video placeholders but 0 video items"):
+        engine.prompts.build([1, image_id, video_id], [image])
+    with pytest.raises(EngineError, match="not audio"):
+        engine.prompts.build([1, image_id], [image, MediaEmbeds(torch.zeros(4, 128), (0, 0, 0), "audio")])
+    with pytest.raises(EngineError, match="does not fit grid"):
+        engine.prompts.build([1, image_id], [MediaEmbeds(torch.zeros(5, 128), (1, 4, 4), "image")])
+    # zero placeholders (a decode consumer's) carry no mm_hash: no uuid, zeros never named as an item
+    assert "multi_modal_uuids" not in engine.prompts.build([1, image_id],
+                                                            [MediaEmbeds(torch.zeros(4, 128), (1, 4, 4))])
