@@ -21,6 +21,7 @@ Contracts:
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 
 import torch
@@ -62,6 +63,23 @@ def _dropped(model: torch.nn.Module, parts: frozenset[str]) -> list[str]:
     return [f"model.{name}" for name, _ in model.model.named_children() if name != "language_model"]
 
 
+class _Absent(torch.nn.Module):
+    """A part this process does not load: no parameters, but ``device`` / ``dtype`` answered as
+    the model's (some forwards read them off a tower they do not run, e.g. Qwen2-Audio's)."""
+
+    def __init__(self, owner: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_owner", weakref.ref(owner))  # not a submodule: no cycle
+
+    @property
+    def device(self) -> torch.device:
+        return self._owner().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._owner().dtype
+
+
 def _partial_class(model_cls, parts: frozenset[str]):
     """``model_cls`` whose instances hold only ``parts`` (see the module contract)."""
 
@@ -77,8 +95,7 @@ def _partial_class(model_cls, parts: frozenset[str]):
             super().__init__(config, *args, **kwargs)  # under from_pretrained: on the meta device
             for path in _dropped(self, parts):
                 parent, _, name = path.rpartition(".")
-                setattr(self.get_submodule(parent), name, torch.nn.Module()) if parent else \
-                    setattr(self, name, torch.nn.Module())
+                setattr(self.get_submodule(parent) if parent else self, name, _Absent(self))
 
     # the very class name: transformers picks the key renames of older hub checkpoints by it
     Partial.__name__ = Partial.__qualname__ = model_cls.__name__
