@@ -7,10 +7,7 @@ advanced over ``prefix`` (the completion tokens drawn elsewhere: prefill's first
 resumed attempt's), so decode continues the grammar exactly where prefill left it.
 :meth:`Constraint.mask` sets every token the grammar does not allow next to ``-inf``; once the
 grammar is complete only the stop tokens remain. JSON is compact (no free whitespace): a model
-that is not trained for JSON (the random demo model) cannot stall in endless whitespace. Tokens
-holding a raw control character (U+0000–U+001F) are never allowed: xgrammar's string rule lets
-some through (a tab, say), which RFC 8259 and strict parsers (Python's ``json``) refuse, and
-compact JSON needs none outside strings.
+that is not trained for JSON (the random demo model) cannot stall in endless whitespace.
 
 Why xgrammar: measured on the demo tokenizer (2026-11-22, this 2-core machine) for a small
 schema: tokenizer info 4 ms, compile 3 ms, 0.12 ms per token mask; llguidance took 175 ms per
@@ -59,12 +56,11 @@ def _message(exc: Exception) -> str:
 class Constraint:
     """One request's grammar state."""
 
-    def __init__(self, matcher, vocab_size: int, bitmask_vocab: int, banned: torch.Tensor | None = None) -> None:
+    def __init__(self, matcher, vocab_size: int, bitmask_vocab: int) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self._matcher = matcher
-        self._banned = banned  # bool [vocab]: tokens never allowed (raw control characters)
         self._vocab = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, bitmask_vocab)
         self.failed = False  # a token the grammar refused was forced in (a resumed log): stop constraining
@@ -83,9 +79,6 @@ class Constraint:
             return logits
         self._matcher.fill_next_token_bitmask(self._bitmask)
         self._xgr.apply_token_bitmask_inplace(logits[None], self._bitmask.to(logits.device), vocab_size=self._vocab)
-        if self._banned is not None and not self._matcher.is_terminated():
-            n = min(self._banned.numel(), logits.numel())
-            logits[:n][self._banned[:n].to(logits.device)] = float("-inf")
         return logits
 
 
@@ -97,21 +90,7 @@ class Grammars:
         self._tokenizer = tokenizer
         self._stops = sorted(int(t) for t in stop_token_ids)
         self._compilers: dict[int, object] = {}
-        self._banned: dict[int, torch.Tensor] = {}
         self._cache: OrderedDict[tuple, object] = OrderedDict()
-
-    def _control_tokens(self, vocab_size: int) -> torch.Tensor:
-        """bool [vocab_size]: the tokens whose text holds a raw control character."""
-        banned = self._banned.get(vocab_size)
-        if banned is None:
-            n = min(vocab_size, len(self._tokenizer))
-            texts = self._tokenizer.batch_decode([[i] for i in range(n)])
-            banned = torch.zeros(vocab_size, dtype=torch.bool)
-            for i, text in enumerate(texts):
-                if i not in self._stops and any(ord(ch) < 0x20 for ch in text):
-                    banned[i] = True
-            self._banned[vocab_size] = banned
-        return banned
 
     def _compiler(self, vocab_size: int):
         import xgrammar as xgr
@@ -140,7 +119,7 @@ class Grammars:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
-        c = Constraint(xgr.GrammarMatcher(compiled), vocab_size, vocab_size, self._control_tokens(vocab_size))
+        c = Constraint(xgr.GrammarMatcher(compiled), vocab_size, vocab_size)
         for token in prefix:
             c.accept(token)
         return c
