@@ -142,6 +142,15 @@ def sampling(req, settings: Settings, max_tokens: int | None, vocab_size: int) -
                              stop_token_ids=_token_ids(req.stop_token_ids, vocab_size), **penalties)
 
 
+def check_structured_engine(sampling: protocol.Sampling, settings: Settings, param: str) -> None:
+    """With the vLLM engine, grammar-constrained output is served at temperature 0 only: sampled
+    completions were seen to leave the grammar (2 of 12 seeds at engine level came out
+    unparseable, cause not found yet), so they are refused by name rather than returned broken."""
+    if sampling.structured is not None and sampling.temperature > 0 and settings.engine == "vllm":
+        raise _refuse(param, "with the vLLM engine, structured output (response_format json_object / "
+                             "json_schema, a forced tool call) needs temperature 0 for now")
+
+
 def structured_output(response_format) -> protocol.StructuredOutput | None:
     """``response_format`` → the grammar engines enforce: ``text`` none, ``json_object`` any JSON
     object, ``json_schema`` its ``schema`` (enforced whether ``strict`` or not, as vLLM does)."""

@@ -153,6 +153,7 @@ class PromptBuilder:
                 raise RequestFailed.bad_request("tool_choice forcing a call cannot be combined with "
                                                 "response_format", param="tool_choice")
             sampling = msgspec.structs.replace(sampling, structured=tool_plan.structured)
+        params.check_structured_engine(sampling, self._s, "tool_choice" if tool_plan.structured else "response_format")
         return Prepared(ids, media, sampling, req.stream, bool(req.stream_options and req.stream_options.include_usage),
                         tool_plan.mode)
 
@@ -305,7 +306,9 @@ class PromptBuilder:
         if reserved:
             raise RequestFailed.bad_request(f"prompt may not contain the reserved token {reserved[0]}",
                                             param="prompt")
-        return Prepared(ids, [], self._sampling(req, req.max_tokens), req.stream,
+        sampling = self._sampling(req, req.max_tokens)
+        params.check_structured_engine(sampling, self._s, "response_format")
+        return Prepared(ids, [], sampling, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage))
 
     # ------------------------------------------------------------------ shared checks

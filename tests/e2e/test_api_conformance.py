@@ -273,14 +273,15 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 3}}}
 
 
-def check_structured_output(client, model_dir) -> None:
+def check_structured_output(client, model_dir, temperature: float = 1.0) -> None:
     """json_schema (strict) and json_object answers, whole and streamed, parse (and validate)
-    even from the random demo model; used by the mode tests for every (mode, engine) pair."""
+    even from the random demo model; used by the mode tests for every (mode, engine) pair (the
+    vLLM engine at temperature 0: see params.check_structured_engine)."""
     import jsonschema
 
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
     for seed in (1, 2):
-        kw = dict(model=MODEL, messages=MSGS, max_tokens=120, temperature=1.0, seed=seed, response_format=fmt)
+        kw = dict(model=MODEL, messages=MSGS, max_tokens=120, temperature=temperature, seed=seed, response_format=fmt)
         whole = client.chat.completions.create(**kw).choices[0]
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
                            if c.choices)
@@ -293,7 +294,7 @@ def check_structured_output(client, model_dir) -> None:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     nudge = {str(tok.convert_tokens_to_ids(c)): 8 for c in ('"', "}")}
-    obj = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=200, temperature=1.0, seed=5,
+    obj = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=200, temperature=temperature, seed=5,
                                          logit_bias=nudge, response_format={"type": "json_object"}).choices[0]
     assert obj.finish_reason == "stop" and isinstance(json.loads(obj.message.content), dict)
 
@@ -325,13 +326,13 @@ def _valid_call(call) -> None:
     assert call.type == "function" and call.id.startswith("call_")
 
 
-def check_tool_calls(client) -> None:
+def check_tool_calls(client, temperature: float = 1.0) -> None:
     """Forced calls (named, required; whole and streamed as deltas) parse and validate even from
     the random demo model; auto and none answer; a history with tool results is accepted."""
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice in (named, "required"):
-        kw = dict(model=MODEL, messages=HISTORY, tools=TOOLS, tool_choice=choice, max_tokens=80, temperature=1.0,
-                  seed=11)
+        kw = dict(model=MODEL, messages=HISTORY, tools=TOOLS, tool_choice=choice, max_tokens=80,
+                  temperature=temperature, seed=11)
         whole = client.chat.completions.create(**kw).choices[0]
         assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1, whole
         _valid_call(whole.message.tool_calls[0])
