@@ -145,7 +145,7 @@ async def test_video_greedy_matches_generate(engine, compute, reference, model_d
         px = compute.preprocess_video(next(vids)) if kind == "video" else compute.preprocess_image(next(imgs))
         pixels.append(type(px)(px.pixel_values, px.grid_thw, px.n_tokens, kind))
     # mm_hash: as the fleet's (BLAKE3 of the bytes), one name per content; vLLM keys its caches on it
-    media = [MediaEmbeds(f, p.grid_thw, p.kind, f"{'-'.join(layout)}-{i}")
+    media = [MediaEmbeds(f, p.grid_thw, p.kind, mm_hash=f"{'-'.join(layout)}-{i}")
              for i, (f, p) in enumerate(zip(compute.encode_media(pixels), pixels))]
     got = await collect(engine.generate(f"video-{'-'.join(layout)}", compute.render_prompt_ids(video_msgs(layout)),
                                         media, GREEDY))
@@ -209,6 +209,36 @@ async def test_bad_inputs_raise_engine_error(engine, cases):
         await engine.prefill("p", prompt_ids, images, GREEDY)
     with pytest.raises(EngineError, match="encode"):
         await engine.encode(torch.zeros(4, 4), (1, 2, 2), 1)
+
+
+CONTROLS = protocol.Sampling(max_tokens=16, temperature=0.0, presence_penalty=0.8, frequency_penalty=0.6,
+                             repetition_penalty=1.3, logit_bias=((11, 3.0), (13, -100.0)), min_tokens=4,
+                             ignore_eos=True, logprobs=2)
+
+
+async def transformers_tokens(model_dir, prompt_ids, sampling) -> list:
+    """The transformers engine's tokens (SampledToken with logprobs) for the same request."""
+    from shared.engines.transformers_engine import TransformersEngine
+
+    ref = TransformersEngine(model_dir)
+    await ref.start()
+    try:
+        return [t async for t in ref.generate("ref", list(prompt_ids), [], sampling)]
+    finally:
+        await ref.stop()
+
+
+def assert_same(got: list, expected: list) -> None:
+    assert got == expected
+    for g, e in zip(got, expected, strict=True):
+        assert g.logprob.logprob == pytest.approx(e.logprob.logprob, abs=1e-3)
+        assert [t for t, _ in g.logprob.top] == [t for t, _ in e.logprob.top]
+
+
+async def test_sampling_controls_and_logprobs_match_transformers(engine, compute, model_dir):
+    prompt = compute.render_prompt_ids(messages_for(0, "Tell me a story about the sea."))
+    expected = await transformers_tokens(model_dir, prompt, CONTROLS)
+    assert_same(await collect(engine.generate("controls", prompt, [], CONTROLS)), expected)
 
 
 async def test_stop_leaves_no_child_process(engine, other_children):
@@ -292,33 +322,3 @@ def test_engine_core_exits_when_its_worker_is_killed(model_dir, tmp_path, when):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-CONTROLS = protocol.Sampling(max_tokens=16, temperature=0.0, presence_penalty=0.8, frequency_penalty=0.6,
-                             repetition_penalty=1.3, logit_bias=((11, 3.0), (13, -100.0)), min_tokens=4,
-                             ignore_eos=True, logprobs=2)
-
-
-async def transformers_tokens(model_dir, prompt_ids, sampling) -> list:
-    """The transformers engine's tokens (SampledToken with logprobs) for the same request."""
-    from shared.engines.transformers_engine import TransformersEngine
-
-    ref = TransformersEngine(model_dir)
-    await ref.start()
-    try:
-        return [t async for t in ref.generate("ref", list(prompt_ids), [], sampling)]
-    finally:
-        await ref.stop()
-
-
-def assert_same(got: list, expected: list) -> None:
-    assert got == expected
-    for g, e in zip(got, expected, strict=True):
-        assert g.logprob.logprob == pytest.approx(e.logprob.logprob, abs=1e-3)
-        assert [t for t, _ in g.logprob.top] == [t for t, _ in e.logprob.top]
-
-
-async def test_sampling_controls_and_logprobs_match_transformers(engine, compute, model_dir):
-    prompt = compute.render_prompt_ids(messages_for(0, "Tell me a story about the sea."))
-    expected = await transformers_tokens(model_dir, prompt, CONTROLS)
-    assert_same(await collect(engine.generate("controls", prompt, [], CONTROLS)), expected)

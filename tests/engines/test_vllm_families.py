@@ -38,7 +38,8 @@ async def run_parity(model_dir, compute, cases: dict, engine_dir: Path | None = 
                                             loaded=reference, **ref_kw)
         assert len(set(expected[name])) > 1, f"{name}: degenerate model, one token repeated"
         feats = compute.encode_media(pixels) if pixels else []
-        media = [MediaEmbeds(f, p.grid_thw, p.kind, f"{name}-{i}") for i, (f, p) in enumerate(zip(feats, pixels))]
+        media = [MediaEmbeds(f, p.grid_thw, p.kind, mm_hash=f"{name}-{i}")
+                 for i, (f, p) in enumerate(zip(feats, pixels))]
         prompts[name] = (compute.render_prompt_ids(msgs), media)
     engine = VllmEngine(engine_dir or model_dir, kv_cache_bytes=64 << 20)
     await engine.start()

@@ -134,7 +134,7 @@ async def test_prefill_validates_lease_less_refs_and_falls_back(env) -> None:
     hit = protocol.EmbeddingItem(index=0, mm_hash="one", grid_thw=(1, 4, 4), n_tokens=4, embeds=entry.embeds,
                                  cache_key=k1, cache_gen=entry.gen)
     msg = protocol.PrefillRequest(meta=_meta(), owners=(entry.owner,), items=(hit,))
-    [(got, _, _)] = await EmbeddingPuller(index).pull(msg, ctx)
+    [(got, *_)] = await EmbeddingPuller(index).pull(msg, ctx)
     assert torch.equal(got, emb(1))
     # k2 evicts k1 (capacity one item): the same ref no longer validates -> restart, not garbage
     await cache.embed(pixel_item(k2), enc(2), fleet_ok=True, deadline_unix_ms=2**62)

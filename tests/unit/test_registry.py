@@ -61,8 +61,8 @@ def test_vllm_prompts_check_items_against_placeholders(model_dir):
     engine = VllmEngine(model_dir)  # not started: building a prompt needs no engine core
     tok = engine.tokenizer.convert_tokens_to_ids
     image_id, video_id = tok("<|image_pad|>"), tok("<|video_pad|>")
-    image, video = MediaEmbeds(torch.zeros(4, 128), (1, 4, 4), "image", "h1"), \
-        MediaEmbeds(torch.zeros(4, 128), (2, 2, 4), "video", "h2")
+    image, video = MediaEmbeds(torch.zeros(4, 128), (1, 4, 4), "image", mm_hash="h1"), \
+        MediaEmbeds(torch.zeros(4, 128), (2, 2, 4), "video", mm_hash="h2")
     prompt = engine.prompts.build([1, image_id, video_id], [image, video], tail=(video_id,))
     assert prompt["prompt_token_ids"] == [1, image_id, video_id, video_id]
     assert set(prompt["multi_modal_data"]) == {"image", "video"}
