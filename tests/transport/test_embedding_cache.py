@@ -148,7 +148,7 @@ async def test_prefill_validates_lease_less_refs_and_falls_back(env) -> None:
     msg2 = protocol.PrefillRequest(meta=_meta(), owners=(entry2.owner,), items=(hit2,))
     await puller.pull(msg2, ctx)
     await store.close()  # the owner's entries and slots are gone now
-    [(got2, _, _)] = await puller.pull(msg2, ctx)
+    [(got2, *_)] = await puller.pull(msg2, ctx)
     assert torch.equal(got2, emb(2))
 
 
