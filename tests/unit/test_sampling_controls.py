@@ -12,7 +12,6 @@ import torch
 
 from shared import protocol
 from shared.engines.sampling import process_logits, sample_at, stop_token_set
-from shared.engines.transformers_engine import TransformersEngine
 
 S = protocol.Sampling
 
@@ -53,16 +52,6 @@ def test_top_k_1_and_min_p_1_are_greedy_and_seeds_repeat_per_step():
     assert draws == [sample_at(logits, seeded, k) for k in range(30)]
     assert len(set(draws)) > 1  # steps draw differently: the step index is in the seed
 
-
-@pytest.fixture(scope="module")
-async def engines(model_dir):
-    """Two engines: one generates, the other decodes what the first prefilled."""
-    a, b = TransformersEngine(model_dir), TransformersEngine(model_dir)
-    await a.start()
-    await b.start()
-    yield a, b
-    await a.stop()
-    await b.stop()
 
 
 async def test_seeded_controls_equal_in_one_engine_and_split(engines):

@@ -12,22 +12,12 @@ import pytest
 
 from shared import protocol
 from shared.engines.structured import GrammarError, check
-from shared.engines.transformers_engine import TransformersEngine
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 8},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
                          "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 3}}}
 
-
-@pytest.fixture(scope="module")
-async def engines(model_dir):
-    a, b = TransformersEngine(model_dir), TransformersEngine(model_dir)
-    await a.start()
-    await b.start()
-    yield a, b
-    await a.stop()
-    await b.stop()
 
 
 def _text(engine, tokens) -> str:
