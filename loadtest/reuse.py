@@ -8,7 +8,8 @@ of a pool of ``pool_size`` images, else an image seen nowhere else. Each ratio (
 (off) and ``vllm-serve`` (skipped with its reason where vllm is missing); all are started
 together (a broker and Redis per fleet) and run every ratio at one concurrency, taking turns
 (the order rotating per ratio and repeat), ``repeats`` times, so drift in the machine's other
-load hits every side alike and the spread shows. ``make bench`` runs it on the bench model
+load hits every side alike and the spread shows; the targets not taking their turn are paused
+(SIGSTOP), so their idle polling does not take the 2 cores from the one measured. ``make bench`` runs it on the bench model
 (``MMFLEET_DEMO_MODEL=qwen2-vl:bench``), where encoding is most of a one-image request's TTFT.
 Written like every benchmark (runs/*.json, index.json, CDF plots, summary.md) plus
 ``reuse_vs_ratio.png`` (TTFT p50 / p99 and throughput against the reuse ratio) and, per fleet
@@ -24,11 +25,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import statistics
 from contextlib import ExitStack
 from dataclasses import replace
 
-from loadtest import workloads
+from loadtest import procs, workloads
 from loadtest.bench import BenchConfig, _run_target
 from loadtest.loadgen import LoadShape
 from loadtest.targets import TargetOptions, Targets, TargetSkipped
@@ -58,7 +60,7 @@ def run_reuse(cfg: BenchConfig, opts: TargetOptions, ratios=RATIOS, repeats: int
     warm = workloads.build(replace(cfg.workload, seed=cfg.workload.seed + 10_007,
                                    num_requests=max(1, cfg.warmup)))[:cfg.warmup]
     with ExitStack() as stack:
-        eps = {}
+        eps, roots = {}, {}
         for i, spec in enumerate(cfg.targets):
             try:
                 # fleets up at once need a broker each: stage topics and consumer groups are
@@ -69,6 +71,12 @@ def run_reuse(cfg: BenchConfig, opts: TargetOptions, ratios=RATIOS, repeats: int
                 eps[spec] = stack.enter_context(targets.open(spec))
                 result["targets"][spec] = {"base_url": eps[spec].base_url, **eps[spec].info}
                 asyncio.run(_run_target(eps[spec], replace(cfg, shapes=[]), [], warm, None))  # warm-up only
+                # only the target being measured runs: the others are paused (SIGSTOP, their
+                # broker and Redis too), so their idle polling does not take the shared cores
+                # from it; resumed before the target stops (ExitStack: last in, first out)
+                roots[spec] = [*targets.infra_pids, *([eps[spec].pid] if eps[spec].pid else [])]
+                stack.callback(procs.pause_trees, roots[spec], signal.SIGCONT)
+                procs.pause_trees(roots[spec])
             except TargetSkipped as exc:
                 result["skipped"][spec] = str(exc)
             except Exception as exc:  # noqa: BLE001 - the other target's figures still count
@@ -81,12 +89,19 @@ def run_reuse(cfg: BenchConfig, opts: TargetOptions, ratios=RATIOS, repeats: int
                 items = list(eps.items())
                 shift = (k + rep) % len(items) if items else 0
                 for spec, ep in items[shift:] + items[:shift]:
-                    _one_run(result, ep, cfg, wl, ratio, rep, int(shape.value))
+                    procs.pause_trees(roots.get(spec, []), signal.SIGCONT)
+                    try:
+                        _one_run(result, ep, cfg, wl, ratio, rep, int(shape.value), warm)
+                    finally:
+                        procs.pause_trees(roots.get(spec, []))
     result["load_average_1m"]["end"] = os.getloadavg()[0]
     return result
 
 
-def _one_run(result: dict, ep, cfg: BenchConfig, wl, ratio: float, rep: int, concurrency: int) -> None:
+def _one_run(result: dict, ep, cfg: BenchConfig, wl, ratio: float, rep: int, concurrency: int, warm) -> None:
+    # resumed from a pause: its consumers may rejoin their groups first; the warm-up requests
+    # (unrecorded, before the encoder count is read) wait that out
+    asyncio.run(_run_target(ep, replace(cfg, shapes=[]), [], warm, None))
     before = _encoded(ep)
     [run] = asyncio.run(_run_target(ep, cfg, workloads.build(wl), [], None))
     after = _encoded(ep)

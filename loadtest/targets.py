@@ -100,6 +100,7 @@ class Targets:
         self.opts = opts
         self._stack = ExitStack()
         self._infra: tuple[str, str] | None = None
+        self.infra_pids: list[int] = []  # the shared broker and Redis (pause_trees)
 
     def __enter__(self) -> Targets:
         return self
@@ -113,8 +114,8 @@ class Targets:
 
     def _shared_infra(self) -> tuple[str, str]:
         if self._infra is None:
-            bootstrap = self._stack.enter_context(procs.broker(self.opts.log_dir))
-            redis_url = self._stack.enter_context(procs.redis_server(self.opts.log_dir))
+            bootstrap = self._stack.enter_context(procs.broker(self.opts.log_dir, self.infra_pids))
+            redis_url = self._stack.enter_context(procs.redis_server(self.opts.log_dir, pids=self.infra_pids))
             self._infra = (bootstrap, redis_url)
         return self._infra
 
@@ -216,7 +217,7 @@ class Targets:
             base = f"http://127.0.0.1:{port}"
             procs.wait_http(base + "/health", proc, self.opts.ready_timeout_s, log)
             yield Endpoint(spec, base, info={"startup_s": time.monotonic() - t0, "python": python,
-                                             "vllm": _vllm_version(python), "argv": argv[1:]})
+                                             "vllm": _vllm_version(python), "argv": argv[1:]}, pid=proc.pid)
         finally:
             procs.stop_group(proc, timeout_s=30)
 
