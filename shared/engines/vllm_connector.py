@@ -1,5 +1,6 @@
-"""vLLM's NixlConnector with one change: a consumer loads at most the positions the producer
-computed. Loaded by vLLM's engine core (``kv_connector_module_path``), never by mmfleet itself.
+"""vLLM's NixlConnector with two changes: a consumer loads at most the positions the producer
+computed, and its NIXL agent runs without a progress thread. Loaded by vLLM's engine core
+(``kv_connector_module_path``), never by mmfleet itself.
 
 Why: decode continues from the first token prefill sampled, so its prompt is the producer's
 prompt + that token (+ tokens an earlier attempt already streamed, from the token log). Stock
@@ -7,11 +8,36 @@ NixlConnector marks every prompt position but the last as loaded from the produc
 producer holds KV only for its own ``remote_num_tokens`` positions: the first token's (and the
 resumed tokens') slots would be garbage. Capped here, the consumer loads the producer's
 positions and computes the few after them itself (text tokens: no embeddings needed).
+
+Why no progress thread: NIXL's UCX progress thread (on by default, and vLLM keeps the default)
+spins a whole core per agent, idle or not (measured: 100 % of a core for an idle agent, 0 %
+without it), which on a 2-core host starved the engines of an e-p-d fleet. The connector
+drives transfers from the engine's step anyway (``get_finished`` polls the transfer states and
+notifications), as the fleet's own NIXL agents do (``shared.transfer.agent``).
 """
 
 from __future__ import annotations
 
+import functools
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+
+
+def _without_progress_thread(make_config):
+    @functools.wraps(make_config)
+    def config(*args, **kwargs):
+        kwargs["enable_prog_thread"] = False
+        return make_config(*args, **kwargs)
+
+    config.mmfleet_patched = True
+    return config
+
+
+# the worker builds its agent's config from this module global (vLLM 0.32); patched once per
+# engine-core process, before any connector exists
+if base_worker.nixl_agent_config is not None and not getattr(base_worker.nixl_agent_config, "mmfleet_patched", False):
+    base_worker.nixl_agent_config = _without_progress_thread(base_worker.nixl_agent_config)
 
 
 class FleetNixlConnector(NixlConnector):

@@ -208,3 +208,15 @@ async def test_prefill_kv_events_land_in_the_routing_table_with_the_transformers
     keys_a = set(tf_ev.stored[:whole])
     assert ev_b is not None and set(ev_b.stored) == set(keys_b) - keys_a
     assert 0 < len(ev_b.stored) < whole and keys_b[0] in keys_a
+
+
+def test_the_connector_agent_runs_without_a_progress_thread():
+    """NIXL's progress thread spins a core per agent (shared/engines/vllm_connector.py): the
+    fleet's connector module turns it off in the config vLLM's worker builds its agent from."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    import shared.engines.vllm_connector  # noqa: F401 - importing it patches the config
+
+    config = base_worker.nixl_agent_config(num_threads=4, capture_telemetry=True)
+    assert config.enable_pthread is False
+    assert config.num_threads == 4  # the rest as vLLM asked
