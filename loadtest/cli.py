@@ -128,9 +128,11 @@ def _parser() -> argparse.ArgumentParser:
     kv = sub.add_parser("kv", help="KV-aware routing vs round-robin on multi-turn sessions (issue #7)")
     kv.add_argument("--sessions", type=int, default=13,
                     help="sessions (not a multiple of --prefill-replicas: round-robin would pin sessions by accident)")
-    kv.add_argument("--turns", type=int, default=4)
-    kv.add_argument("--window", type=int, default=4, help="images kept in the conversation (sliding window)")
-    kv.add_argument("--text-words", type=int, default=48, help="words of text per user turn")
+    kv.add_argument("--turns", type=int, default=5, help="turns per session (the long workload)")
+    kv.add_argument("--window", type=int, help="images kept in the conversation (sliding window; default: all)")
+    kv.add_argument("--text-words", type=int, default=250, help="words of text per user turn (the long workload)")
+    kv.add_argument("--no-short", action="store_true",
+                    help="skip the short workload (4 turns x 48 words) run after the long one for contrast")
     kv.add_argument("--concurrency", type=int, default=4)
     kv.add_argument("--prefill-replicas", type=int, default=3)
     kv.add_argument("--engine", action="append", choices=["transformers", "vllm"], default=[],
@@ -205,8 +207,9 @@ def _bench(args: argparse.Namespace) -> int:
 
         opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
                              extra_env=extra_env, ready_timeout_s=args.ready_timeout_s)
-        result = kvbench.run_kv(out, opts, sessions=args.sessions, turns=args.turns, window=args.window,
-                                text_words=args.text_words, concurrency=args.concurrency,
+        long = kvbench.Sessions("long", args.turns, args.window or args.turns, args.text_words)
+        result = kvbench.run_kv(out, opts, sessions=args.sessions, concurrency=args.concurrency,
+                                workloads=(long,) if args.no_short else (long, kvbench.SHORT),
                                 replicas=args.prefill_replicas, progress=not args.no_progress,
                                 engines=tuple(dict.fromkeys(args.engine)) or ("transformers",))
         print(kvbench.write(result, out, plots=not args.no_plots).read_text())

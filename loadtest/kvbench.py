@@ -21,8 +21,9 @@ the routing table (shared.engines.vllm_kv_events).
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtest import metrics
@@ -36,43 +37,71 @@ ENGINES = ("transformers", "vllm")
 CAUSES = ("hit", "cold", "load", "evicted", "moved", "unrouted")  # as shared.kv.audit
 
 
+@dataclass(frozen=True)
+class Sessions:
+    """One multi-turn workload of the suite."""
+    name: str
+    turns: int
+    window: int  # images kept in the conversation
+    text_words: int  # per user turn
+
+
+# long: ~2k-token conversations by the last turn, every image kept (a dropped image would change
+# the prefix and no router could hit); prefill is most of TTFT there. short: the earlier suite's,
+# for contrast (prefill a small share of TTFT, so routing buys little).
+LONG = Sessions("long", turns=5, window=5, text_words=250)
+SHORT = Sessions("short", turns=4, window=4, text_words=48)
+
+
 def kv_workload(sessions: int, turns: int, window: int, text_words: int, seed: int = 0) -> WorkloadConfig:
     return WorkloadConfig(kind="multiturn", num_requests=sessions * turns, seed=seed, max_tokens=(16, 16),
                           text_words=(text_words, text_words), images=(1, 1), resolutions=((224, 224),),
                           turns=turns, window=window)
 
 
-def run_kv(out: Path, opts: TargetOptions, *, sessions: int, turns: int, window: int, text_words: int,
-           concurrency: int, replicas: int, progress: bool = True,
+def run_kv(out: Path, opts: TargetOptions, *, sessions: int, concurrency: int, replicas: int,
+           workloads: tuple[Sessions, ...] = (LONG, SHORT), progress: bool = True,
            engines: tuple[str, ...] = ("transformers",)) -> dict:
+    """Every workload on every engine with both policies; goals are judged on the first
+    workload (the long one by default), the others are reported for contrast."""
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown or not engines:
         raise ValueError(f"engines {unknown or '(none)'}: choose from {', '.join(ENGINES)}")
-    workload = kv_workload(sessions, turns, window, text_words)
+    result: dict = {"config": {"workloads": {}, "concurrency": concurrency, "prefill_replicas": replicas,
+                               "engines": list(engines)}, "policies": {}, "runs": [], "goals": []}
+    for k, sess in enumerate(workloads):
+        workload = kv_workload(sessions, sess.turns, sess.window, sess.text_words)
+        result["config"]["workloads"][sess.name] = workload.to_dict()
+        for engine in engines:
+            prefix = "/".join(([sess.name] if len(workloads) > 1 else []) + ([engine] if len(engines) > 1 else []))
+            per_policy = _run_policies(result, out, opts, workload, concurrency, replicas, engine, prefix, progress)
+            if k == 0:
+                result["goals"] += [{**g, "goal": f"{prefix}: {g['goal']}" if prefix else g["goal"]}
+                                    for g in goals(per_policy)]
+    return result
+
+
+def _run_policies(result: dict, out: Path, opts: TargetOptions, workload: WorkloadConfig, concurrency: int,
+                  replicas: int, engine: str, prefix: str, progress: bool) -> dict:
     specs = build(workload)
     shape = LoadShape("concurrency", concurrency, len(specs), duration_s=600, grace_s=60)
-    result: dict = {"config": {"workload": workload.to_dict(), "concurrency": concurrency,
-                               "prefill_replicas": replicas, "engines": list(engines)},
-                    "policies": {}, "runs": [], "goals": []}
-    for engine in engines:
-        named = (lambda p: p) if len(engines) == 1 else (lambda p, e=engine: f"{e}/{p}")
-        per_policy: dict = {}
-        for policy in POLICIES:
-            env = {**opts.extra_env, "MMFLEET_STAGE_REPLICAS": f"prefill={replicas}",
-                   "MMFLEET_ROUTING_POLICY": policy, "MMFLEET_TOPIC_PARTITIONS": str(max(4, 2 * replicas)),
-                   "MMFLEET_ENGINE": engine}
-            cfg = BenchConfig(targets=["fleet:e-p-d"], workload=workload, shapes=[shape], out_dir=out, warmup=0,
-                              progress=progress)
-            res = run_bench(cfg, replace(opts, extra_env=env))
-            for run in res["runs"]:
-                run["target"] = f"fleet:e-p-d[{named(policy)}]"
-                result["runs"].append(run)
-                per_policy[policy] = summarize(run["records"], specs, run.get("kv_event_lags_ms"))
-                result["policies"][named(policy)] = per_policy[policy]
-            if res["failed"]:
-                result.setdefault("failed", {}).update({f"{k}[{named(policy)}]": v for k, v in res["failed"].items()})
-        result["goals"] += [{**g, "goal": named(g["goal"])} for g in goals(per_policy)]
-    return result
+    named = (lambda p: f"{prefix}/{p}") if prefix else (lambda p: p)
+    per_policy: dict = {}
+    for policy in POLICIES:
+        env = {**opts.extra_env, "MMFLEET_STAGE_REPLICAS": f"prefill={replicas}",
+               "MMFLEET_ROUTING_POLICY": policy, "MMFLEET_TOPIC_PARTITIONS": str(max(4, 2 * replicas)),
+               "MMFLEET_ENGINE": engine}
+        cfg = BenchConfig(targets=["fleet:e-p-d"], workload=workload, shapes=[shape], out_dir=out, warmup=0,
+                          progress=progress)
+        res = run_bench(cfg, replace(opts, extra_env=env))
+        for run in res["runs"]:
+            run["target"] = f"fleet:e-p-d[{named(policy)}]"
+            result["runs"].append(run)
+            per_policy[policy] = summarize(run["records"], specs, run.get("kv_event_lags_ms"))
+            result["policies"][named(policy)] = per_policy[policy]
+        if res["failed"]:
+            result.setdefault("failed", {}).update({f"{k}[{named(policy)}]": v for k, v in res["failed"].items()})
+    return per_policy
 
 
 def summarize(records: list[dict], specs, lags_ms: list[float] | None = None) -> dict:
@@ -89,7 +118,18 @@ def summarize(records: list[dict], specs, lags_ms: list[float] | None = None) ->
         "token_hit_rate": sum(r["cached_tokens"] for r in later) / prompt if prompt else None,
         "ttft_ms_followups": metrics.summarize([r["ttft_ms"] for r in later if r["ttft_ms"] is not None]),
         "ttft_ms_all": metrics.summarize([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None]),
+        "prefill_share_followups": prefill_share(later),
     }
+
+
+def prefill_share(records: list[dict]) -> float | None:
+    """Median over requests of the prefill stage's compute (its span less transfers) / TTFT."""
+    shares = []
+    for r in records:
+        pre = [s for s in r.get("spans") or [] if s.get("stage") == "prefill"]
+        if pre and r.get("ttft_ms"):
+            shares.append(sum(s["total_ms"] - s.get("transfer_ms", 0.0) for s in pre) / r["ttft_ms"])
+    return statistics.median(shares) if shares else None
 
 
 def goals(p: dict) -> list[dict]:
@@ -113,12 +153,12 @@ def write(result: dict, out: Path, plots: bool = True) -> Path:
     lines = ["# KV-aware routing vs round-robin", "",
              f"workload: {json.dumps(result['config'])}", "",
              "| policy | ok/requests | follow-up hit rate | token hit rate | TTFT p50 / p99 follow-ups (ms) "
-             "| TTFT p50 / p99 all (ms) |", "|---|---|---|---|---|---|"]
+             "| TTFT p50 / p99 all (ms) | prefill share of follow-up TTFT |", "|---|---|---|---|---|---|---|"]
     for name, s in result["policies"].items():
         f, a = s["ttft_ms_followups"], s["ttft_ms_all"]
         lines.append(f"| {name} | {s['ok']}/{s['requests']} | {_pct(s['request_hit_rate'])} | "
                      f"{_pct(s['token_hit_rate'])} | {_ms(f, 'p50')} / {_ms(f, 'p99')} | "
-                     f"{_ms(a, 'p50')} / {_ms(a, 'p99')} |")
+                     f"{_ms(a, 'p50')} / {_ms(a, 'p99')} | {_pct(s.get('prefill_share_followups'))} |")
     lines += ["", ("Follow-up turns by what their prefix reuse met (`shared.kv.audit`): hit / cold (no worker "
                    "listed a block) / load (another held more) / evicted (listed, gone by prefill) / moved "
                    "(rebalanced) / unrouted; KV-event lag = produce to routing-table update."), "",

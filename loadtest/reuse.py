@@ -9,8 +9,9 @@ of a pool of ``pool_size`` images, else an image seen nowhere else. Each ratio (
 together (a broker and Redis per fleet) and run every ratio at one concurrency, taking turns
 (the order rotating per ratio and repeat), ``repeats`` times, so drift in the machine's other
 load hits every side alike and the spread shows; the targets not taking their turn are paused
-(SIGSTOP), so their idle polling does not take the 2 cores from the one measured. ``make bench`` runs it on the bench model
-(``MMFLEET_DEMO_MODEL=qwen2-vl:bench``), where encoding is most of a one-image request's TTFT.
+(SIGSTOP), so their idle polling does not take the 2 cores from the one measured. ``make
+bench`` runs it on the bench model (``MMFLEET_DEMO_MODEL=qwen2-vl:bench``), where encoding is
+most of a one-image request's TTFT.
 Written like every benchmark (runs/*.json, index.json, CDF plots, summary.md) plus
 ``reuse_vs_ratio.png`` (TTFT p50 / p99 and throughput against the reuse ratio) and, per fleet
 run, the encoder items it cost (the fleet-wide counter ``RedisKeys.encoder_items``; the

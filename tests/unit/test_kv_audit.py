@@ -35,11 +35,14 @@ def test_kv_bench_reports_follow_up_causes_and_event_lag(tmp_path):
 
     def rec(i):
         return {"index": i, "status": 200, "error": None, "prompt_tokens": 100, "cached_tokens": 64 * (i == 1),
-                "ttft_ms": 10.0 + i, "route": causes[i]}
+                "ttft_ms": 10.0 + i, "route": causes[i],
+                "spans": [{"stage": "encode", "total_ms": 3.0, "transfer_ms": 0.0},
+                          {"stage": "prefill", "total_ms": 5.0 + i, "transfer_ms": 1.0}]}
 
     s = kvbench.summarize([rec(i) for i in range(4)], specs, [5.0, 7.0, 30.0])
     assert s["causes_followups"] == {"hit": 1, "evicted": 1, "unrouted": 1}  # the first turn is no follow-up
     assert s["kv_event_lag_ms"]["max"] == 30.0 and s["kv_event_lag_ms"]["p50"] == 7.0
+    assert s["prefill_share_followups"] == 0.5  # median of 5/11, 6/12, 7/13: prefill less transfers
     result = {"config": {}, "policies": {"kv": s}, "runs": [], "goals": kvbench.goals({"kv": s})}
     text = kvbench.write(result, tmp_path, plots=False).read_text()
     assert "| kv | 1 | 0 | 0 | 1 | 0 | 1 | 7.0 / " in text
