@@ -82,8 +82,8 @@ def make_consumer(settings: Settings, topic: str, group_id: str,
         # getmany() keeps being called while partitions are paused, so long handlers never
         # exceed the poll interval; the bound is for a wedged event loop.
         max_poll_interval_ms=300_000,
-        session_timeout_ms=10_000,
-        heartbeat_interval_ms=3_000,
+        session_timeout_ms=settings.kafka_session_timeout_ms,
+        heartbeat_interval_ms=max(100, settings.kafka_session_timeout_ms // 3),
     )
     consumer.subscribe([topic], listener=listener)
     return consumer

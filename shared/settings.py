@@ -103,6 +103,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     idle_fetch_interval_ms: Annotated[int, _d("with the doorbell: how often an idle stage consumer fetches "
                                               "anyway (the most a lost ring costs)")] = 100
     max_poll_records: Annotated[int, _d("records fetched per poll at most")] = 16
+    # tansu holds a new consumer group's first join for half the session: this bounds start-up too
+    kafka_session_timeout_ms: Annotated[int, _d("a consumer not heard from this long loses its partitions to "
+                                                "its group (heartbeats every third of it)")] = 6_000
     stage_concurrency: Annotated[int, _d("records in flight per stage runner; beyond it partitions pause")] = 8
     max_attempts: Annotated[int, _d("failures of one record before it goes to mm.dead-letter")] = 3
     drain_timeout_ms: Annotated[int, _d("on SIGTERM, how long in-flight work may finish before it is "
