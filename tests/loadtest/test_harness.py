@@ -244,7 +244,7 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
     log_dir = logs_dir / "loadtest-fleet"
     log_dir.mkdir()
     with procs.fleet(env, log_dir) as (base, _proc):
-        cfg = _config(tmp_path, [f"url:{base}", "inproc"], n=4)
+        cfg = _config(tmp_path, [f"url:{base}", "inproc"], n=4, idle_cpu_s=1.0)  # a CPU sample, not a figure
         result = run_bench(cfg, TargetOptions(model_dir=model_dir, log_dir=tmp_path, redis_url=redis_url,
                                               redis_prefix=prefix))
     assert not result["failed"], result["failed"]
