@@ -6,8 +6,10 @@ produce point. Contract:
 - ``kv`` policy: for each live prefill worker in the routing table (:mod:`shared.kv.table`),
   ``overlap`` = how many leading block hashes of the request (:mod:`shared.kv.blocks`) its
   prefix cache holds; cost = ``kv_overlap_weight`` x (prompt blocks - overlap) + blocks queued
-  on it (its load). The cheapest worker wins (ties at random, so with no information load is
-  spread), and the record goes to one of the partitions it owns.
+  on it (its load). The cheapest worker wins; among equally cheap ones the one with the fewest
+  requests in flight, then the fewest cached blocks (so new sessions spread over the workers
+  instead of piling where ties happened to fall), then at random. The record goes to one of
+  the partitions the winner owns.
 - ``round_robin`` policy: the next live worker in turn (for comparison).
 - No table (Redis empty or unreachable, no live worker yet): ``None``, i.e. Kafka's own key
   hashing. Routing never fails a request: after a rebalance the partition's new owner serves
@@ -47,6 +49,7 @@ class WorkerView:
     inflight: int
     queued_tokens: int
     overlap: int = 0  # leading request blocks it holds
+    held: int = 0  # blocks its prefix cache holds (all sessions)
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,9 @@ class Router:
                             candidates=len(workers), load=w.queued_tokens / self._block_size)
         costs = [(self._weight * (len(hashes) - w.overlap) + w.queued_tokens / self._block_size, w) for w in workers]
         best = min(c for c, _ in costs)
-        w = self._rng.choice([w for c, w in costs if c == best])
+        tied = [w for c, w in costs if c == best]
+        least = min((w.inflight, w.held) for w in tied)
+        w = self._rng.choice([w for w in tied if (w.inflight, w.held) == least])
         return Decision(self._rng.choice(w.partitions), w.worker_id, "kv_hit" if w.overlap else "load", w.overlap,
                         best=max(x.overlap for x in workers), cost=best, load=w.queued_tokens / self._block_size,
                         candidates=len(workers), blocks=len(hashes))
@@ -126,10 +131,11 @@ class Router:
         pipe = self._redis.pipeline(transaction=False)
         for wid in ids:
             pipe.hgetall(self._keys.kv_load(wid))
+            pipe.scard(self._keys.kv_blocks(wid))
             if hashes:
                 pipe.smismember(self._keys.kv_blocks(wid), [str(h) for h in hashes])
         replies = await pipe.execute()
-        step = 2 if hashes else 1
+        step = 3 if hashes else 2
         out = []
         for i, wid in enumerate(ids):
             load = replies[i * step]
@@ -141,10 +147,10 @@ class Router:
                 continue
             overlap = 0
             if hashes:
-                for member in replies[i * step + 1]:
+                for member in replies[i * step + 2]:
                     if not member:
                         break
                     overlap += 1
             out.append(WorkerView(wid, parts, int(load.get(b"inflight", 0)), int(load.get(b"queued_tokens", 0)),
-                                  overlap))
+                                  overlap, held=int(replies[i * step + 1])))
         return out

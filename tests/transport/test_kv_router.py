@@ -99,6 +99,17 @@ async def test_with_no_information_load_is_spread_and_a_loaded_worker_avoided(ta
         assert (await router(table, kv_overlap_weight=100.0).decide(request(prompt))).worker_id == "w1"
 
 
+async def test_equally_cheap_workers_go_to_the_one_holding_fewer_blocks(table):
+    """A new session (no overlap anywhere, equal loads) goes where fewer sessions' blocks live,
+    so sessions spread instead of piling where random ties fell."""
+    await stored(table, "w1", block_hashes(list(range(500, 540)), [], placeholder_id=PH, block_size=BLOCK))
+    r = router(table)
+    assert {(await r.decide(request(list(range(600, 640))))).worker_id for _ in range(10)} == {"w2"}
+    with table["loads"]["w2"].track(0):  # a request in flight on w2 outranks w1's blocks
+        await table["reporters"]["w2"].report()
+        assert (await r.decide(request(list(range(600, 640))))).worker_id == "w1"
+
+
 async def test_round_robin_takes_workers_in_turn(table):
     r = router(table, "round_robin")
     picks = [(await r.decide(request([1, 2, 3, 4]))).worker_id for _ in range(6)]
