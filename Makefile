@@ -61,7 +61,7 @@ bench: install $(VLLM_STAMP)
 
 # the long chaos run: 200 requests while each stage's worker is killed in turn
 chaos: install
-	CHAOS_VLLM=1 CHAOS_REQUESTS=200 OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/chaos -s $(PYTEST_ARGS)
+	CHAOS_REQUESTS=200 OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests/chaos -s $(PYTEST_ARGS)
 
 # the GPU check (loadtest/gpucheck.py): E/P/D on CUDA in three processes vs generate(), transfer
 # paths 1-256 MiB, TTFT and GB/s. On a GPU host whose Python already has torch + CUDA (no venv

@@ -6,7 +6,6 @@ its deadline; none may hang. ``make chaos`` runs the long version (CHAOS_REQUEST
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import signal
 import time
@@ -80,42 +79,29 @@ def test_kill_each_stage_worker_under_load(kafka_bootstrap, redis_url, model_dir
     assert [t for _, _, t in after] == references  # and the service goes on
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed")
-# In make chaos (CHAOS_VLLM=1), not make test: a killed vLLM worker's engine takes a minute or
-# more to start again on 2 shared cores (two of them at once here). With the transformers
-# deadline (90 s), 6 of 24 requests ran past it (504: none lost silently, none wrong or
-# duplicated); requests that must outlive an engine restart need a deadline above it, so
-# this fleet runs with VLLM_TIMEOUT_MS.
-@pytest.mark.skipif(not os.environ.get("CHAOS_VLLM"),
-                    reason="vLLM chaos runs in make chaos (CHAOS_VLLM=1)")
-def test_kill_vllm_decode_and_prefill_under_load(kafka_bootstrap, redis_url, model_dir, logs_dir, references):
-    """e-p-d on vLLM: the KV lives in the prefill worker's engine until decode's engine reads it.
-    Killing decode (its reads half done, its streams half written) and then prefill (holding
-    KV not yet read) loses and duplicates nothing: decode resumes from the token log under a
-    fresh attempt, a read from a dead producer restarts the request from its source."""
-    env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
-           "MMFLEET_ENGINE": "vllm", "MMFLEET_REDIS_PREFIX": "chaos-vllm",
-           "MMFLEET_REQUEST_TIMEOUT_MS": str(VLLM_TIMEOUT_MS), "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024),
-           "MMFLEET_STAGE_LEASE_MS": "6000"}
-    log_dir = logs_dir / "chaos-vllm"
-    log_dir.mkdir()
-    requests = min(REQUESTS, 24)
+def check_vllm_kills(base: str, supervisor_pid: int, references: list[str], requests: int = 24) -> None:
+    """e-p-d on vLLM (run by tests/e2e/test_modes.py on its e-p-d vLLM fleet, which sets
+    ``VLLM_FLEET_ENV``): the KV lives in the prefill worker's engine until decode's engine reads
+    it. Killing decode (its reads half done, its streams half written) and then prefill
+    (holding KV not yet read) loses and duplicates nothing: decode resumes from the token log
+    under a fresh attempt, a read from a dead producer restarts the request from its source.
+    A killed vLLM worker's engine takes up to a minute to start again on 2 shared cores (two at
+    once here), so that fleet's request deadline is ``VLLM_TIMEOUT_MS``: none may fail."""
 
     async def kill_decode_then_prefill(_tasks) -> list[str]:
         killed = []
         for stage in ("decode", "prefill"):
             await asyncio.sleep(3)
-            pid = _stage_pids(supervisor.pid).get(stage)
+            pid = _stage_pids(supervisor_pid).get(stage)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(stage)
         return killed
 
-    with procs.fleet(env, log_dir, mode="e-p-d", ready_timeout_s=300) as (base, supervisor):
-        before = _stage_pids(supervisor.pid)
-        results, killed, after = asyncio.run(load_with_fault(base, requests, CONCURRENCY, kill_decode_then_prefill,
-                                                             timeout_ms=VLLM_TIMEOUT_MS))
-        pids_after = _stage_pids(supervisor.pid)
+    before = _stage_pids(supervisor_pid)
+    results, killed, after = asyncio.run(load_with_fault(base, requests, CONCURRENCY, kill_decode_then_prefill,
+                                                         timeout_ms=VLLM_TIMEOUT_MS))
+    pids_after = _stage_pids(supervisor_pid)
     outcomes = Counter(kind for _, kind, _ in results)
     wrong = [(i, text) for i, kind, text in results if kind == "completed" and text != references[i % len(PROMPTS)]]
     print(f"\nchaos (vllm): {requests} requests, killed {killed}, outcomes {dict(outcomes)}")
@@ -125,3 +111,6 @@ def test_kill_vllm_decode_and_prefill_under_load(kafka_bootstrap, redis_url, mod
     assert not wrong, f"{len(wrong)} completed streams differ from the reference: {wrong[:3]}"
     assert outcomes["completed"] == requests, outcomes  # the deadline outlives the restarts: none may fail
     assert [t for _, _, t in after] == references
+
+
+VLLM_FLEET_ENV = {"MMFLEET_REQUEST_TIMEOUT_MS": str(VLLM_TIMEOUT_MS), "MMFLEET_STAGE_LEASE_MS": "6000"}

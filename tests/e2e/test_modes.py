@@ -5,7 +5,9 @@ start-up with a message saying why.
 
 Each pair is a real fleet (``mmfleet up --mode M`` with ``MMFLEET_ENGINE``) on the session's
 broker and Redis, one fleet per pair with every prompt against it; the e-p-d transformers
-fleet is covered by test_skeleton.py. vLLM in e-p-d and ep-d moves the KV prefill engine →
+fleet is covered by test_skeleton.py. The e-p-d vLLM fleet then has its decode and prefill
+workers killed under load (``tests.chaos.test_kill_workers.check_vllm_kills``): nothing lost
+or duplicated. vLLM in e-p-d and ep-d moves the KV prefill engine →
 decode engine (NixlConnector); equal tokens there mean the KV really moved (decode's engine
 never sees the images)."""
 
@@ -17,6 +19,8 @@ import openai
 import pytest
 
 from tests import procs
+from tests.chaos.load import reference_texts
+from tests.chaos.test_kill_workers import VLLM_FLEET_ENV, check_vllm_kills
 from tests.e2e.test_api_conformance import check_structured_output, check_tool_calls
 from tests.e2e.test_skeleton import gradient_image, noise_image, png_data_url, ref_parts, reference_text
 
@@ -27,6 +31,7 @@ PROMPTS = {
     "two-images": ([noise_image(1), gradient_image()], "Compare the two pictures."),
 }
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+KILLED = ("e-p-d", "vllm")  # the pair whose fleet also runs the vLLM chaos check (tests/chaos)
 
 PAIRS = [
     ("epd", "transformers"), ("e-pd", "transformers"), ("ep-d", "transformers"),
@@ -55,10 +60,10 @@ def test_mode_engine_parity(mode, engine, kafka_bootstrap, redis_url, model_dir,
     # fleet stops before the next starts, so no two fleets consume at once
     env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
            "MMFLEET_ENGINE": engine, "MMFLEET_REDIS_PREFIX": f"{mode}-{engine}",
-           "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024)}
+           "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024), **(VLLM_FLEET_ENV if (mode, engine) == KILLED else {})}
     log_dir = logs_dir / f"{mode}-{engine}"
     log_dir.mkdir()
-    with procs.fleet(env, log_dir, mode=mode, ready_timeout_s=300) as (base, _proc):
+    with procs.fleet(env, log_dir, mode=mode, ready_timeout_s=300) as (base, supervisor):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         for name, (imgs, text) in PROMPTS.items():
             kwargs = dict(model="mmfleet-demo", temperature=0, max_tokens=MAX_TOKENS,
@@ -78,6 +83,8 @@ def test_mode_engine_parity(mode, engine, kafka_bootstrap, redis_url, model_dir,
                 client.chat.completions.create(model="mmfleet-demo", max_tokens=8, temperature=0.7, messages=[
                     {"role": "user", "content": "hi"}], response_format={"type": "json_object"})
             assert info.value.body["param"] == "response_format"
+        if (mode, engine) == KILLED:  # the same fleet then loses its vLLM decode and prefill workers under load
+            check_vllm_kills(base, supervisor.pid, reference_texts(model_dir))
 
 
 def test_engine_without_kv_transfer_is_refused_with_a_clear_message():
