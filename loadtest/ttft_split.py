@@ -9,9 +9,9 @@ cut into parts that add up to it exactly:
 - ``queue <stage>``: upstream produce → the stage picked the record up (the broker's ack, the
   consumer's fetch wait);
 - ``claims``: the runner's Redis round trips before each handler (abort check, claim);
-- ``transfer``: NIXL pulls / puts and media fetches, the decode's KV pull included;
-- ``compute``: the rest of each handler up to the first token (decode: only until its first
-  token is in the stream);
+- ``transfer``: NIXL pulls / puts and media fetches (up to the stage that writes the first token);
+- ``compute``: the rest of each handler up to the first token (the stage that writes it:
+  only until the token is in the stream; prefill writes it where decode runs apart);
 - ``hand-offs``: a handler's end → its output's produce (encoding, routing) — the residual of
   the stage chain;
 - ``stream read``: the first token in Redis → the client has its SSE chunk.
@@ -32,9 +32,13 @@ def split_fleet(record: dict) -> dict[str, float] | None:
     spans, ttft, sent = record.get("spans") or [], record.get("ttft_ms"), record.get("sent_unix_ms")
     if not spans or ttft is None or not sent or not all(s.get("start_unix_ms") for s in spans):
         return None
+    # the stage that wrote the first token (prefill in e-p-d / ep-d, else decode) ends the TTFT:
+    # stages after it (decode's hop and KV pull) are not in it
+    first = next((i for i, s in enumerate(spans) if s.get("first_out_ms")), None)
+    if first is None:
+        return None  # no stage said when it wrote the first token
+    spans = spans[:first + 1]
     last = spans[-1]
-    if not last.get("first_out_ms"):
-        return None  # the stage that wrote the first token did not say when
     parts = dict.fromkeys(PARTS, 0.0)
     first_picked = spans[0]["start_unix_ms"] - spans[0].get("claim_ms", 0.0) - spans[0]["queue_ms"]
     parts["gateway"] = first_picked - sent

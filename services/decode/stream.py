@@ -12,6 +12,11 @@ reads the log (:func:`read_log`): a terminal event means the work is done; other
 tokens already written are forced back into the engine (``resume``) and the first
 ``skip_deltas`` deltas, which the log already holds, are regenerated but not appended again.
 Deltas are a deterministic function of the token sequence, so the client sees each once.
+
+The first delta is written by prefill (:func:`write_first_delta`, the same computation, at
+position 0) as soon as it has sampled the first token, so the time to first token does not
+wait for the decode hop and the KV pull; decode then finds one delta in the log and resumes
+after it, as above.
 """
 
 from __future__ import annotations
@@ -42,10 +47,26 @@ async def read_log(events: EventSink, request_id: str) -> LogState:
     deltas = sorted((e for e in history if isinstance(e, protocol.TokenDelta)), key=lambda e: e.seq)
     done = any(isinstance(e, (protocol.Finish, protocol.ErrorEvent)) for e in history)
     state = LogState(done, tuple(t for d in deltas for t in d.token_ids), len(deltas))
-    if state.done or state.deltas:
+    if state.done or state.deltas > 1:  # one delta: prefill's first token, the normal case
         log.info("request %s: token log has %d deltas%s; %s", request_id, state.deltas,
                  " and a terminal event" if done else "", "nothing to do" if done else "resuming after them")
     return state
+
+
+async def write_first_delta(events: EventSink, meta: protocol.RequestMeta, token: int, *, tokenizer,
+                            eos_token_ids: frozenset[int]) -> bool:
+    """Append the request's delta 0 for its first sampled ``token``, exactly as
+    :func:`stream_completion` would (nothing for a stop token: decode ends the request).
+    Compare-and-append: False when the log already holds a delta 0 (an earlier attempt's)."""
+    if int(token) in stop_token_set(meta.sampling, eos_token_ids):
+        return False
+    res = StopChecker(meta.sampling.stop).feed(IncrementalDetokenizer(tokenizer).push(token))
+    delta = protocol.TokenDelta(seq=0, token_ids=(int(token),), text=res.emit,
+                                logprobs=(token.logprob,) if isinstance(token, SampledToken) else ())
+    if not await events.append_delta(meta.request_id, delta, position=0):
+        return False
+    tracing.mark_first_output()
+    return True
 
 
 async def stream_completion(events: EventSink, meta: protocol.RequestMeta, tokens: AsyncIterator[int], *,

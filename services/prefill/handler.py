@@ -3,6 +3,8 @@ sample the first token, keep the KV cache in this worker's pool and send its des
 
 In: ``PrefillRequest`` (text-only requests come straight from the gateway with no items).
 Out: ``DecodeRequest`` on ``mm.decode``; releases encode's embedding slots once produced.
+The first token goes into the request's stream here, before the hand-off (``write_first_delta``:
+decode resumes after it), so TTFT does not wait for the decode hop and the KV pull.
 Needs an engine that exports KV (``capabilities.kv_export``): as a packed tensor put in this
 worker's pool, or (``capabilities.remote_kv``, vLLM) left in the engine with its descriptor in
 ``DecodeRequest.engine_kv``.
@@ -18,6 +20,7 @@ the positions still to compute.
 
 from __future__ import annotations
 
+from services.decode.stream import write_first_delta
 from shared import protocol
 from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine, MediaEmbeds, PrefillOutput
@@ -110,6 +113,9 @@ class PrefillHandler:
     async def _outcome(self, msg: protocol.PrefillRequest, ctx: Context, out: PrefillOutput, cached_tokens: int,
                        events: list[Produce]) -> Outcome:
         meta = msg.meta
+        if ctx.events is not None:
+            await write_first_delta(ctx.events, meta, out.first_token, tokenizer=self._engine.tokenizer,
+                                    eos_token_ids=self._engine.eos_token_ids)
         owner = ctx.transfer.ref()
         if out.engine_kv is not None:  # the KV stays in the engine; decode's engine reads it
             kv_ref = protocol.empty_tensor_ref(owner.name)

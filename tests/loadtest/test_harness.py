@@ -292,6 +292,13 @@ def test_ttft_split_adds_up_to_the_ttft():
     assert parts["stream read"] == 60 - (47 + 9)
     assert sum(parts.values()) == pytest.approx(60)
     assert ttft_split.split_fleet({**record, "spans": [{**s, "start_unix_ms": 0} for s in record["spans"]]}) is None
+    # prefill wrote the first token (e-p-d since it does): the TTFT ends there, decode is not in it
+    spans = [*record["spans"][:2], span("prefill", sent + 36, 2, 0.5, 1, 8, first_out=7.5),
+             span("decode", sent + 47, 2, 0.5, 4, 300)]
+    parts = ttft_split.split_fleet({**record, "ttft_ms": 45.0, "spans": spans})
+    assert parts["queue decode"] == 0 and parts["compute"] == (10 - 3) + (12 - 1) + (7.5 - 1)
+    assert parts["stream read"] == 45 - (36 + 7.5)
+    assert sum(parts.values()) == pytest.approx(45)
 
 
 def test_fleet_spec_settings_and_reuse_table():
