@@ -217,7 +217,10 @@ async def test_decode_resumes_from_the_log_without_loss_or_duplication(pipeline,
     ctx = Context(stage="decode", worker_id="w2", events=sink, transfer=pctx.transfer)
     msg = protocol.PrefillRequest(meta=_meta("resumed", prompt_ids, max_tokens=10))
     if isinstance(prefill, PrefillHandler):  # split: decode apart, from a DecodeRequest
+        # prefill writes the first delta (decode resumes after it): the crash point counts it
+        sink.crash_after = 10**6
         handler, msg = pipeline["stages"]["decode"][0], (await prefill.handle(msg, ctx)).produce[0].value
+        sink.crash_after = crash_after - len(sink.events["resumed"])
     else:  # merged: one generate() that prefills again on redelivery
         handler = prefill
     with pytest.raises(ConnectionError):
