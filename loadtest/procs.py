@@ -107,22 +107,8 @@ def kill_hard(pid: int) -> None:
         pass
 
 
-def children_of(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def tree(roots: list[int]) -> list[int]:
-    """``roots`` and every process below them (one /proc scan)."""
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live process (one /proc scan)."""
     parent: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -130,6 +116,17 @@ def tree(roots: list[int]) -> list[int]:
                 parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except OSError:
                 continue
+    return parent
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    return [child for child, parent in _parents().items() if parent == pid]
+
+
+def tree(roots: list[int]) -> list[int]:
+    """``roots`` and every process below them (one /proc scan)."""
+    parent = _parents()
     out, todo = [], [r for r in roots if r in parent]
     while todo:
         pid = todo.pop()

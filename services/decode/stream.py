@@ -53,6 +53,13 @@ async def read_log(events: EventSink, request_id: str) -> LogState:
     return state
 
 
+def _delta(seq: int, token_ids: tuple[int, ...], text: str) -> protocol.TokenDelta:
+    """The log entry of ``token_ids``: ids, or SampledToken ids carrying their logprob
+    (requests with logprobs), whose logprobs go beside them."""
+    return protocol.TokenDelta(seq=seq, token_ids=tuple(int(t) for t in token_ids), text=text,
+                               logprobs=tuple(t.logprob for t in token_ids if isinstance(t, SampledToken)))
+
+
 async def write_first_delta(events: EventSink, meta: protocol.RequestMeta, token: int, *, tokenizer,
                             eos_token_ids: frozenset[int]) -> bool:
     """Append the request's delta 0 for its first sampled ``token``, exactly as
@@ -61,9 +68,7 @@ async def write_first_delta(events: EventSink, meta: protocol.RequestMeta, token
     if int(token) in stop_token_set(meta.sampling, eos_token_ids):
         return False
     res = StopChecker(meta.sampling.stop).feed(IncrementalDetokenizer(tokenizer).push(token))
-    delta = protocol.TokenDelta(seq=0, token_ids=(int(token),), text=res.emit,
-                                logprobs=(token.logprob,) if isinstance(token, SampledToken) else ())
-    if not await events.append_delta(meta.request_id, delta, position=0):
+    if not await events.append_delta(meta.request_id, _delta(0, (token,), res.emit), position=0):
         return False
     tracing.mark_first_output()
     return True
@@ -91,11 +96,7 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
         nonlocal sent
         sent += 1
         if sent > skip_deltas:  # the log already holds the first skip_deltas deltas
-            # tokens are ids, or SampledToken ids carrying their logprob (requests with logprobs)
-            logprobs = tuple(t.logprob for t in token_ids if isinstance(t, SampledToken))
-            delta = protocol.TokenDelta(seq=seq, token_ids=tuple(int(t) for t in token_ids), text=text,
-                                        logprobs=logprobs)
-            if not await events.append_delta(meta.request_id, delta, position=sent - 1):
+            if not await events.append_delta(meta.request_id, _delta(seq, token_ids, text), position=sent - 1):
                 raise _Superseded(sent - 1)
             if sent == 1:
                 tracing.mark_first_output()

@@ -113,9 +113,8 @@ class PrefillHandler:
     async def _outcome(self, msg: protocol.PrefillRequest, ctx: Context, out: PrefillOutput, cached_tokens: int,
                        events: list[Produce]) -> Outcome:
         meta = msg.meta
-        if ctx.events is not None:
-            await write_first_delta(ctx.events, meta, out.first_token, tokenizer=self._engine.tokenizer,
-                                    eos_token_ids=self._engine.eos_token_ids)
+        await write_first_delta(ctx.events, meta, out.first_token, tokenizer=self._engine.tokenizer,
+                                eos_token_ids=self._engine.eos_token_ids)
         owner = ctx.transfer.ref()
         if out.engine_kv is not None:  # the KV stays in the engine; decode's engine reads it
             kv_ref = protocol.empty_tensor_ref(owner.name)
