@@ -72,14 +72,21 @@ class TokenStreams:
         self, request_id: str, *, deadline_s: float, block_ms: int = 1000
     ) -> AsyncIterator[protocol.StreamEvent]:
         """Yield events until a terminal one; raises ``TimeoutError`` past ``deadline_s``
-        (a ``loop.time()`` value)."""
+        (a ``loop.time()`` value). Each delta position is yielded once: a log rewritten from
+        the start (Redis flushed between prefill's first token and decode's read of the log)
+        repeats positions the reader already has, and those are dropped."""
         loop = asyncio.get_running_loop()
         after = "0-0"
+        next_seq = 0
         while True:
             left_ms = int((deadline_s - loop.time()) * 1000)
             if left_ms <= 0:
                 raise TimeoutError(f"no terminal event for {request_id} before the deadline")
             for after, event in await self.read(request_id, after_id=after, block_ms=min(block_ms, left_ms)):
+                if isinstance(event, protocol.TokenDelta):
+                    if event.seq < next_seq:
+                        continue
+                    next_seq = event.seq + 1
                 yield event
                 if isinstance(event, (protocol.Finish, protocol.ErrorEvent)):
                     return

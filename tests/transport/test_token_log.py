@@ -4,6 +4,8 @@ position, and a flushed counter does not wedge the writer that goes on."""
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 
 from shared import protocol
@@ -43,5 +45,30 @@ async def test_a_flushed_counter_accepts_the_writer_that_goes_on(redis_url):
         assert not await streams.append_delta("r2", _delta(3), position=3)
         assert await streams.append_delta("r2", _delta(4), position=4)
         assert [e.seq for e in await streams.history("r2")] == [3, 4]
+    finally:
+        await redis.aclose()
+
+
+async def test_a_log_rewritten_after_a_flush_reaches_the_reader_once(redis_url):
+    """Prefill wrote delta 0 and the gateway read it; Redis is flushed before decode reads the
+    log, so decode writes the request from delta 0 again. The reader yields each position once."""
+    redis = aioredis.from_url(redis_url)
+    keys = RedisKeys("toklog")
+    streams = TokenStreams(redis, keys, maxlen=1000, ttl_s=60)
+    try:
+        assert await streams.append_delta("r3", _delta(0), position=0)
+        deadline_s = asyncio.get_running_loop().time() + 10
+        follow = streams.follow("r3", deadline_s=deadline_s, block_ms=200)
+        first = await anext(follow)
+        await redis.delete(keys.token_seq("r3"), keys.token_stream("r3"))  # what FLUSHALL does to it
+        await asyncio.sleep(0.01)  # decode comes later: its entry ids are past the reader's
+        for i in range(3):
+            assert await streams.append_delta("r3", _delta(i), position=i)
+        await streams.append("r3", protocol.Finish(reason="length", usage=protocol.Usage(
+            prompt_tokens=1, completion_tokens=3)))
+        rest = [e async for e in follow]
+        deltas = [e for e in [first, *rest] if isinstance(e, protocol.TokenDelta)]
+        assert [e.text for e in deltas] == ["t0", "t1", "t2"]
+        assert isinstance(rest[-1], protocol.Finish)
     finally:
         await redis.aclose()
