@@ -247,11 +247,15 @@ class MediaFetchRequest(Struct, frozen=True, tag="media_fetch.request"):
 
 
 class EncodeRequest(Struct, frozen=True, tag="encode.request"):
-    """media-fetch → encode: pixels by descriptor, owned by ``owner``."""
+    """media-fetch → encode: pixels by descriptor, owned by ``owner``. ``cached``: items the
+    embedding index already holds (lease-less refs, owned by ``cached_owners``), passed on to
+    prefill as they are; ``items`` and ``cached`` together hold each prompt index once."""
 
     meta: RequestMeta
     owner: AgentRef
     items: tuple[PixelItem, ...]
+    cached: tuple[EmbeddingItem, ...] = ()
+    cached_owners: tuple[AgentRef, ...] = ()
 
 
 class PrefillRequest(Struct, frozen=True, tag="prefill.request"):

@@ -10,6 +10,7 @@ With the embedding cache (``cache`` given, items with a ``cache_key``), each ite
 pinned pool or another worker's (through the index), concurrent requests for one item wait
 for one encode, and pixels are pulled only for items that are actually encoded. An item's
 embedding may then be owned by another encode worker: ``owners`` names every agent.
+``EncodeRequest.cached`` (items media-fetch found in the index) are passed on as they are.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ class EncodeHandler:
                 if not isinstance(r, BaseException) and r[1].embeds.agent == ctx.transfer.name and r[1].embeds.lease:
                     ctx.transfer.free_local(r[1].embeds.lease)
             raise failed
-        owners = {owner.name: owner for owner, _ in results}
-        out = protocol.PrefillRequest(meta=msg.meta, owners=tuple(owners.values()),
-                                      items=tuple(item for _, item in results))
+        # the items media-fetch found in the index go on untouched (prefill validates them)
+        owners = {o.name: o for o in msg.cached_owners} | {owner.name: owner for owner, _ in results}
+        items = sorted([*(item for _, item in results), *msg.cached], key=lambda it: it.index)
+        out = protocol.PrefillRequest(meta=msg.meta, owners=tuple(owners.values()), items=tuple(items))
         return Outcome([Produce(TOPIC_PREFILL, msg.meta.request_id, out)],
                        [(msg.owner, [it.pixels.lease for it in msg.items])])
 

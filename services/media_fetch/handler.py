@@ -18,13 +18,15 @@ decode, mono, resample to its rate, then features. A video's mm_hash also covers
 (``num_frames`` / ``fps``): the same bytes sampled differently are different model inputs.
 
 Embedding cache (``index`` and ``fingerprint`` given): each item's cache key is its mm_hash
-plus the model's fingerprint and its kind. On a request's first attempt, when EVERY item is an
-image or a video with a live entry in the embedding index, nothing is decoded: the request goes
-straight to ``mm.prefill`` with the owners' descriptors (lease-less; prefill validates them).
-Otherwise every item is decoded and sent to encode with its cache key (encode reuses what it
-can). A restarted request (``attempt > 0``: a cached embedding failed it) never takes the hit
-path. The encode record's key is the first item's cache key (or mm_hash), so concurrent
-requests for one item meet in one encode worker and coalesce there.
+plus the model's fingerprint and its kind. On a request's first attempt, an image or a video
+with a live entry in the embedding index is not decoded: its owner's descriptor (lease-less;
+prefill validates it) goes on as it is. When every item is such a hit the request goes straight
+to ``mm.prefill``; otherwise only the misses are decoded and sent to encode with their cache
+keys (encode reuses what it can), the hits beside them in ``EncodeRequest.cached`` (a
+multi-turn conversation re-sends every earlier image: only the new one costs a decode). A
+restarted request (``attempt > 0``: a cached embedding failed it) takes no hit. The encode
+record's key is the first decoded item's cache key (or mm_hash), so concurrent requests for
+one item meet in one encode worker and coalesce there.
 """
 
 from __future__ import annotations
@@ -103,12 +105,17 @@ class MediaFetchHandler:
         hashes = [self._mm_hash(raw, src) for raw, src in zip(raws, msg.items, strict=True)]
         keys = [cache_key(self._fingerprint, h, src.kind) if self._fingerprint and src.kind != "image_embeds" else ""
                 for h, src in zip(hashes, msg.items, strict=True)]
-        hit = await self._all_cached(msg, hashes, keys)
-        if hit is not None:
-            return Outcome([Produce(TOPIC_PREFILL, msg.meta.request_id, hit)])
+        cached = await self._cached(msg, hashes, keys)
+        owners = tuple({e.owner.name: e.owner for e in cached.values()}.values())
+        hits = tuple(self._hit_item(i, hashes[i], keys[i], msg.items[i], e) for i, e in sorted(cached.items()))
+        if cached and len(cached) == len(msg.items):
+            return Outcome([Produce(TOPIC_PREFILL, msg.meta.request_id,
+                                    protocol.PrefillRequest(meta=msg.meta, owners=owners, items=hits))])
         items: list[protocol.PixelItem] = []
         try:
             for index, (src, raw) in enumerate(zip(msg.items, raws, strict=True)):
+                if index in cached:
+                    continue
                 _, decode = self._kind(src)
                 px = await self._lane.run(decode, raw, src)
                 with timed_transfer():
@@ -123,27 +130,33 @@ class MediaFetchHandler:
             if isinstance(exc, MediaError):
                 raise RequestFailed(exc.status, str(exc), param=_param_of(msg, exc), code=exc.code) from None
             raise
-        out = protocol.EncodeRequest(meta=msg.meta, owner=ctx.transfer.ref(), items=tuple(items))
-        route = (keys[0] or hashes[0]) if items else msg.meta.request_id
+        out = protocol.EncodeRequest(meta=msg.meta, owner=ctx.transfer.ref(), items=tuple(items), cached=hits,
+                                     cached_owners=owners)
+        first = items[0].index if items else 0
+        route = (keys[first] or hashes[first]) if items else msg.meta.request_id
         return Outcome([Produce(TOPIC_ENCODE, route, out)])
 
-    async def _all_cached(self, msg: protocol.MediaFetchRequest, hashes: list[str],
-                          keys: list[str]) -> protocol.PrefillRequest | None:
-        """The request for prefill when every item has a live index entry, else None. Only
-        images and videos (their geometry is in the entry; audio items carry encoder meta)."""
-        if self._index is None or not keys or not all(keys) or msg.meta.attempt > 0 \
-                or any(src.kind not in self._shortcut_kinds for src in msg.items):
-            return None
-        entries = await asyncio.gather(*(self._index.lookup_live(k) for k in keys))
-        if any(e is None for e in entries):
-            MISSES.labels(stage="media-fetch").inc(sum(e is None for e in entries))
-            return None
-        HITS.labels(stage="media-fetch", source="index").inc(len(entries))
-        owners = {e.owner.name: e.owner for e in entries}
-        items = tuple(protocol.EmbeddingItem(index=i, mm_hash=h, grid_thw=e.grid_thw, n_tokens=e.n_tokens,
-                                             embeds=e.embeds, cache_key=k, cache_gen=e.gen, kind=src.kind)
-                      for i, (h, k, e, src) in enumerate(zip(hashes, keys, entries, msg.items, strict=True)))
-        return protocol.PrefillRequest(meta=msg.meta, owners=tuple(owners.values()), items=items)
+    async def _cached(self, msg: protocol.MediaFetchRequest, hashes: list[str],
+                      keys: list[str]) -> dict[int, protocol.EmbeddingIndexEntry]:
+        """Item index -> its live index entry, for the items that need no decode. Only images
+        and videos (their geometry is in the entry; audio items carry encoder meta)."""
+        if self._index is None or msg.meta.attempt > 0:
+            return {}
+        wanted = [i for i, (k, src) in enumerate(zip(keys, msg.items, strict=True))
+                  if k and src.kind in self._shortcut_kinds]
+        entries = await asyncio.gather(*(self._index.lookup_live(keys[i]) for i in wanted))
+        found = {i: e for i, e in zip(wanted, entries, strict=True) if e is not None}
+        if len(found) < len(wanted):
+            MISSES.labels(stage="media-fetch").inc(len(wanted) - len(found))
+        if found:
+            HITS.labels(stage="media-fetch", source="index").inc(len(found))
+        return found
+
+    @staticmethod
+    def _hit_item(index: int, mm_hash: str, key: str, src: protocol.MediaSource,
+                  e: protocol.EmbeddingIndexEntry) -> protocol.EmbeddingItem:
+        return protocol.EmbeddingItem(index=index, mm_hash=mm_hash, grid_thw=e.grid_thw, n_tokens=e.n_tokens,
+                                      embeds=e.embeds, cache_key=key, cache_gen=e.gen, kind=src.kind)
 
     def _kind(self, src: protocol.MediaSource) -> tuple[int, Callable[[bytes, str], object]]:
         entry = self._kinds.get(src.kind)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 import torch
 
 from services.media_fetch.handler import MediaFetchHandler
 from shared import protocol
 from shared.compute import ComputeLane
+from shared.keys import TOPIC_ENCODE, TOPIC_PREFILL
 from shared.media.fetch import MediaFetcher
 from shared.settings import Settings
 from shared.stage import Context, RequestFailed
@@ -219,3 +221,66 @@ async def test_audio_items(world):
         with pytest.raises(RequestFailed) as info:
             await handler.handle(handler_req, w["ctx"])
         assert info.value.event.status == status and fragment in info.value.event.message
+
+
+class _Index:
+    """The embedding index's read side, in memory: cache key -> live entry."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, protocol.EmbeddingIndexEntry] = {}
+
+    async def lookup_live(self, key: str) -> protocol.EmbeddingIndexEntry | None:
+        return self.entries.get(key)
+
+
+def _entry(owner: str, gen: int) -> protocol.EmbeddingIndexEntry:
+    ref = protocol.AgentRef(name=owner, metadata=b"")
+    embeds = protocol.TensorRef(agent=owner, addr=4096 * gen, nbytes=64, device_id=0, dtype="float32",
+                                shape=(2, 8), lease=0)
+    return protocol.EmbeddingIndexEntry(owner=ref, embeds=embeds, grid_thw=(1, 2, 2), n_tokens=2, gen=gen)
+
+
+class _Counting:
+    """The preprocessor, counting the images it is given."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, img) -> Pixels:
+        self.calls += 1
+        return Pixels(img)
+
+
+async def test_index_hits_are_not_decoded_and_go_on_beside_the_misses(world):
+    """A follow-up turn re-sends earlier images: those the index holds skip decode and encode;
+    only the new one is decoded. All hits: straight to prefill. A restarted request: no hits."""
+    w, base = world, world["server"].base
+    index, pre = _Index(), _Counting()
+    handler = MediaFetchHandler(Settings(media_allow_hosts=(f"127.0.0.1:{base.rsplit(':', 1)[1]}",),
+                                         max_image_bytes=1 << 20, max_image_pixels=1_000_000),
+                                w["handler"]._fetcher, pre, w["handler"]._lane, index=index, fingerprint="fp")
+    urls = [base + "/a.png", base + "/b.png", base + "/a.png"]
+    first = (await handler.handle(_request("r1", urls), w["ctx"])).produce[0]
+    assert first.topic == TOPIC_ENCODE and pre.calls == 3 and first.value.cached == ()
+    key_a, key_b = first.value.items[0].cache_key, first.value.items[1].cache_key
+    index.entries[key_a] = _entry("enc-1", gen=7)
+
+    pre.calls = 0
+    out = (await handler.handle(_request("r2", urls), w["ctx"])).produce[0]
+    assert out.topic == TOPIC_ENCODE and out.key == key_b  # routed by the item it encodes
+    assert pre.calls == 1 and [it.index for it in out.value.items] == [1]
+    assert [(it.index, it.cache_key, it.cache_gen, it.embeds.lease) for it in out.value.cached] == \
+        [(0, key_a, 7, 0), (2, key_a, 7, 0)]
+    assert [o.name for o in out.value.cached_owners] == ["enc-1"]
+
+    index.entries[key_b] = _entry("enc-2", gen=9)
+    pre.calls = 0
+    out = (await handler.handle(_request("r3", urls), w["ctx"])).produce[0]
+    assert out.topic == TOPIC_PREFILL and pre.calls == 0
+    assert [(it.index, it.cache_gen) for it in out.value.items] == [(0, 7), (1, 9), (2, 7)]
+    assert sorted(o.name for o in out.value.owners) == ["enc-1", "enc-2"]
+
+    retry = _request("r4", urls)
+    retry = protocol.MediaFetchRequest(meta=msgspec.structs.replace(retry.meta, attempt=1), items=retry.items)
+    out = (await handler.handle(retry, w["ctx"])).produce[0]
+    assert out.topic == TOPIC_ENCODE and pre.calls == 3 and out.value.cached == ()

@@ -8,6 +8,7 @@ import base64
 import io
 import time
 
+import msgspec
 import numpy as np
 import pytest
 from PIL import Image
@@ -257,3 +258,29 @@ async def _run_twice_at_once(p, msg: protocol.PrefillRequest) -> None:
     (out,) = outcome.produce
     dhandler, dctx = p["stages"]["decode"]
     await asyncio.gather(dhandler.handle(out.value, dctx), dhandler.handle(out.value, dctx))
+
+
+async def test_encode_passes_index_hits_on_in_prompt_order(pipeline, compute):
+    """Items media-fetch found in the embedding index (``EncodeRequest.cached``) reach prefill
+    untouched, in prompt order around the ones encode encoded, their owners named."""
+    mf, mf_ctx = pipeline["stages"]["media-fetch"]
+    enc, enc_ctx = pipeline["stages"]["encode"]
+    msg = protocol.MediaFetchRequest(meta=_meta("hits", [1, 2]), items=_inline(pipeline, [_png(3)]),
+                                     owner=pipeline["gateway"].transfer.ref())
+    (produced,) = (await mf.handle(msg, mf_ctx)).produce
+    fresh = msgspec.structs.replace(produced.value.items[0], index=1)
+    peer = protocol.AgentRef(name="enc-peer", metadata=b"")
+    hit = protocol.EmbeddingItem(index=0, mm_hash="h0", grid_thw=fresh.grid_thw, n_tokens=fresh.n_tokens,
+                                 embeds=protocol.TensorRef(agent="enc-peer", addr=0, nbytes=4, device_id=0, lease=0,
+                                                           dtype="float32", shape=(1,)),
+                                 cache_key="k0", cache_gen=5)
+    later = msgspec.structs.replace(hit, index=2)
+    req = msgspec.structs.replace(produced.value, items=(fresh,), cached=(later, hit), cached_owners=(peer,))
+    outcome = await enc.handle(req, enc_ctx)
+    (out,) = outcome.produce
+    assert [it.index for it in out.value.items] == [0, 1, 2]
+    assert out.value.items[0] == hit and out.value.items[2] == later
+    assert {o.name for o in out.value.owners} == {"enc-peer", "encode"}
+    for owner, leases in outcome.releases:  # media-fetch's pixels, as the runner would
+        await enc_ctx.transfer.release(owner, leases)
+    enc_ctx.transfer.free_local(out.value.items[1].embeds.lease)
