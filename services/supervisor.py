@@ -180,6 +180,8 @@ class Fleet:
         self.mode = mode
         self.replicas = parse_replicas(settings.stage_replicas)
         self.log_dir = log_dir
+        if log_dir is not None:  # `mmfleet up --log-dir DIR` on a folder not made yet
+            log_dir.mkdir(parents=True, exist_ok=True)
         self.stop_timeout_s = stop_timeout_s
         self.infra: list[Child] = []
         self.services: list[Child] = []

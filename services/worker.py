@@ -132,9 +132,14 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         keys = RedisKeys(settings.redis_prefix)
         # KV-aware routing: every process may produce to mm.prefill (restarts included), so each routes
         router = Router(redis, keys, settings, placeholder_token_id(model_dir))
+        doorbell = None
+        if settings.doorbell:
+            doorbell = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=settings.idle_fetch_interval_ms)
+            stack.push_async_callback(doorbell.close)
         parts = StageParts(settings=settings, model_dir=model_dir, stages=stages, stack=stack,
                            engine=_engines(settings, model_dir, stages, stack), redis=redis, keys=keys,
-                           transfer=transfer, worker_id=worker_id, router=router, index=_index(settings, redis, keys))
+                           transfer=transfer, worker_id=worker_id, router=router, index=_index(settings, redis, keys),
+                           doorbell=doorbell)
         built = {}
         for spec in SPECS:  # pipeline order: engines start in it
             if spec.name in stages and (b := await spec.build(parts)) is not None:
@@ -143,10 +148,6 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer, ledger=ledger)
                     for s in stages}
         local = {BY_NAME[s].topic: (b.handler, contexts[s]) for s, b in built.items()}
-        doorbell = None
-        if settings.doorbell:
-            doorbell = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=settings.idle_fetch_interval_ms)
-            stack.push_async_callback(doorbell.close)
         runners = [StageRunner(stage=stage, topic=BY_NAME[stage].topic, union=BY_NAME[stage].message,
                                handler=built[stage].handler, ctx=contexts[stage], producer=producer, settings=settings,
                                concurrency=built[stage].concurrency, local_routes=local, router=router,

@@ -129,6 +129,7 @@ class StageParts:
     worker_id: str
     router: Any  # shared.kv.router.Router of the process
     index: Any = None  # shared.embcache.index.EmbeddingIndex, None with the embedding cache off
+    doorbell: Any = None  # shared.doorbell.Doorbell of the process, None with the doorbell off
 
 
 @dataclass(frozen=True)

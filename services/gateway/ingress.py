@@ -3,7 +3,8 @@
 Record format (key = request_id, value = the HTTP body, headers ``reply_to``, ``authorization``,
 ``endpoint``) and reply format: README "Requests over Kafka". Every refusal is answered; load
 waits in Kafka; a request_id is answered once (claimed in Redis); offsets are committed after
-the replies are acked. Each rule, and why: docs/ingress.md.
+the replies are acked. Each rule, and why: docs/ingress.md. Batch producers ring no
+doorbell: an idle gateway looks every ``idle_fetch_interval_ms`` (100 ms), not every 10 ms.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Ingress:
         # fetching waits while ``ingress_concurrency`` requests are in flight: the backlog stays in Kafka
         self._loop = ConsumeLoop(s, TOPIC_REQUESTS, consumer_group(INGRESS_STAGE), name=INGRESS_STAGE,
                                  concurrency=s.ingress_concurrency, poll_timeout_ms=200, process=self._record,
-                                 epoch=EpochWatch(claims.broker_epoch))
+                                 epoch=EpochWatch(claims.broker_epoch), doorbell=front.doorbell)
         self._fallback_topic = s.ingress_fallback_reply_topic or TOPIC_REPLY_ERRORS
 
     def stop(self) -> None:

@@ -51,8 +51,8 @@ async def build(parts: StageParts) -> StageBuild:
     handler = PrefillHandler(lm, reuse, load, puller,
                              parts.router.audit if reuse is not None or engine_cache is not None else None,
                              engine_cache)
-    return StageBuild(handler, listener=reporter, consumers=(KvTableUpdater(parts.redis, parts.keys, settings),),
-                      background=(reporter.run,))
+    table = KvTableUpdater(parts.redis, parts.keys, settings, doorbell=parts.doorbell)
+    return StageBuild(handler, listener=reporter, consumers=(table,), background=(reporter.run,))
 
 
 # work enters here from media-fetch, encode and (text-only requests) the gateway
