@@ -2,7 +2,8 @@
 generate at the same time, joining and leaving at different steps, with different prompt
 lengths and M-RoPE offsets, each get exactly their own greedy tokens — on Qwen2-VL (M-RoPE,
 rope_delta per sequence) and LLaVA (plain positions, the path Qwen2-Audio and
-LLaVA-NeXT-Video share) — and the steps really ran batched."""
+LLaVA-NeXT-Video share) — and the steps really ran batched, on a padded KV kept between steps
+and rebuilt when the set of sequences changed."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ async def _check(model_dir, requests) -> None:
         decoder = engine._decoder
         assert got == expected
         assert decoder.steps > decoder.forwards, "no decode step ran batched with another"
+        # sequences joined and left (write-back, rebuild), and some steps reused the stack as it was
+        assert decoder.stack.builds > 1 and decoder.stack.reused > 0
     finally:
         await engine.stop()
 
