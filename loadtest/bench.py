@@ -9,6 +9,11 @@ others still run.
 
 Request bodies are rendered (and their ``data:`` URLs encoded) before the clock starts, and
 http images are fetched once beforehand so the media server's first render is not measured.
+
+Every load level and every repetition sends new content (the workload with its own seed: see
+:func:`level_specs`), the same for every target: a fleet's embedding cache, or ``vllm serve``'s
+encoder and prefix caches, must not answer a level from what an earlier one sent (the reuse
+workload is how cache hits are measured).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def run_bench(cfg: BenchConfig, opts: TargetOptions, after=None) -> dict:
     ``after(endpoint) -> dict``: run against each target once our load is done, while it is
     still up (another client); its results land under ``result["after"][target]``."""
     specs = workloads.build(cfg.workload)
+    levels = level_specs(cfg, specs)
     warm_specs = workloads.build(replace(cfg.workload, seed=cfg.workload.seed + 10_007,
                                          num_requests=max(1, cfg.warmup)))[:cfg.warmup]
     # the machine's load before and after: on a small shared machine other work skews every figure
@@ -72,14 +78,14 @@ def run_bench(cfg: BenchConfig, opts: TargetOptions, after=None) -> dict:
             mean, std = cfg.media_latency_ms
             media_base = stack.enter_context(MediaServerProcess(opts.log_dir, latency_mean_ms=mean,
                                                                 latency_std_ms=std)).base_url
-            asyncio.run(_prefetch(media_base, specs + warm_specs))
+            asyncio.run(_prefetch(media_base, [sp for level in levels for sp in level] + warm_specs))
         targets = stack.enter_context(Targets(opts))
         for spec in cfg.targets:
             try:
                 with targets.open(spec) as ep:
                     log.info("%s ready at %s", spec, ep.base_url)
                     result["targets"][spec] = {"base_url": ep.base_url, **ep.info}
-                    result["runs"] += asyncio.run(_run_target(ep, cfg, specs, warm_specs, media_base))
+                    result["runs"] += asyncio.run(_run_target(ep, cfg, levels, warm_specs, media_base))
                     if after is not None:
                         result.setdefault("after", {})[spec] = after(ep)
             except TargetSkipped as exc:
@@ -101,14 +107,25 @@ async def _prefetch(media_base: str, specs: list[workloads.RequestSpec]) -> None
                 await resp.read()
 
 
-async def _run_target(ep: Endpoint, cfg: BenchConfig, specs, warm_specs, media_base: str | None) -> list[dict]:
+def level_specs(cfg: BenchConfig, first: list) -> list[list]:
+    """The requests of each (load level, repetition) in run order: ``first`` for the first,
+    then the workload with seed + 101·n for the n-th (new images and texts every time)."""
+    n = max(1, len(cfg.shapes) * cfg.repeat)
+    return [first, *(workloads.build(replace(cfg.workload, seed=cfg.workload.seed + 101 * i)) for i in range(1, n))]
+
+
+async def _run_target(ep: Endpoint, cfg: BenchConfig, levels: list[list], warm_specs,
+                      media_base: str | None) -> list[dict]:
+    """``levels``: the requests of each load level and repetition, in run order (a single
+    list serves every level)."""
     url = ep.base_url + "/v1/chat/completions"
 
     def body(spec: workloads.RequestSpec) -> dict:
         return workloads.render(spec, model=cfg.model, delivery=cfg.delivery, media_base=media_base,
                                 temperature=cfg.temperature)
 
-    bodies = [body(s) for s in specs]
+    levels = levels or [[]]
+    level_bodies = [[body(s) for s in level] for level in levels]
     # no client-side connection cap: the load shape alone decides what is in flight
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -119,10 +136,13 @@ async def _run_target(ep: Endpoint, cfg: BenchConfig, specs, warm_specs, media_b
         fleet = ep.name.startswith("fleet:")
         idle = await cpu.idle_pct(ep.pid, cfg.idle_cpu_s, with_infra=fleet) if cfg.shapes else None
         runs = []
+        n = 0
         for shape in cfg.shapes:
             for k in range(cfg.repeat):
+                at = min(n, len(levels) - 1)
+                n += 1
                 with cpu.CpuWindow(ep.pid, with_infra=fleet) as busy:
-                    run = await _run_shape(ep, cfg, session, url, specs, bodies, shape)
+                    run = await _run_shape(ep, cfg, session, url, levels[at], level_bodies[at], shape)
                 run["cpu"] = {"idle_pct": idle, "load_pct": busy.pct if ep.pid else None,
                               "counts": "target processes" + (" + broker + redis" if fleet else "")}
                 run["base_label"] = shape.label

@@ -104,7 +104,7 @@ def _one_run(result: dict, ep, cfg: BenchConfig, wl, ratio: float, rep: int, con
     # (unrecorded, before the encoder count is read) wait that out
     asyncio.run(_run_target(ep, replace(cfg, shapes=[]), [], warm, None))
     before = _encoded(ep)
-    [run] = asyncio.run(_run_target(ep, cfg, workloads.build(wl), [], None))
+    [run] = asyncio.run(_run_target(ep, cfg, [workloads.build(wl)], [], None))
     after = _encoded(ep)
     run["label"] = label(ratio, concurrency, rep)
     run["reuse_ratio"] = ratio

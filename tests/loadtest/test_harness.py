@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from loadtest import metrics, spans, ttft_split, workloads
-from loadtest.bench import BenchConfig, run_bench
+from loadtest.bench import BenchConfig, level_specs, run_bench
 from loadtest.client import RequestRecord
 from loadtest.loadgen import LoadShape, drive, poisson_gaps
 from loadtest.media_server import ThreadedMediaServer
@@ -340,3 +340,18 @@ def test_fleet_spec_settings_and_reuse_table():
     vs = [g for g in goals if g["goal"].startswith(f"`{reuse.VLLM_FLEET}`")]
     assert vs and vs[0]["verdict"] == "**not met**" and "1.20×" in vs[0]["measured"], goals
     assert "| 80% | 90.0 | 180.0 | 1.2 | 0 |" in lines, lines
+
+
+def test_every_level_and_repetition_sends_new_content(tmp_path):
+    """A fleet's embedding cache (or vllm serve's caches) must not answer a load level from what
+    an earlier level sent: each (level, repetition) gets the workload with its own seed, the
+    same for every target."""
+    shapes = [LoadShape("concurrency", c, 6, duration_s=60, grace_s=30) for c in (1, 8)]
+    cfg = _config(tmp_path, ["inproc"], shapes=shapes, repeat=2)
+    first = workloads.build(cfg.workload)
+    levels = level_specs(cfg, first)
+    assert len(levels) == 4 and levels[0] is first
+    names = [{img.name for s in level for img in s.images} for level in levels]
+    assert all(a.isdisjoint(b) for i, a in enumerate(names) for b in names[i + 1:])
+    again = level_specs(cfg, workloads.build(cfg.workload))
+    assert again == levels
