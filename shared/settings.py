@@ -253,9 +253,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         "routing table in Redis) or 'round_robin' (next live prefill worker in turn, for "
         "comparison)")] = "kv"
     kv_block_size: Annotated[int, _d("prompt positions per KV block (hashing, prefix cache, routing)")] = 16
+    # 2: a miss is compute the fleet pays in full, a queue is one request's wait (README, KV suite)
     kv_overlap_weight: Annotated[float, _d(
         "kv routing cost of a worker = weight * prompt blocks it would compute + blocks queued on "
-        "it; higher weights favour cache hits over spreading load")] = 1.0
+        "it; higher weights favour cache hits over spreading load")] = 2.0
     prefix_cache_bytes: Annotated[int, _d(
         "prefill worker's prefix KV cache (LRU by block), in bytes; 0: off")] = 64 * _MiB
     kv_report_interval_ms: Annotated[int, _d(
