@@ -128,14 +128,16 @@ class Router:
         ids = sorted(by_worker)
         if not ids:
             return []
+        held = self.policy == "kv"  # the cached-block count only breaks kv's ties
         pipe = self._redis.pipeline(transaction=False)
         for wid in ids:
             pipe.hgetall(self._keys.kv_load(wid))
-            pipe.scard(self._keys.kv_blocks(wid))
+            if held:
+                pipe.scard(self._keys.kv_blocks(wid))
             if hashes:
                 pipe.smismember(self._keys.kv_blocks(wid), [str(h) for h in hashes])
         replies = await pipe.execute()
-        step = 3 if hashes else 2
+        step = 1 + held + bool(hashes)
         out = []
         for i, wid in enumerate(ids):
             load = replies[i * step]
@@ -147,10 +149,10 @@ class Router:
                 continue
             overlap = 0
             if hashes:
-                for member in replies[i * step + 2]:
+                for member in replies[i * step + 1 + held]:
                     if not member:
                         break
                     overlap += 1
             out.append(WorkerView(wid, parts, int(load.get(b"inflight", 0)), int(load.get(b"queued_tokens", 0)),
-                                  overlap, held=int(replies[i * step + 1])))
+                                  overlap, held=int(replies[i * step + 1]) if held else 0))
         return out
