@@ -118,7 +118,11 @@ def decode_steps(compute, items: list, stack: Stack | None = None) -> list[torch
                             position_ids=position_ids, attention_mask=mask, past_key_values=stack.cache,
                             use_cache=True)
     except BaseException:
-        stack.drop()  # a forward that failed half-way may have appended to some layers only
+        # a forward that failed half-way may have appended to some layers only, and the states'
+        # own caches are stale: nobody may step these sequences again (their requests fail)
+        for state in states:
+            state.cache = None
+        stack.drop()
         raise
     stack.lens = [n + 1 for n in lens]
     for state, n in zip(states, stack.lens, strict=True):

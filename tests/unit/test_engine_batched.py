@@ -41,7 +41,9 @@ async def _run_concurrently(engine: TransformersEngine, requests: list[tuple[lis
     return await asyncio.gather(*(one(i, m, imgs) for i, (m, imgs) in enumerate(requests)))
 
 
-async def _check(model_dir, requests) -> None:
+async def _check(model_dir, requests, *, rebuilt: bool = False) -> None:
+    """``rebuilt``: the set of sequences changed while some kept stepping (the stack was written
+    back and built again at least once)."""
     reference = load_reference(model_dir)
     expected = [reference_generate(model_dir, m, imgs, MAX_NEW - i % 3, loaded=reference)
                 for i, (m, imgs) in enumerate(requests)]
@@ -52,8 +54,9 @@ async def _check(model_dir, requests) -> None:
         decoder = engine._decoder
         assert got == expected
         assert decoder.steps > decoder.forwards, "no decode step ran batched with another"
-        # sequences joined and left (write-back, rebuild), and some steps reused the stack as it was
-        assert decoder.stack.builds > 1 and decoder.stack.reused > 0
+        assert decoder.stack.reused > 0  # steps appended to the stack as it was
+        if rebuilt:
+            assert decoder.stack.builds > 1
     finally:
         await engine.stop()
 
@@ -65,7 +68,7 @@ async def test_concurrent_qwen2_vl_requests_equal_generate(model_dir):
                 (messages_for(2), [imgs["noise_big"], imgs["hgrad"]]),
                 (messages_for(1, "Which colour?"), [imgs["red"]]),
                 (messages_for(1), [imgs["vgrad"]])]
-    await _check(model_dir, requests)
+    await _check(model_dir, requests, rebuilt=True)
 
 
 @pytest.fixture(scope="module")
