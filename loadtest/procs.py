@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,7 +23,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _ephemeral_low(default: int = 32768) -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 def free_port() -> int:
+    """A port free now, below the kernel's ephemeral range: a port from that range (what
+    binding port 0 gives) can be taken as the source port of any outgoing connection before
+    the server that was handed it binds (a CI run lost a gateway to EADDRINUSE that way)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10_000, low) if low > 11_000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import statistics
 import threading
 import time
@@ -355,3 +356,16 @@ def test_every_level_and_repetition_sends_new_content(tmp_path):
     assert all(a.isdisjoint(b) for i, a in enumerate(names) for b in names[i + 1:])
     again = level_specs(cfg, workloads.build(cfg.workload))
     assert again == levels
+
+
+def test_free_ports_are_below_the_ephemeral_range():
+    """A port handed to a server that binds later must not be one an outgoing connection can
+    take as its source port meanwhile."""
+    from loadtest import procs as harness_procs
+
+    low = harness_procs._ephemeral_low()
+    for _ in range(20):
+        port = harness_procs.free_port()
+        assert 0 < port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
