@@ -40,7 +40,6 @@ class Stack:
         self.members: list = []
         self.cache = None  # DynamicCache over [len(members), kv_heads, width, head_dim] per layer
         self.lens: list[int] = []
-        self.config = None  # the model's cache config, what DynamicCache is built with
         self.builds = 0  # stacks built, and batched steps that found theirs built (stats and tests)
         self.reused = 0
 
@@ -80,9 +79,9 @@ class Stack:
                 ks.append(k)
                 vs.append(v)
             layers.append((torch.cat(ks), torch.cat(vs)))
-        self.members, self.lens, self.config = list(states), lens, compute.cache_config
+        self.members, self.lens = list(states), lens
         self.builds += 1
-        self.cache = DynamicCache(ddp_cache_data=layers, config=self.config)
+        self.cache = DynamicCache(ddp_cache_data=layers, config=compute.cache_config)
 
 
 @torch.inference_mode()
