@@ -13,6 +13,11 @@ tokens already written are forced back into the engine (``resume``) and the firs
 ``skip_deltas`` deltas, which the log already holds, are regenerated but not appended again.
 Deltas are a deterministic function of the token sequence, so the client sees each once.
 
+Look-ahead: from the second token on, the engine's iterator is pulled by a task of its own, up
+to ``lookahead_tokens`` ahead of the writer, so the next decode step runs while this token's
+append is in flight (and a batched step does not wait for sequences busy appending). Tokens
+pulled past a stop string are computed and dropped; the iterator is closed either way.
+
 The first delta is written by prefill (:func:`write_first_delta`, the same computation, at
 position 0) as soon as it has sampled the first token, so the time to first token does not
 wait for the decode hop and the KV pull; decode then finds one delta in the log and resumes
@@ -21,6 +26,7 @@ after it, as above.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -78,8 +84,9 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
                             tokenizer, eos_token_ids: frozenset[int], prompt_len: int,
                             first_token: int | None = None, skip_deltas: int = 0, cached_tokens: int = 0,
                             aborted: Callable[[], Awaitable[bool]] | None = None,
-                            abort_check_every: int = 16) -> None:
-    """``aborted``: polled every ``abort_check_every`` tokens; true ends the request with an
+                            abort_check_every: int = 16, lookahead_tokens: int = 2) -> None:
+    """``lookahead_tokens``: how far the engine may run ahead of the appends (0: in lock-step).
+    ``aborted``: polled every ``abort_check_every`` tokens; true ends the request with an
     error event (the client went away; the engine stops when the iterator closes).
 
     Deltas are compare-and-appended at their sequence number: when another decode of the same
@@ -100,6 +107,9 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
                 raise _Superseded(sent - 1)
             if sent == 1:
                 tracing.mark_first_output()
+
+    if lookahead_tokens > 0:
+        tokens = _Ahead(tokens, lookahead_tokens)
 
     async def _all() -> AsyncIterator[int]:
         if first_token is not None:
@@ -143,6 +153,57 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
         await tokens.aclose()
     usage = protocol.Usage(prompt_tokens=prompt_len, completion_tokens=generated, cached_tokens=cached_tokens)
     await events.append(meta.request_id, protocol.Finish(reason=reason, usage=usage, spans=path_so_far(meta)))
+
+
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_END = object()
+
+
+class _Ahead:
+    """``tokens`` pulled by a task of its own, at most ``depth`` ahead of the reader, from the
+    reader's first ``__anext__`` on (a completion that stops at its first token computes
+    nothing more). ``aclose`` cancels the task and closes ``tokens``."""
+
+    def __init__(self, tokens: AsyncIterator[int], depth: int) -> None:
+        self._tokens = tokens
+        self._queue: asyncio.Queue = asyncio.Queue(depth)
+        self._task: asyncio.Task | None = None
+        self._ended = False
+
+    def __aiter__(self) -> "_Ahead":
+        return self
+
+    async def __anext__(self) -> int:
+        if self._ended:
+            raise StopAsyncIteration
+        if self._task is None:
+            self._task = asyncio.create_task(self._pull(), name="decode-lookahead")
+        item = await self._queue.get()
+        if item is _END or isinstance(item, _Failed):
+            self._ended = True
+            if item is _END:
+                raise StopAsyncIteration
+            raise item.exc
+        return item
+
+    async def _pull(self) -> None:
+        try:
+            async for token in self._tokens:
+                await self._queue.put(token)
+        except Exception as exc:  # noqa: BLE001 - the reader raises it, where it would have without look-ahead
+            await self._queue.put(_Failed(exc))
+            return
+        await self._queue.put(_END)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._tokens.aclose()
 
 
 class _Superseded(Exception):
