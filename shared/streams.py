@@ -3,7 +3,8 @@
 Contract: a request's stream holds ``StreamEvent`` entries in order; it ends with exactly one
 terminal event (``Finish`` or ``ErrorEvent``) in normal operation. Streams are bounded
 (``MAXLEN ~``) and expire ``ttl_s`` after the last write, so an abandoned request cannot
-grow Redis without bound. Readers resume from the last entry id they saw.
+grow Redis without bound. Readers resume from the last entry id they saw. Compare-and-appends
+issued in one event-loop turn (a batched decode step's sequences) go to Redis in one pipeline.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from shared import protocol
 from shared.keys import RedisKeys
@@ -38,6 +40,9 @@ class TokenStreams:
         self._maxlen = maxlen
         self._ttl_s = ttl_s
         self._cas = redis.register_script(_APPEND_AT_SEQ)
+        # appends waiting for the next pipeline: at most one per writer, each awaits its own
+        self._batch: list[tuple[list[str], list, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
 
     async def append(self, request_id: str, event: protocol.StreamEvent) -> None:
         """Write one event (XADD + refresh TTL in one round trip)."""
@@ -50,10 +55,41 @@ class TokenStreams:
     async def append_delta(self, request_id: str, delta: protocol.TokenDelta, position: int) -> bool:
         """Compare-and-append (one round trip): XADD ``delta`` only if ``position`` is the
         request's next delta position (``RedisKeys.token_seq``; a missing counter, after a
-        flush, accepts any). False: another decode of the request wrote that position first."""
-        ok = await self._cas(keys=[self._keys.token_stream(request_id), self._keys.token_seq(request_id)],
-                             args=[position, protocol.encode(delta), self._maxlen, self._ttl_s])
-        return bool(ok)
+        flush, accepts any). False: another decode of the request wrote that position first.
+        Appends of one loop turn share a round trip (:meth:`_flush`)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._batch.append(([self._keys.token_stream(request_id), self._keys.token_seq(request_id)],
+                            [position, protocol.encode(delta), self._maxlen, self._ttl_s], fut))
+        if self._flusher is None:  # runs after the writers already woken this turn have queued theirs
+            self._flusher = asyncio.create_task(self._flush(), name="token-appends")
+        return bool(await fut)
+
+    async def _flush(self) -> None:
+        batch, self._batch, self._flusher = self._batch, [], None
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for keys, args, _ in batch:  # EVALSHA directly: a registered script costs SCRIPT EXISTS per pipeline
+                    pipe.evalsha(self._cas.sha, len(keys), *keys, *args)
+                results = await pipe.execute(raise_on_error=False)
+        except BaseException as exc:  # noqa: BLE001 - every writer of the batch sees the failure
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else ConnectionError(repr(exc)))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (keys, args, fut), res in zip(batch, results, strict=True):
+            if isinstance(res, NoScriptError):  # Redis restarted or flushed its scripts: load it again
+                try:
+                    res = await self._cas(keys=keys, args=args)
+                except Exception as exc:  # noqa: BLE001
+                    res = exc
+            if fut.done():
+                continue
+            if isinstance(res, Exception):
+                fut.set_exception(res)
+            else:
+                fut.set_result(res)
 
     async def read(
         self, request_id: str, *, after_id: str = "0-0", block_ms: int = 1000

@@ -72,3 +72,48 @@ async def test_a_log_rewritten_after_a_flush_reaches_the_reader_once(redis_url):
         assert isinstance(rest[-1], protocol.Finish)
     finally:
         await redis.aclose()
+
+
+async def test_appends_of_one_loop_turn_share_a_round_trip(redis_url):
+    """A batched decode step's sequences append together: one pipeline, each writer its own
+    answer, a racing second writer of a position still refused."""
+    redis = aioredis.from_url(redis_url)
+    streams = TokenStreams(redis, RedisKeys("toklog"), maxlen=1000, ttl_s=60)
+    executed = []
+    real_pipeline = redis.pipeline
+
+    def counting_pipeline(*a, **kw):
+        pipe = real_pipeline(*a, **kw)
+        real_execute = pipe.execute
+
+        async def execute(*ea, **ekw):
+            executed.append(len(pipe.command_stack))
+            return await real_execute(*ea, **ekw)
+
+        pipe.execute = execute
+        return pipe
+
+    redis.pipeline = counting_pipeline
+    try:
+        got = await asyncio.gather(*(streams.append_delta(f"b{i}", _delta(0), position=0) for i in range(8)),
+                                   streams.append_delta("b0", _delta(0), position=0))
+        assert got == [True] * 8 + [False]
+        assert executed == [9]
+        for i in range(8):
+            assert [e.seq for e in await streams.history(f"b{i}")] == [0]
+    finally:
+        redis.pipeline = real_pipeline
+        await redis.aclose()
+
+
+async def test_appends_go_on_after_redis_forgets_its_scripts(redis_url):
+    redis = aioredis.from_url(redis_url)
+    streams = TokenStreams(redis, RedisKeys("toklog"), maxlen=1000, ttl_s=60)
+    try:
+        assert await streams.append_delta("s1", _delta(0), position=0)
+        await redis.script_flush()  # what a Redis restart does to the cached script
+        assert await streams.append_delta("s1", _delta(1), position=1)
+        assert not await streams.append_delta("s1", _delta(1), position=1)
+        assert [e.seq for e in await streams.history("s1")] == [0, 1]
+    finally:
+        await redis.aclose()
