@@ -154,9 +154,18 @@ async def produce_entry(producer: AIOKafkaProducer, entry: Produce, *, deadline_
                         doorbell=None) -> None:
     """Produce a request's entry message (``shared.stage.entry_message``: from the gateway, or
     again after a broker restart) routed like every other record, and wait for the ack
-    (:func:`send_retrying` until ``deadline_unix_ms``); then ring ``doorbell`` for its topic."""
+    (:func:`send_retrying` until ``deadline_unix_ms``), ringing ``doorbell`` for its topic as it
+    goes out (and again if the ack came late, see :mod:`shared.doorbell`)."""
     partition = await partition_for(router, entry)
-    await send_retrying(producer, entry.topic, protocol.encode(entry.value), entry.key.encode(),
-                        deadline_unix_ms=deadline_unix_ms, partition=partition)
-    if doorbell is not None:
+    value, key = protocol.encode(entry.value), entry.key.encode()
+    sent_at = time.monotonic()
+    try:
+        fut = await producer.send(entry.topic, value, key=key, partition=partition)
+    except KafkaError:
+        fut = None  # not even queued (no metadata for the topic yet): send_retrying tries again
+    if doorbell is not None and fut is not None:
+        doorbell.ring(entry.topic)
+    await send_retrying(producer, entry.topic, value, key, deadline_unix_ms=deadline_unix_ms, first_try=fut,
+                        partition=partition)
+    if doorbell is not None and (fut is None or doorbell.late(sent_at)):
         doorbell.ring(entry.topic)

@@ -9,32 +9,44 @@ client-side until either a ring on their topic's channel or ``idle_fetch_interva
 Contract:
 - A ring carries nothing but the topic name: no request, no offset. Kafka stays the record of
   truth; a lost ring (Redis away, a subscriber reconnecting) costs at most one idle interval.
-- ``Doorbell.ring(topic)`` is called after the broker acknowledged a produce to ``topic``; it
-  never raises and never blocks the caller (the PUBLISH runs as a bounded background task).
+- ``Doorbell.ring(topic)`` is called as a produce to ``topic`` goes out, before the broker's
+  ack (so the next stage fetches while the broker acks), and again once acked if that took
+  longer than ``Doorbell.late`` allows; it never raises and never blocks the caller (the
+  PUBLISH runs as a bounded background task).
 - ``Doorbell.attach(consumer, topic)`` is called after ``consumer.start()``: it wraps the
   consumer's fetcher so that an empty fetch waits for the doorbell (the ring counter is read
-  before the fetch is sent, so a ring landing during the fetch is never missed).
+  before the fetch is sent, so a ring landing during the fetch is never missed), except for
+  ``expect_ms`` after a ring: the record may still be on its way, so an empty fetch is repeated
+  at once (each holds ``fetch_max_wait_ms`` at the broker) until one returns records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 log = logging.getLogger(__name__)
 
 _MAX_PENDING_RINGS = 64  # PUBLISHes in flight at most; beyond it a ring is dropped (rings are hints)
+# How long after a ring a consumer keeps fetching: rings go out with the produce, before its ack
+# (~1 ms on tansu), and a ring reaches the consumer ~0.5 ms after it is sent. Short, because
+# every worker of the stage hears the ring and only one of them gets the record.
+EXPECT_MS = 3.0
 
 
 class _Bell:
     """One topic's ring counter and the event waiters sleep on."""
 
-    def __init__(self) -> None:
+    def __init__(self, expect_s: float) -> None:
         self.rings = 0
         self.event = asyncio.Event()
+        self.expect_s = expect_s
+        self.expect_until = 0.0  # time.monotonic(): till then an empty fetch is repeated at once
 
     def ring(self) -> None:
         self.rings += 1
+        self.expect_until = time.monotonic() + self.expect_s
         self.event.set()
 
     async def wait(self, seen: int, timeout_s: float) -> None:
@@ -51,10 +63,11 @@ class _Bell:
 class Doorbell:
     """Per process: rings topics (publisher) and wakes this process's consumers (subscriber)."""
 
-    def __init__(self, redis, prefix: str, *, idle_fetch_interval_ms: int) -> None:
+    def __init__(self, redis, prefix: str, *, idle_fetch_interval_ms: int, expect_ms: float = EXPECT_MS) -> None:
         self._redis = redis
         self._prefix = prefix
         self._idle_s = idle_fetch_interval_ms / 1000
+        self._expect_s = expect_ms / 1000
         self._bells: dict[str, _Bell] = {}
         self._pending: set[asyncio.Task] = set()
         self._listener: asyncio.Task | None = None
@@ -63,6 +76,11 @@ class Doorbell:
 
     def channel(self, topic: str) -> str:
         return f"{self._prefix}:doorbell:{topic}"
+
+    def late(self, sent_monotonic: float) -> bool:
+        """True when a produce sent (and rung) at ``sent_monotonic`` was acked too late for the
+        consumers' expectation window: ring again."""
+        return time.monotonic() - sent_monotonic > self._expect_s / 2
 
     # ------------------------------------------------------------------ publisher
     def ring(self, topic: str) -> None:
@@ -84,7 +102,7 @@ class Doorbell:
         """Make ``consumer`` (started, fetch_max_wait_ms=1) wait for rings on ``topic`` after
         an empty fetch. Wraps aiokafka's fetcher method that sends one fetch request: its
         background routine calls it by attribute, once per fetch, never two to one broker at once."""
-        bell = self._bells.setdefault(topic, _Bell())
+        bell = self._bells.setdefault(topic, _Bell(self._expect_s))
         fetcher = consumer._fetcher  # aiokafka 0.14 internals: see tests/transport/test_doorbell.py
         send_fetch = fetcher._proc_fetch_request
         idle_s = self._idle_s
@@ -92,8 +110,10 @@ class Doorbell:
         async def fetch_then_wait(assignment, node_id, request):
             seen = bell.rings
             got = await send_fetch(assignment, node_id, request)
-            if not got:  # nothing new: sleep until a ring (or the idle interval), not broker-side
-                await bell.wait(seen, idle_s)
+            if got:
+                bell.expect_until = 0.0  # what the ring announced has come
+            elif time.monotonic() >= bell.expect_until:  # nothing on its way: sleep until a ring
+                await bell.wait(seen, idle_s)  # (or the idle interval), not broker-side
             return got
 
         fetcher._proc_fetch_request = fetch_then_wait

@@ -196,6 +196,7 @@ class StageRunner:
         picks), wait for every broker ack (the output is durable before anything upstream is
         freed), retrying broker errors until the deadline."""
         sends = []
+        sent_at = time.monotonic()
         for p in outcome.produce:
             value = protocol.encode(p.value)
             partition = await partition_for(self._router, p)
@@ -204,11 +205,15 @@ class StageRunner:
             except KafkaError:
                 fut = None  # not even queued (e.g. no metadata for the topic yet): retried below
             sends.append((p, value, partition, fut))
+        topics = {p.topic for p in outcome.produce}
+        if self._doorbell is not None:  # on their way: the next stage fetches while the broker acks
+            for topic in topics:
+                self._doorbell.ring(topic)
         for p, value, partition, fut in sends:
             await send_retrying(self._producer, p.topic, value, p.key.encode(), deadline_unix_ms=deadline_unix_ms,
                                 first_try=fut, partition=partition)
-        if self._doorbell is not None:  # acked: wake the next stage's idle consumers now
-            for topic in {p.topic for p in outcome.produce}:
+        if self._doorbell is not None and self._doorbell.late(sent_at):  # acked after the consumers stopped
+            for topic in topics:  # expecting it: wake them again
                 self._doorbell.ring(topic)
         if self._ctx.transfer is not None:
             for owner, leases in outcome.releases:

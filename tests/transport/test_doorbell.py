@@ -110,3 +110,41 @@ async def test_a_lost_ring_costs_at_most_the_idle_interval(bell_env):
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await sub.close()
+
+
+async def test_a_ring_ahead_of_its_record_is_not_lost(bell_env):
+    """Rings go out with the produce, before the broker acks it: a consumer that hears one and
+    finds nothing yet keeps fetching for the expectation window (here 2 s, to make the test
+    independent of the machine's speed), picks the record up without another ring, and then
+    goes back to sleeping between empty fetches."""
+    settings, topic, producer, redis = bell_env
+    sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000, expect_ms=2_000)
+    pub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    got, fetches = [], []
+    task = asyncio.create_task(_consume(settings, topic, sub, got, fetches))
+    try:
+        await producer.send_and_wait(topic, b"warm")
+        deadline = time.monotonic() + 30
+        while not got:
+            assert time.monotonic() < deadline, "no record after 30 s of rings"
+            if task.done():
+                task.result()
+            pub.ring(topic)
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2.5)  # past the window of the last ring
+        heard = sub.rings_heard
+        pub.ring(topic)  # the record is not there yet
+        await _until(lambda: sub.rings_heard > heard, 10)
+        await asyncio.sleep(0.3)
+        await producer.send_and_wait(topic, b"late record")  # and nobody rings for it
+        await _until(lambda: len(got) == 2, 10)  # the idle interval is a minute
+        assert got[1][0] == b"late record"
+        await asyncio.sleep(2.5)  # the window is over: sleeping between fetches again
+        quiet = len(fetches)
+        await asyncio.sleep(1.0)
+        assert len(fetches) - quiet <= 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await sub.close()
+        await pub.close()
