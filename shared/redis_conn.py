@@ -28,5 +28,17 @@ def redis_kwargs(settings: Settings) -> dict:
     return kw
 
 
+# Connections per process. The gateway holds one per streaming request (its blocking XREAD on
+# the request's token stream), up to max_inflight_requests, beside doorbell rings (at most 64
+# in flight), the ingress, the ledger and the router. redis-py's own default is 100 and raises
+# past it: 40 concurrent streams plus their rings reached it. A burst past the bound waits for
+# a free connection instead of failing the request.
+_POOL_HEADROOM = 128
+_POOL_WAIT_S = 10.0
+
+
 def make_redis(settings: Settings) -> aioredis.Redis:
-    return aioredis.from_url(settings.redis_url, **redis_kwargs(settings))
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.max_inflight_requests + _POOL_HEADROOM, timeout=_POOL_WAIT_S,
+        **redis_kwargs(settings))
+    return aioredis.Redis.from_pool(pool)

@@ -1,0 +1,42 @@
+"""The process's Redis client (``shared.redis_conn.make_redis``) against a real Redis: its
+connection pool is bounded by the gateway's admission bound plus headroom, and a burst past the
+bound waits for a connection instead of failing (redis-py's default pool raises past 100, which
+40 concurrent streams and their doorbell rings reached)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared import redis_conn
+from shared.settings import Settings
+
+
+async def test_pool_is_sized_from_the_admission_bound(redis_url):
+    redis = redis_conn.make_redis(Settings(redis_url=redis_url, max_inflight_requests=300))
+    try:
+        assert redis.connection_pool.max_connections == 300 + redis_conn._POOL_HEADROOM
+        assert await redis.ping()
+    finally:
+        await redis.aclose()
+
+
+async def test_blocking_reads_past_the_bound_wait_for_a_connection(redis_url, monkeypatch):
+    monkeypatch.setattr(redis_conn, "_POOL_HEADROOM", 0)
+    redis = redis_conn.make_redis(Settings(redis_url=redis_url, max_inflight_requests=3))
+    try:
+        # six followers, three connections: each blocking XREAD holds one for 200 ms
+        pool = redis.connection_pool
+        seen = []
+
+        async def watch():
+            while True:
+                seen.append(len(pool._in_use_connections))
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch())
+        replies = await asyncio.gather(*(redis.xread({f"pool-test-{i}": "$"}, block=200) for i in range(6)))
+        watcher.cancel()
+        assert all(not r for r in replies)  # every read ran (nothing was written): none failed
+        assert max(seen) == 3
+    finally:
+        await redis.aclose()
