@@ -150,22 +150,35 @@ async def partition_for(router, p: Produce) -> int | None:
     return p.partition
 
 
+async def produce_all(producer: AIOKafkaProducer, produces: list[Produce], *, deadline_unix_ms: int, router=None,
+                      doorbell=None) -> None:
+    """Send every record at once (to the partition :func:`partition_for` picks) and wait for
+    every broker ack (:func:`send_retrying` until ``deadline_unix_ms``). ``doorbell`` is rung
+    for the topics as the records go out, and again when an ack came late or a record was not
+    even queued at first (see :mod:`shared.doorbell`)."""
+    sent_at = time.monotonic()
+    sends = []
+    for p in produces:
+        value, key = protocol.encode(p.value), p.key.encode()
+        partition = await partition_for(router, p)
+        try:
+            fut = await producer.send(p.topic, value, key=key, partition=partition)
+        except KafkaError:
+            fut = None  # not even queued (e.g. no metadata for the topic yet): retried below
+        sends.append((p.topic, value, key, partition, fut))
+    if doorbell is not None:  # on their way: the next stage fetches while the broker acks
+        for topic in {topic for topic, *_, fut in sends if fut is not None}:
+            doorbell.ring(topic)
+    for topic, value, key, partition, fut in sends:
+        await send_retrying(producer, topic, value, key, deadline_unix_ms=deadline_unix_ms, first_try=fut,
+                            partition=partition)
+    if doorbell is not None and (doorbell.late(sent_at) or any(fut is None for *_, fut in sends)):
+        for topic in {topic for topic, *_ in sends}:  # the consumers stopped expecting them: wake them again
+            doorbell.ring(topic)
+
+
 async def produce_entry(producer: AIOKafkaProducer, entry: Produce, *, deadline_unix_ms: int, router=None,
                         doorbell=None) -> None:
     """Produce a request's entry message (``shared.stage.entry_message``: from the gateway, or
-    again after a broker restart) routed like every other record, and wait for the ack
-    (:func:`send_retrying` until ``deadline_unix_ms``), ringing ``doorbell`` for its topic as it
-    goes out (and again if the ack came late, see :mod:`shared.doorbell`)."""
-    partition = await partition_for(router, entry)
-    value, key = protocol.encode(entry.value), entry.key.encode()
-    sent_at = time.monotonic()
-    try:
-        fut = await producer.send(entry.topic, value, key=key, partition=partition)
-    except KafkaError:
-        fut = None  # not even queued (no metadata for the topic yet): send_retrying tries again
-    if doorbell is not None and fut is not None:
-        doorbell.ring(entry.topic)
-    await send_retrying(producer, entry.topic, value, key, deadline_unix_ms=deadline_unix_ms, first_try=fut,
-                        partition=partition)
-    if doorbell is not None and (fut is None or doorbell.late(sent_at)):
-        doorbell.ring(entry.topic)
+    again after a broker restart) routed like every other record: :func:`produce_all`."""
+    await produce_all(producer, [entry], deadline_unix_ms=deadline_unix_ms, router=router, doorbell=doorbell)

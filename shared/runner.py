@@ -19,7 +19,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from shared import logs, metrics, protocol, tracing
-from shared.bus import partition_for, send_retrying
+from shared.bus import produce_all
 from shared.consume import ConsumeLoop
 from shared.keys import TOPIC_DEAD_LETTER, consumer_group
 from shared.ledger import ABORTED, DONE, EpochWatch
@@ -195,26 +195,8 @@ class StageRunner:
         """Produce the outputs (all sent at once; mm.prefill records to the partition the router
         picks), wait for every broker ack (the output is durable before anything upstream is
         freed), retrying broker errors until the deadline."""
-        sends = []
-        sent_at = time.monotonic()
-        for p in outcome.produce:
-            value = protocol.encode(p.value)
-            partition = await partition_for(self._router, p)
-            try:
-                fut = await self._producer.send(p.topic, value, key=p.key.encode(), partition=partition)
-            except KafkaError:
-                fut = None  # not even queued (e.g. no metadata for the topic yet): retried below
-            sends.append((p, value, partition, fut))
-        topics = {p.topic for p in outcome.produce}
-        if self._doorbell is not None:  # on their way: the next stage fetches while the broker acks
-            for topic in topics:
-                self._doorbell.ring(topic)
-        for p, value, partition, fut in sends:
-            await send_retrying(self._producer, p.topic, value, p.key.encode(), deadline_unix_ms=deadline_unix_ms,
-                                first_try=fut, partition=partition)
-        if self._doorbell is not None and self._doorbell.late(sent_at):  # acked after the consumers stopped
-            for topic in topics:  # expecting it: wake them again
-                self._doorbell.ring(topic)
+        await produce_all(self._producer, outcome.produce, deadline_unix_ms=deadline_unix_ms, router=self._router,
+                          doorbell=self._doorbell)
         if self._ctx.transfer is not None:
             for owner, leases in outcome.releases:
                 await self._ctx.transfer.release(owner, leases)

@@ -55,6 +55,19 @@ async def _consume(settings, topic, bell, got: list, fetches: list):
         await consumer.stop()
 
 
+async def _warm_up(producer, topic: str, pub: Doorbell, got: list, task: asyncio.Task) -> None:
+    """Produce a first record and ring until the consumer has it (the consumer's start takes
+    seconds on tansu)."""
+    await producer.send_and_wait(topic, b"warm")
+    deadline = time.monotonic() + 30
+    while not got:
+        assert time.monotonic() < deadline, "no record after 30 s of rings"
+        if task.done():
+            task.result()
+        pub.ring(topic)
+        await asyncio.sleep(0.1)
+
+
 async def _until(pred, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
@@ -69,14 +82,7 @@ async def test_ring_wakes_an_idle_consumer_and_no_ring_waits_the_interval(bell_e
     got, fetches = [], []
     task = asyncio.create_task(_consume(settings, topic, sub, got, fetches))
     try:
-        await producer.send_and_wait(topic, b"warm")
-        deadline = time.monotonic() + 30
-        while not got:  # the group join takes seconds: ring until the first record is in
-            assert time.monotonic() < deadline, "no record after 30 s of rings"
-            if task.done():
-                task.result()
-            pub.ring(topic)
-            await asyncio.sleep(0.1)
+        await _warm_up(producer, topic, pub, got, task)
         await asyncio.sleep(0.5)
         idle_fetches = len(fetches)
         await asyncio.sleep(1.0)
@@ -123,14 +129,7 @@ async def test_a_ring_ahead_of_its_record_is_not_lost(bell_env):
     got, fetches = [], []
     task = asyncio.create_task(_consume(settings, topic, sub, got, fetches))
     try:
-        await producer.send_and_wait(topic, b"warm")
-        deadline = time.monotonic() + 30
-        while not got:
-            assert time.monotonic() < deadline, "no record after 30 s of rings"
-            if task.done():
-                task.result()
-            pub.ring(topic)
-            await asyncio.sleep(0.1)
+        await _warm_up(producer, topic, pub, got, task)
         await asyncio.sleep(2.5)  # past the window of the last ring
         heard = sub.rings_heard
         pub.ring(topic)  # the record is not there yet
