@@ -63,7 +63,8 @@ class AgentRef(Struct, frozen=True):
 
 class CudaIpcHandle(Struct, frozen=True):
     """A GPU copy of a tensor that another process on the same host opens by CUDA IPC: the raw
-    fields of torch's ``UntypedStorage._share_cuda_()`` (no pickle), plus where it lives."""
+    fields of torch's ``UntypedStorage._share_cuda_()`` for the owner's GPU pool (no pickle),
+    where it lives, and the slot's offset in it."""
 
     host: str  # shared.device.host_id() of the owner: only that host may open it
     device_uuid: str  # the GPU, independent of CUDA_VISIBLE_DEVICES
@@ -74,6 +75,7 @@ class CudaIpcHandle(Struct, frozen=True):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
+    slot_offset: int = 0
 
 
 class HostShm(Struct, frozen=True):
@@ -97,6 +99,8 @@ class TensorRef(Struct, frozen=True):
     a GPU gets it on its GPU. ``cuda_ipc``: the same bytes as a GPU copy held under the same
     lease, for a consumer on the same host and GPU (see :mod:`shared.transfer.cuda_ipc`).
     ``host_shm``: the slot as a shared pinned mapping, for a GPU consumer on the same host.
+    ``stamp`` (non-zero: a GPU tensor whose copy into the slot may still be running, in chunks
+    of ``chunk_bytes``): read the staging word after the data first (:mod:`shared.transfer.staging`).
     """
 
     agent: str
@@ -110,6 +114,8 @@ class TensorRef(Struct, frozen=True):
     on_device: bool = False
     cuda_ipc: CudaIpcHandle | None = None
     host_shm: HostShm | None = None
+    stamp: int = 0
+    chunk_bytes: int = 0
 
 
 class MediaSource(Struct, frozen=True, kw_only=True):

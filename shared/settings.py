@@ -151,8 +151,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     dtype: Annotated[str, _d("model dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | "
                              "float16")] = "auto"
     transfer_cuda_ipc: Annotated[bool, _d(
-        "a GPU worker also offers each tensor it ships as a CUDA IPC handle, which a consumer on the same "
-        "host and GPU opens instead of pulling the pinned-host copy over NIXL")] = True
+        "a GPU worker also offers each tensor it ships in its GPU pool (the size of `MMFLEET_POOL_BYTES`, "
+        "exported by CUDA IPC once), which a consumer on the same host and GPU copies from instead of the "
+        "pinned-host copy")] = True
     encode_max_batch_items: Annotated[int, _d("media items per vision-encoder batch at most")] = 16
     encode_batch_wait_ms: Annotated[int, _d("how long encode waits to fill a batch")] = 2
     decode_max_batch: Annotated[int, _d("transformers engine: decode steps of up to this many sequences run as "

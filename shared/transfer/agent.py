@@ -14,17 +14,15 @@ Contracts:
   checks the pin; a remote reader must validate it some other way (the embedding index).
 - ``get`` pulls a peer's slot into a private staging slot of this pool (one-sided READ), then
   copies it into a NEW tensor the caller owns.
-- GPUs (``device`` cuda, :class:`~shared.transfer.paths.DevicePaths`): the pool is pinned host
-  memory; ``put`` of a CUDA tensor copies it device→pinned slot and, with ``cuda_ipc``, holds a
-  GPU copy under the same lease. A consumer on the same host and GPU opens its IPC handle; a GPU
-  consumer on the same host copies from its mapping of the pinned pool; any other pulls the slot
-  over NIXL DRAM (then pinned→its device). A ref marked ``on_device`` arrives on the consumer's
-  GPU, or in host memory where it has none. The paths are logged at construction.
-- Any failure to pull (peer SIGKILLed, peer
-  unreachable, timeout, NIXL error state) raises :class:`OwnerGoneError`; callers treat it
-  as "recompute from the source". A READ of an already-expired lease is NOT detectable by
-  the puller (one-sided): it returns whatever the slot holds now, so TTLs must exceed the
-  worst consumer delay.
+- GPUs (:class:`~shared.transfer.paths.DevicePaths`): the pool is pinned host memory; ``put``
+  of a CUDA tensor starts its device→pinned copy without waiting (consumers wait on the slot's
+  staging word, :mod:`shared.transfer.staging`) and, with ``cuda_ipc``, copies it into the
+  GPU pool that same-GPU consumers open. A GPU consumer on the same host copies from its
+  mapping of the pinned pool; any other pulls over NIXL DRAM. A ref marked ``on_device``
+  arrives on the consumer's GPU, or in host memory where it has none.
+- Any failure to pull (peer SIGKILLed, unreachable, timeout, NIXL error state) raises
+  :class:`OwnerGoneError`: "recompute from the source". A READ of an expired CPU lease is NOT
+  detectable by the puller (one-sided), so TTLs must exceed the worst consumer delay.
 - Not thread-safe: every method runs on the event loop thread that called ``start``. NIXL is
   created without its progress thread (it busy-spins a core); the ``start``-ed progress task
   drives notifications and lease expiry instead, and it must be running for peers' READs of
@@ -56,6 +54,7 @@ from shared.transfer.paths import DevicePaths
 from shared.transfer.peers import Peers
 from shared.transfer.pool import SlotAllocator
 from shared.transfer.progress import Progress, release_ids, release_notifs
+from shared.transfer.staging import read_word, slot_bytes, word_offset
 from shared.transfer.tensors import DTYPES, OwnerGoneError, PoolFullError, TransferError, as_bytes, check_ref
 
 __all__ = ["TransferAgent", "TransferError", "PoolFullError", "OwnerGoneError", "DTYPES"]
@@ -66,6 +65,11 @@ _COUNTERS = (
     "puts", "local_gets", "transfers", "bytes_pulled", "transfer_errors", "expired_leases",
     "released_leases", "release_notifs_sent", "release_notifs_received", "quarantined_bytes",
 )
+
+
+def _slot_bytes(src: torch.Tensor) -> int:
+    """A GPU tensor's slot also holds its staging word."""
+    return slot_bytes(src.numel()) if src.is_cuda else src.numel()
 
 
 class TransferAgent:
@@ -155,15 +159,15 @@ class TransferAgent:
     def put(self, tensor: torch.Tensor) -> TensorRef:
         """Copy a CPU tensor into a new leased slot; raises :class:`PoolFullError`."""
         src, dtype_name = as_bytes(tensor)
-        off = self._alloc.alloc(src.numel())
+        off = self._alloc.alloc(_slot_bytes(src))
         if off is None:
-            raise self._full(src.numel())
+            raise self._full(_slot_bytes(src))
         return self._lease(off, src, dtype_name, tuple(tensor.shape))
 
     async def put_wait(self, tensor: torch.Tensor, timeout_ms: float) -> TensorRef:
         """``put``, waiting up to ``timeout_ms`` for room; then raises :class:`PoolFullError`."""
         src, dtype_name = as_bytes(tensor)
-        off = await self._alloc_wait(src.numel(), time.monotonic() + timeout_ms / 1000.0)
+        off = await self._alloc_wait(_slot_bytes(src), time.monotonic() + timeout_ms / 1000.0)
         return self._lease(off, src, dtype_name, tuple(tensor.shape))
 
     def free_local(self, lease: int) -> bool:
@@ -219,9 +223,13 @@ class TransferAgent:
         self._kick()  # a transfer in flight switches progress to fast polling
         failed = False
         try:
-            off = await self._alloc_wait(ref.nbytes, deadline)
+            off = await self._alloc_wait(slot_bytes(ref.nbytes) if ref.stamp else ref.nbytes, deadline)
             try:
                 t0 = time.perf_counter()
+                if ref.stamp:  # a GPU owner's copy into its slot may still be running
+                    w = self._base + off + word_offset(ref.nbytes)
+                    await self._peers.await_staged(owner, ref, w, lambda: read_word(self._tbuf.numpy(), w - self._base),
+                                                   deadline, self._progress.fast_s, lambda: self._quarantine_slot(off))
                 await self._peers.read(owner, ref, self._base + off, deadline, self._progress.fast_s,
                                        lambda: self._quarantine_slot(off))
                 metrics.NIXL_TRANSFER.observe(time.perf_counter() - t0)
@@ -309,8 +317,11 @@ class TransferAgent:
 
     def _lease(self, off: int, src: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> TensorRef:
         n = src.numel()
-        self._tbuf[off : off + n].copy_(src)  # from a GPU: device→pinned, synchronous
-        gpu_fields = self._dev.offer(off, src)  # CUDA IPC handle, shared-pool name (GPU tensors)
+        if src.is_cuda:  # device→pinned in chunks behind us; CUDA IPC handle, shared-pool name
+            gpu_fields = self._dev.stage(off, src)
+        else:
+            self._tbuf[off : off + n].copy_(src)
+            gpu_fields = {}
         self._last_put = time.monotonic()
         lease = self._leases.lease(off, self._last_put)
         self._c["puts"] += 1
@@ -392,6 +403,7 @@ class TransferAgent:
                     self._handle_notif(peer, msg)
         except Exception as e:  # one bad poll must not kill progress
             log.warning("%s: notification poll failed: %s", self.name, e)
+        self._dev.settle()
         self._expire(time.monotonic())
 
     def _busy(self) -> bool:

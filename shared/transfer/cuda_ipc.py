@@ -1,27 +1,30 @@
-"""CUDA IPC between processes of one host: a GPU tensor's storage exported as the raw fields of
-torch's ``UntypedStorage._share_cuda_()`` in a msgspec :class:`~shared.protocol.CudaIpcHandle`
-(no pickle), and opened by another process with ``UntypedStorage._new_shared_cuda``.
+"""CUDA IPC between processes of one host: a GPU agent's GPU pool (the device twin of its pinned
+pool, same slot offsets) exported once as the raw fields of torch's
+``UntypedStorage._share_cuda_()`` in a msgspec :class:`~shared.protocol.CudaIpcHandle` (no
+pickle); each ref names its slot by ``slot_offset``. A consumer opens a peer's pool once
+(``UntypedStorage._new_shared_cuda``, ~0.3 ms) and keeps it open, so a pull is one device copy.
 
 Contracts:
-- ``export(t)`` needs ``t`` to own its whole storage (a fresh ``clone()``): the handle names the
-  storage, and the exporter must keep ``t`` alive for as long as any consumer may open it (the
-  transfer agent holds it under the slot's lease).
-- ``can_open(h)`` is True only on the exporter's host with the exporter's GPU visible here;
-  ``open_copy(h, ...)`` copies the bytes into a NEW tensor on this process's copy of that GPU
-  (synchronous: the bytes are ours when it returns) and closes the mapping. Any CUDA failure
-  raises ``IpcError``; callers fall back to the NIXL host path.
-- torch keeps the exporter's allocation alive while an opener holds it (its ref counter), and
-  caches opened allocations, so several tensors of one allocation may be opened concurrently.
+- ``export(t)`` needs ``t`` to own its whole storage (a fresh ``empty``); the exporter keeps it
+  for its life (the transfer agent's GPU pool).
+- ``can_open(h)`` is True only on the exporter's host with the exporter's GPU visible here.
+- ``IpcPeers(max_open).copy(owner, h, nbytes, ...)`` copies the slot into a NEW tensor on this
+  process's copy of that GPU (synchronous: the bytes are ours when it returns). At most
+  ``max_open`` pools stay open (least recently used is closed first). Any CUDA failure raises
+  ``IpcError``; callers fall back to the host paths. The slot's bytes must be complete: the
+  caller checks the owner's staging word first (:mod:`shared.transfer.staging`).
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
 from shared.device import device_uuid, host_id, local_index
 from shared.protocol import CudaIpcHandle
 
-__all__ = ["IpcError", "export", "can_open", "open_copy"]
+__all__ = ["IpcError", "export", "can_open", "IpcPeers"]
 
 
 class IpcError(Exception):
@@ -43,24 +46,42 @@ def can_open(h: CudaIpcHandle) -> bool:
     return h.host == host_id() and local_index(h.device_uuid) is not None
 
 
-def open_copy(h: CudaIpcHandle, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
-              device: torch.device | None = None) -> torch.Tensor:
-    """A new tensor with the exporter's bytes, on ``device`` (default: the exporter's GPU here)."""
-    index = local_index(h.device_uuid)
-    if h.host != host_id() or index is None:
-        raise IpcError(f"handle of {h.host} GPU {h.device_uuid} cannot be opened here")
-    if nbytes > h.storage_bytes:
-        raise IpcError(f"{nbytes} B asked of a {h.storage_bytes} B storage")
-    try:
-        with torch.cuda.device(index):
-            storage = torch.UntypedStorage._new_shared_cuda(
-                index, h.handle, h.storage_bytes, h.offset_bytes, h.ref_counter_handle, h.ref_counter_offset,
-                h.event_handle or None, h.event_sync_required)
-            src = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, 0, (nbytes,), (1,))
-            out = torch.empty(nbytes, dtype=torch.uint8, device=device or torch.device("cuda", index))
-            out.copy_(src)
-            torch.cuda.current_stream().synchronize()  # the bytes are ours before the mapping goes
-            del src, storage
-    except (RuntimeError, TypeError) as exc:
-        raise IpcError(f"CUDA IPC open/copy failed: {exc}") from exc
-    return out.view(dtype).reshape(shape)
+class IpcPeers:
+    """A consumer's open peer pools, LRU-bounded."""
+
+    def __init__(self, max_open: int = 16) -> None:
+        self._max = max_open
+        self._open: collections.OrderedDict[str, torch.UntypedStorage] = collections.OrderedDict()
+
+    def copy(self, owner: str, h: CudaIpcHandle, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
+             device: torch.device | None = None) -> torch.Tensor:
+        """A new tensor with the slot's bytes, on ``device`` (default: the exporter's GPU here)."""
+        index = local_index(h.device_uuid)
+        if h.host != host_id() or index is None:
+            raise IpcError(f"handle of {h.host} GPU {h.device_uuid} cannot be opened here")
+        if h.slot_offset + nbytes > h.storage_bytes:
+            raise IpcError(f"{nbytes} B at {h.slot_offset} asked of a {h.storage_bytes} B storage")
+        key = f"{owner}\n{h.handle.hex()}"  # a later process may reuse a dead owner's handle bytes
+        try:
+            with torch.cuda.device(index):
+                storage = self._open.get(key)
+                if storage is None:
+                    storage = torch.UntypedStorage._new_shared_cuda(
+                        index, h.handle, h.storage_bytes, h.offset_bytes, h.ref_counter_handle,
+                        h.ref_counter_offset, h.event_handle or None, h.event_sync_required)
+                    self._open[key] = storage
+                    while len(self._open) > self._max:
+                        self._open.popitem(last=False)
+                self._open.move_to_end(key)
+                src = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(
+                    storage, h.slot_offset, (nbytes,), (1,))
+                out = torch.empty(nbytes, dtype=torch.uint8, device=device or torch.device("cuda", index))
+                out.copy_(src)
+                torch.cuda.current_stream().synchronize()  # ours before the lease goes back
+        except (RuntimeError, TypeError) as exc:
+            self._open.pop(key, None)
+            raise IpcError(f"CUDA IPC open/copy failed: {exc}") from exc
+        return out.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        self._open.clear()

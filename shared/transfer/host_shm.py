@@ -10,8 +10,9 @@ a GPU, take the NIXL path; so does any consumer whose open or mapping fails.
 
 Contracts: ``SharedPool(nbytes)`` owns the memfd, the mapping and the registration until
 ``close``. ``PeerPools(max_peers)`` keeps at most ``max_peers`` mappings (least recently used is
-unregistered and unmapped first); ``copy_to(ref, device)`` returns a new device tensor or raises
-``OSError`` / ``RuntimeError`` (callers fall back). Slot lifetimes are the leases' business, as
+unregistered and unmapped first); ``copy_to(...)`` returns a new device tensor (following the
+owner's staging copy chunk by chunk) or raises ``OSError`` / ``RuntimeError`` (callers fall
+back). Slot lifetimes are the leases' business, as
 with NIXL: a consumer reads a slot only while it holds the lease that names it.
 """
 
@@ -20,11 +21,13 @@ from __future__ import annotations
 import collections
 import mmap
 import os
+import time
 
 import torch
 
 from shared.device import host_id
 from shared.protocol import HostShm
+from shared.transfer.staging import read_word, slot_bytes, wait_chunks, word_offset
 
 __all__ = ["SharedPool", "PeerPools"]
 
@@ -85,9 +88,35 @@ class PeerPools:
     def usable(shm: HostShm | None) -> bool:
         return shm is not None and shm.host == host_id()
 
-    def copy_to(self, owner: str, shm: HostShm, nbytes: int, device: torch.device) -> torch.Tensor:
+    def copy_to(self, owner: str, shm: HostShm, nbytes: int, device: torch.device, stamp: int = 0,
+                chunk: int = 0, wait_s: float = 1.0) -> torch.Tensor:
+        """The slot's bytes in a new tensor on ``device``. ``stamp`` / ``chunk``: the slot may
+        still be being staged; each chunk is copied as soon as the staging word says it landed
+        (:mod:`shared.transfer.staging`), waiting at most ``wait_s`` in all."""
+        m = self._mapping(owner, shm, slot_bytes(nbytes) if stamp else nbytes)
+        src = m.tensor[shm.offset: shm.offset + nbytes]
+        out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if not stamp:
+            return out.copy_(src)
+        word, deadline = shm.offset + word_offset(nbytes), time.monotonic() + wait_s
+        for i, (dst, part) in enumerate(zip(out.split(chunk), src.split(chunk))):
+            wait_chunks(lambda: read_word(m.mm, word), stamp, i + 1, deadline)
+            dst.copy_(part, non_blocking=True)  # overlaps the owner's copy of the next chunk
+        torch.cuda.current_stream(device).synchronize()  # ours before the lease goes back
+        return out
+
+    def wait(self, owner: str, shm: HostShm, nbytes: int, stamp: int, need: int, wait_s: float = 1.0) -> None:
+        """Block until the slot's staging word says ``need`` chunks landed (RuntimeError if the
+        slot holds another tensor or ``wait_s`` passes)."""
+        m = self._mapping(owner, shm, slot_bytes(nbytes))
+        word = shm.offset + word_offset(nbytes)
+        wait_chunks(lambda: read_word(m.mm, word), stamp, need, time.monotonic() + wait_s)
+
+    def _mapping(self, owner: str, shm: HostShm, slot: int) -> _Mapping:
         """``owner``: the agent's name, part of the cache key (a later process may reuse a dead
         owner's pid and fd number, so the path alone does not name one pool)."""
+        if shm.offset + slot > shm.pool_bytes:
+            raise RuntimeError(f"slot {shm.offset}+{slot} outside a {shm.pool_bytes} B pool")
         key = f"{owner}\n{shm.path}"
         m = self._maps.get(key)
         if m is None or m.tensor.numel() != shm.pool_bytes:
@@ -103,9 +132,7 @@ class PeerPools:
             while len(self._maps) > self._max:
                 self._drop(next(iter(self._maps)))
         self._maps.move_to_end(key)
-        if shm.offset + nbytes > shm.pool_bytes:
-            raise RuntimeError(f"slot {shm.offset}+{nbytes} outside a {shm.pool_bytes} B pool")
-        return torch.empty(nbytes, dtype=torch.uint8, device=device).copy_(m.tensor[shm.offset: shm.offset + nbytes])
+        return m
 
     def _drop(self, key: str) -> None:
         self._maps.pop(key).close()

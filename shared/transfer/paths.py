@@ -9,7 +9,9 @@ The paths, fastest first where the host offers them:
   doctor measures this path so an operator sees what the host offers, and staging stays the
   cross-process path until a host shows a GPU transport faster than it.
 - ``shm-staging``: device→pinned pool→device, the pool a memfd a GPU consumer on the same host
-  maps (:mod:`shared.transfer.host_shm`): one pinned copy each side, no NIXL hop.
+  maps (:mod:`shared.transfer.host_shm`): one pinned copy each side, no NIXL hop; the owner's
+  copy runs in chunks behind ``put`` and the consumer's follows it chunk by chunk
+  (:mod:`shared.transfer.staging`).
 - ``staging``: device→pinned host pool→NIXL DRAM READ→pinned pool→device; always works, also
   across hosts; the only path for CPU-only workers (plain host pool, no pinning).
 """
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import numpy as np
 import torch
 
 from shared.protocol import TensorRef
 from shared.transfer import cuda_ipc
+from shared.transfer.staging import Stager
 
 __all__ = ["pool_buffer", "describe_paths", "DevicePaths"]
 
@@ -52,7 +56,8 @@ def describe_paths(device: torch.device, pool_bytes: int, ipc: bool) -> str:
         return f"transfer paths: staging over NIXL DRAM (host pool {mib} MiB, CPU tensors)"
     from shared.device import device_uuid
 
-    ipc_part = (f"cuda-ipc for consumers on this host and GPU {device_uuid(device)}" if ipc
+    ipc_part = (f"cuda-ipc (GPU pool {mib} MiB, exported once) for consumers on this host and GPU "
+                f"{device_uuid(device)}" if ipc
                 else "cuda-ipc off (setting transfer_cuda_ipc)")
     return (f"transfer paths on {device}: {ipc_part}; shm-staging (device->shared pinned pool {mib} MiB->device) "
             f"for GPU consumers on this host; staging over NIXL DRAM for every other consumer; nixl-vram not "
@@ -70,36 +75,47 @@ class DevicePaths:
         self.name, self.device = name, device
         self.ipc = ipc and device.type == "cuda"
         self.pool, self._shm = pool_buffer(pool_bytes, device)
+        self._stager = Stager(self.pool, device) if self._shm is not None else None
         self._peer_pools = PeerPools() if self._shm is not None else None
-        self._copies: dict[int, torch.Tensor] = {}  # slot offset -> GPU copy offered by IPC
+        # the GPU twin of the pool (same slot offsets), exported once: a put is a device copy
+        # into it, and a consumer on this GPU keeps it open (no export or open per tensor)
+        self._gpu_pool = torch.empty(pool_bytes, dtype=torch.uint8, device=device) if self.ipc else None
+        self._pool_ipc = cuda_ipc.export(self._gpu_pool) if self.ipc else None
+        self._ipc_peers = cuda_ipc.IpcPeers() if self.ipc else None
         self._c = counters
         counters.update(dict.fromkeys(("ipc_gets", "ipc_failures", "shm_gets", "shm_failures"), 0))
         log.info("%s: %s", name, describe_paths(device, pool_bytes, self.ipc))
 
-    def offer(self, off: int, src: torch.Tensor) -> dict:
-        """The ref fields for a slot just filled from ``src`` (holding a GPU copy for IPC)."""
-        if not src.is_cuda:
-            return {}
-        ipc = None
-        if self.ipc:
-            self._copies[off] = dev = src.clone()  # own storage, lives as long as the slot
-            ipc = cuda_ipc.export(dev)
-        shm = self._shm.ref(off) if self._shm is not None else None
-        return {"on_device": True, "cuda_ipc": ipc, "host_shm": shm}
+    def stage(self, off: int, src: torch.Tensor) -> dict:
+        """Start the device→pinned copy of a CUDA tensor into slot ``off`` (not waited for: see
+        :mod:`shared.transfer.staging`) and, with CUDA IPC, its copy into the GPU pool; the ref
+        fields for it. An agent without a GPU copies it synchronously (its pool is not pinned)."""
+        if self._stager is None:
+            self.pool[off: off + src.numel()].copy_(src)
+            return {"on_device": True}
+        into = self._gpu_pool[off: off + src.numel()] if self._gpu_pool is not None else None
+        stamp, chunk = self._stager.stage(off, src, into)
+        ipc = msgspec.structs.replace(self._pool_ipc, slot_offset=off) if self._pool_ipc is not None else None
+        return {"on_device": True, "cuda_ipc": ipc, "host_shm": self._shm.ref(off), "stamp": stamp,
+                "chunk_bytes": chunk}
 
     def pull(self, ref: TensorRef, dtype: torch.dtype) -> torch.Tensor | None:
         """The tensor by CUDA IPC or from the owner's shared pinned pool; ``None``: use NIXL."""
-        if ref.cuda_ipc is not None and self.ipc and cuda_ipc.can_open(ref.cuda_ipc):
+        shm_ok = ref.on_device and self._peer_pools is not None and self._peer_pools.usable(ref.host_shm)
+        if ref.cuda_ipc is not None and self.ipc and shm_ok and cuda_ipc.can_open(ref.cuda_ipc):
             try:
-                out = cuda_ipc.open_copy(ref.cuda_ipc, ref.nbytes, dtype, ref.shape, self.device)
+                if ref.stamp:  # a staged chunk proves the owner's device copy into its GPU pool is done
+                    self._peer_pools.wait(ref.agent, ref.host_shm, ref.nbytes, ref.stamp, 1)
+                out = self._ipc_peers.copy(ref.agent, ref.cuda_ipc, ref.nbytes, dtype, ref.shape, self.device)
                 self._c["ipc_gets"] += 1
                 return out
-            except cuda_ipc.IpcError as exc:
+            except (cuda_ipc.IpcError, OSError, RuntimeError) as exc:
                 self._c["ipc_failures"] += 1
                 log.warning("%s: CUDA IPC from %s failed, trying the next path: %s", self.name, ref.agent, exc)
-        if ref.on_device and self._peer_pools is not None and self._peer_pools.usable(ref.host_shm):
+        if shm_ok:
             try:
-                out = self._peer_pools.copy_to(ref.agent, ref.host_shm, ref.nbytes, self.device)
+                out = self._peer_pools.copy_to(ref.agent, ref.host_shm, ref.nbytes, self.device, ref.stamp,
+                                               ref.chunk_bytes)
                 self._c["shm_gets"] += 1
                 return out.view(dtype).reshape(ref.shape)
             except (OSError, RuntimeError) as exc:
@@ -110,19 +126,30 @@ class DevicePaths:
     def from_pool(self, off: int, ref: TensorRef, local: bool = False) -> torch.Tensor:
         """A new uint8 tensor with the slot's bytes: on this GPU if the ref's tensor was on a GPU
         and this agent has one (pinned→device, or this agent's own GPU copy), else host memory."""
-        held = self._copies.get(off) if local else None
-        if held is not None:
-            return held.clone()
+        if local and ref.on_device and self._gpu_pool is not None:
+            return self._gpu_pool[off: off + ref.nbytes].clone()  # stream-ordered after the put's copy
+        if local and self._stager is not None:
+            self._stager.wait(off)  # our own copy into the slot may still be in flight
         src = self.pool[off: off + ref.nbytes]
         if ref.on_device and self.device.type == "cuda":
             return torch.empty(ref.nbytes, dtype=torch.uint8, device=self.device).copy_(src)
         return src.clone()
 
     def drop(self, off: int) -> None:
-        self._copies.pop(off, None)
+        """The slot is being freed: wait for a copy out of it still in flight."""
+        if self._stager is not None:
+            self._stager.drop(off)
+
+    def settle(self) -> None:
+        if self._stager is not None:
+            self._stager.settle()
 
     def close(self) -> None:
-        self._copies.clear()
+        if self._stager is not None:
+            self._stager.close()
+        if self._ipc_peers is not None:
+            self._ipc_peers.close()
+        self._gpu_pool = None
         if self._peer_pools is not None:
             self._peer_pools.close()
             self._shm.close()

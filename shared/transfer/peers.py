@@ -4,6 +4,7 @@ Contracts:
 - ``ensure`` loads a peer's metadata once (NIXL connects eagerly, ~10 ms) and checks the
   metadata really names that peer; ``forget`` drops it so a later pull reconnects instead of
   reusing a dead endpoint.
+- ``await_staged`` READs a GPU owner's staging word until the slot's bytes are all there.
 - ``read`` is one one-sided READ of a peer's descriptor into a local address, polled from the
   event loop (warm pulls finish in microseconds: yield only at first, then timed sleeps).
   Any failure (peer gone, timeout, error state) raises :class:`OwnerGoneError`. If NIXL
@@ -18,7 +19,10 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from shared.protocol import AgentRef, TensorRef
+from shared.transfer.staging import WORD_BYTES, chunks_done, n_chunks, word_offset
 from shared.transfer.tensors import OwnerGoneError
 
 log = logging.getLogger(__name__)
@@ -85,6 +89,25 @@ class Peers:
                 f"{owner.name}: {type(e).__name__}: {e}"
             ) from e
         self._release(handle, on_stuck)
+
+    async def await_staged(self, owner: AgentRef, ref: TensorRef, local_addr: int,
+                           read_local: Callable[[], tuple[int, int]],
+                           deadline: float, poll_s: float, on_stuck: Callable[[], None]) -> None:
+        """READ the owner's staging word of ``ref`` into ``local_addr`` until it says every chunk
+        is in the owner's pool (:mod:`shared.transfer.staging`); OwnerGoneError if the slot
+        holds another tensor or the deadline passes."""
+        word_ref = msgspec.structs.replace(ref, addr=ref.addr + word_offset(ref.nbytes), nbytes=WORD_BYTES)
+        need = n_chunks(ref.nbytes, ref.chunk_bytes)
+        while True:
+            await self.read(owner, word_ref, local_addr, deadline, poll_s, on_stuck)
+            done = chunks_done(read_local(), ref.stamp)
+            if done >= need:
+                return
+            why = "the slot holds another tensor" if done < 0 else (
+                "staging not done in time" if time.monotonic() > deadline else "")
+            if why:
+                raise OwnerGoneError(f"{self._name}: lease {ref.lease} of {owner.name}: {why}")
+            await asyncio.sleep(poll_s)
 
     def _release(self, handle: object, on_stuck: Callable[[], None]) -> None:
         if handle is None:

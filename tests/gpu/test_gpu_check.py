@@ -36,3 +36,18 @@ async def test_cuda_tensor_put_and_local_get_stay_on_the_device() -> None:
         assert ref.on_device and ref.cuda_ipc is not None and ref.host_shm is not None and ref.mem == "DRAM"
         back = await agent.get(agent.ref(), ref)
         assert back.device.type == "cuda" and back.dtype == torch.bfloat16 and torch.equal(back, t)
+
+
+async def test_put_returns_before_its_copy_lands_and_every_reader_gets_the_put_bytes() -> None:
+    """The device→pinned copy runs behind ``put`` from a private GPU copy: the caller may reuse
+    its tensor at once, and a local read (no CUDA IPC copy held) waits for the copy."""
+    from shared.transfer import TransferAgent
+
+    async with TransferAgent("gpu-staging-test", 160 << 20, device="cuda", cuda_ipc=False) as agent:
+        t = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
+        want = t.clone()
+        ref = agent.put(t)
+        t.zero_()  # the caller's next kernel overwrites its tensor
+        assert ref.stamp and ref.chunk_bytes and ref.cuda_ipc is None and ref.host_shm is not None
+        back = await agent.get(agent.ref(), ref)
+        assert back.device.type == "cuda" and torch.equal(back, want)

@@ -50,7 +50,7 @@ def test_ipc_handle_of_another_host_or_gpu_is_not_opened() -> None:
     assert not cuda_ipc.can_open(h)
     assert not cuda_ipc.can_open(msgspec.structs.replace(h, host=host_id()))  # no such GPU here
     with pytest.raises(cuda_ipc.IpcError):
-        cuda_ipc.open_copy(h, 8, torch.uint8, (8,))
+        cuda_ipc.IpcPeers().copy("owner", h, 8, torch.uint8, (8,))
 
 
 def test_as_bytes_takes_cpu_and_refuses_other_devices() -> None:
