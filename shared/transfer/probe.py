@@ -8,9 +8,13 @@ times, per size, the median of ``repeats`` pulls of each path and checks every b
 - ``pinned copy H2D`` / ``D2H``: the reference, torch copies between pinned host memory and
   the GPU in one process;
 - ``staging get``: the agent's NIXL DRAM READ of the peer's pinned slot + pinned→device copy;
-  ``staging end-to-end`` adds the owner's device→pinned copy (the D2H time of the same size);
 - ``shm-staging get``: the agent copying from its mapping of the peer's pinned pool to its GPU
-  (same host), and its end-to-end with the owner's D2H;
+  (same host);
+- ``staging end-to-end`` / ``shm-staging end-to-end``: a fresh ``put`` at the peer pulled at
+  once, timed from the peer's ``put`` call (the clock is the host's, shared by both) to the
+  bytes on this GPU, so the owner's device→pinned copy is in it, overlapping the pull;
+- ``... stream``: the same as throughput, 512 MiB of fresh puts pulled as each ref arrives
+  (bandwidth with one transfer's fixed costs overlapping the others' copies);
 - ``cuda-ipc get``: the agent opening the peer's IPC handle, device→device;
 - ``nixl-vram``: a raw NIXL READ of GPU memory the peer registered as VRAM (what UCX offers).
 On a CPU-only host only ``staging get`` (host pool to host pool) is measured. Frames between
@@ -46,6 +50,24 @@ class Hello(msgspec.Struct, frozen=True):
     vram_addr: int = 0
     vram_device_id: int = 0
     vram_bytes: int = 0
+
+
+class PutReq(msgspec.Struct, frozen=True):
+    """Prober → peer: put ``count`` fresh tensors of ``size_mib`` back to back, answering each
+    as its put returns (after freeing ``free_leases``)."""
+
+    size_mib: int
+    count: int = 1
+    free_leases: list[int] = []
+
+
+class PutDone(msgspec.Struct, frozen=True):
+    """Peer → prober: its ref, when the put began (``time.perf_counter``, the host's monotonic
+    clock, which both processes share) and how long the put call took."""
+
+    ref: TensorRef
+    t_start: float
+    put_s: float
 
 
 class Row(msgspec.Struct, frozen=True):
@@ -98,10 +120,12 @@ async def _peer(device: torch.device, sizes: list[int]) -> None:
     from shared.transfer.agent import TransferAgent
 
     out = frames_stdout()
-    total = sum(s * MIB for s in sizes)
-    agent = TransferAgent(f"probe-owner-{os.getpid()}", total + len(sizes) * 4096, device=device, cuda_ipc=True)
+    total = sum(s * MIB for s in sizes) + _stream_bytes(sizes)  # the resident refs + the fresh puts
+    agent = TransferAgent(f"probe-owner-{os.getpid()}", total + 4096 * (len(sizes) + 2 * _STREAM_MIB), device=device,
+                          cuda_ipc=True)
     await agent.start()
-    refs = [agent.put(_pattern(s * MIB, device, s)) for s in sizes]
+    srcs = {s: _pattern(s * MIB, device, s) for s in sizes}
+    refs = [agent.put(srcs[s]) for s in sizes]
     hello = Hello(agent.ref(), refs)
     vram = None
     if device.type == "cuda":  # raw NIXL on VRAM: what UCX does with GPU memory on this host
@@ -111,18 +135,40 @@ async def _peer(device: torch.device, sizes: list[int]) -> None:
         hello = msgspec.structs.replace(hello, vram_agent=vram.name, vram_meta=vram.get_agent_metadata(),
                                         vram_addr=src.data_ptr(), vram_device_id=device.index or 0,
                                         vram_bytes=src.numel())
-    body = msgspec.msgpack.encode(hello)
-    out.write(struct.pack("<I", len(body)) + body)
-    out.flush()
-    loop = asyncio.get_running_loop()
-    eof = loop.run_in_executor(None, sys.stdin.buffer.read)  # the prober closes stdin when done
-    while not eof.done():  # an owner must make progress for a new peer's first READ
-        if vram is not None:
+    _send(out, hello)
+
+    async def vram_progress():  # an owner must make progress for a new peer's first READ
+        while True:
             vram.get_new_notifs()
-        await asyncio.sleep(0.001)
-    if vram is not None:
+            await asyncio.sleep(0.001)
+
+    progress = asyncio.create_task(vram_progress()) if vram is not None else None
+    loop = asyncio.get_running_loop()
+    read = sys.stdin.buffer.read
+    while len(head := await loop.run_in_executor(None, read, 4)) == 4:  # the prober closes stdin when done
+        req = msgspec.msgpack.decode(await loop.run_in_executor(None, read, struct.unpack("<I", head)[0]),
+                                     type=PutReq)
+        for lease in req.free_leases:
+            agent.free_local(lease)
+        _sync(device)
+        for _ in range(req.count):
+            t0 = time.perf_counter()
+            ref = agent.put(srcs[req.size_mib])
+            _send(out, PutDone(ref, t0, time.perf_counter() - t0))
+    if progress is not None:
+        progress.cancel()
         vram.deregister_memory(reg)
     await agent.stop()
+
+
+def _stream_bytes(sizes: list[int]) -> int:
+    return max(max(2, _STREAM_MIB // s) * s for s in sizes) * MIB
+
+
+def _send(out, obj) -> None:
+    body = msgspec.msgpack.encode(obj)
+    out.write(struct.pack("<I", len(body)) + body)
+    out.flush()
 
 
 # ---------------------------------------------------------------- the prober
@@ -144,8 +190,9 @@ async def probe(device: str = "cpu", sizes_mib: tuple[int, ...] = (1, 16, 256), 
         hello = msgspec.msgpack.decode(await proc.stdout.readexactly(struct.unpack("<I", head)[0]), type=Hello)
         agent = TransferAgent(f"probe-puller-{os.getpid()}", 2 * max(sizes) * MIB, device=dev, cuda_ipc=True)
         await agent.start()
+        fresh = _Fresh(proc)
         for size, ref in zip(sizes, hello.refs, strict=True):
-            rows += await _probe_size(agent, hello, ref, size, dev, repeats)
+            rows += await _probe_size(agent, hello, fresh, ref, size, dev, repeats)
     finally:
         if agent is not None:
             await agent.stop()
@@ -159,7 +206,71 @@ async def probe(device: str = "cpu", sizes_mib: tuple[int, ...] = (1, 16, 256), 
     return rows
 
 
-async def _probe_size(agent, hello: Hello, ref: TensorRef, size: int, dev: torch.device,
+class _Fresh:
+    """The prober's line to the peer for fresh puts (each request frees the last one's)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc, self._leases = proc, []
+
+    async def ask(self, size_mib: int, count: int = 1) -> None:
+        body = msgspec.msgpack.encode(PutReq(size_mib, count, self._leases))
+        self._leases = []
+        self._proc.stdin.write(struct.pack("<I", len(body)) + body)
+        await self._proc.stdin.drain()
+
+    async def next(self) -> PutDone:
+        head = await asyncio.wait_for(self._proc.stdout.readexactly(4), 60)
+        done = msgspec.msgpack.decode(await self._proc.stdout.readexactly(struct.unpack("<I", head)[0]),
+                                      type=PutDone)
+        self._leases.append(done.ref.lease)
+        return done
+
+
+_STRIP = {"staging": {"cuda_ipc": None, "host_shm": None}, "shm-staging": {"cuda_ipc": None}}
+_STREAM_MIB = 512  # per stream: 32 x 16 MiB, 2 x 256 MiB
+
+
+async def _end_to_end(agent, hello: Hello, fresh: _Fresh, size: int, path: str, expect: torch.Tensor,
+                      repeats: int, t_h2d: float) -> Row:
+    """A fresh put at the peer, pulled at once by ``path``: from the peer's ``put`` call to the
+    bytes on this GPU, the owner's device→pinned copy included (it overlaps the pull)."""
+    times, puts, got = [], [], None
+    for _ in range(repeats + 1):  # the first warms up
+        await fresh.ask(size)
+        done = await fresh.next()
+        got = await agent.get(hello.agent, msgspec.structs.replace(done.ref, **_STRIP[path]))
+        _sync(expect.device)
+        times.append(time.perf_counter() - done.t_start)
+        puts.append(done.put_s)
+    t = statistics.median(times[1:])
+    return Row(f"{path} end-to-end (put -> get)", size, size * MIB / t / 1e9, bool(torch.equal(got, expect)),
+               f"{t_h2d / t:.0%} of pinned H2D; put returned in {statistics.median(puts[1:]) * 1e3:.2f} ms")
+
+
+async def _stream(agent, hello: Hello, fresh: _Fresh, size: int, path: str, expect: torch.Tensor,
+                  repeats: int, t_h2d: float) -> Row:
+    """Bandwidth as throughput: the peer puts ``_STREAM_MIB`` worth of fresh tensors back to
+    back and this side pulls each as its ref arrives, so one transfer's fixed costs (the put's
+    launches, the hand-off, the pull's set-up) overlap the others' copies. Timed from the first
+    put's call to the last tensor on this GPU."""
+    count = max(2, _STREAM_MIB // size)
+    times, ok = [], True
+    for _ in range(repeats + 1):  # the first warms up
+        await fresh.ask(size, count)
+        t_start = None
+        for _ in range(count):
+            done = await fresh.next()
+            t_start = done.t_start if t_start is None else t_start
+            got = await agent.get(hello.agent, msgspec.structs.replace(done.ref, **_STRIP[path]))
+            ok = ok and bool(torch.equal(got, expect))
+        _sync(expect.device)
+        times.append(time.perf_counter() - t_start)
+    t = statistics.median(times[1:]) / count
+    return Row(f"{path} stream ({count} x put -> get)", size, size * MIB / t / 1e9, ok,
+               f"{t_h2d / t:.0%} of pinned H2D")
+
+
+async def _probe_size(agent, hello: Hello, fresh: _Fresh, ref: TensorRef, size: int, dev: torch.device,
                       repeats: int) -> list[Row]:
     n = size * MIB
     expect = _pattern(n, dev, size)
@@ -190,7 +301,8 @@ async def _probe_size(agent, hello: Hello, ref: TensorRef, size: int, dev: torch
     rows.append(Row("staging get (NIXL DRAM + pinned->device)" if dev.type == "cuda" else "staging get (NIXL DRAM)",
                     size, n / t_get / 1e9, ok))
     if t_d2h is not None:
-        rows.append(Row("staging end-to-end (D2H + get)", size, n / (t_d2h + t_get) / 1e9, ok))
+        rows += [await _end_to_end(agent, hello, fresh, size, "staging", expect, repeats, t_h2d),
+                 await _stream(agent, hello, fresh, size, "staging", expect, repeats, t_h2d)]
     if ref.host_shm is not None:
         shm_ref = msgspec.structs.replace(ref, cuda_ipc=None)
         before = agent.stats()["shm_gets"]
@@ -203,7 +315,8 @@ async def _probe_size(agent, hello: Hello, ref: TensorRef, size: int, dev: torch
         ok = used and bool(torch.equal(got[0], expect))
         note = "" if used else "pool not mapped: fell back to NIXL"
         rows += [Row("shm-staging get (shared pinned pool->device)", size, n / t_shm / 1e9, ok, note),
-                 Row("shm-staging end-to-end (D2H + get)", size, n / (t_d2h + t_shm) / 1e9, ok, note)]
+                 await _end_to_end(agent, hello, fresh, size, "shm-staging", expect, repeats, t_h2d),
+                 await _stream(agent, hello, fresh, size, "shm-staging", expect, repeats, t_h2d)]
     if ref.cuda_ipc is not None:
         before = agent.stats()["ipc_gets"]
 
