@@ -41,6 +41,10 @@ class RedisKeys:
         """The request's token log (a Redis stream of ``StreamEvent`` entries)."""
         return f"{self.prefix}:stream:{request_id}"
 
+    def stream_wake(self, reader_id: str) -> str:
+        """A process's wake-up stream for its one token-stream reader (``shared.stream_mux``)."""
+        return f"{self.prefix}:stream-wake:{reader_id}"
+
     def token_seq(self, request_id: str) -> str:
         """Next delta sequence number of the request's token log: deltas are appended only at
         it (compare-and-append), so two decodes of one request never both write a token."""

@@ -28,11 +28,11 @@ def redis_kwargs(settings: Settings) -> dict:
     return kw
 
 
-# Connections per process. The gateway holds one per streaming request (its blocking XREAD on
-# the request's token stream), up to max_inflight_requests, beside doorbell rings (at most 64
-# in flight), the ingress, the ledger and the router. redis-py's own default is 100 and raises
-# past it: 40 concurrent streams plus their rings reached it. A burst past the bound waits for
-# a free connection instead of failing the request.
+# Connections per process: requests in flight each issue their own commands (admission, claims,
+# the router, doorbell rings: at most 64 in flight), bounded by max_inflight_requests; the
+# gateway's token streams share one blocking read (shared.stream_mux). redis-py's own default
+# is 100 and raises past it (40 concurrent streams, each with its own XREAD then, reached it). A
+# burst past the bound waits for a free connection instead of failing the request.
 _POOL_HEADROOM = 128
 _POOL_WAIT_S = 10.0
 

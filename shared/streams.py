@@ -3,13 +3,15 @@
 Contract: a request's stream holds ``StreamEvent`` entries in order; it ends with exactly one
 terminal event (``Finish`` or ``ErrorEvent``) in normal operation. Streams are bounded
 (``MAXLEN ~``) and expire ``ttl_s`` after the last write, so an abandoned request cannot
-grow Redis without bound. Readers resume from the last entry id they saw. Compare-and-appends
-issued in one event-loop turn (a batched decode step's sequences) go to Redis in one pipeline.
+grow Redis without bound. Readers resume from the last entry id they saw; a process's followers
+share one blocking read. Compare-and-appends issued in one event-loop turn (a batched decode
+step's sequences) go to Redis in one pipeline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -17,6 +19,7 @@ from redis.exceptions import NoScriptError
 
 from shared import protocol
 from shared.keys import RedisKeys
+from shared.stream_mux import StreamMux
 
 _FIELD = b"e"
 
@@ -34,7 +37,8 @@ return 1
 class TokenStreams:
     """Append / read request streams. One instance per process, shared by all handlers."""
 
-    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, *, maxlen: int, ttl_s: int) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, *, maxlen: int, ttl_s: int,
+                 read_block_ms: int = 1000) -> None:
         self._redis = redis
         self._keys = keys
         self._maxlen = maxlen
@@ -43,6 +47,7 @@ class TokenStreams:
         # appends waiting for the next pipeline: at most one per writer, each awaits its own
         self._batch: list[tuple[list[str], list, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
+        self._mux = StreamMux(redis, keys.stream_wake(uuid.uuid4().hex), ttl_s=ttl_s, block_ms=read_block_ms)
 
     async def append(self, request_id: str, event: protocol.StreamEvent) -> None:
         """Write one event (XADD + refresh TTL in one round trip)."""
@@ -104,21 +109,34 @@ class TokenStreams:
                 out.append((eid, protocol.decode_event(fields[_FIELD])))
         return out
 
-    async def follow(
-        self, request_id: str, *, deadline_s: float, block_ms: int = 1000
-    ) -> AsyncIterator[protocol.StreamEvent]:
+    async def follow(self, request_id: str, *, deadline_s: float) -> AsyncIterator[protocol.StreamEvent]:
         """Yield events until a terminal one; raises ``TimeoutError`` past ``deadline_s``
-        (a ``loop.time()`` value). Each delta position is yielded once: a log rewritten from
-        the start (Redis flushed between prefill's first token and decode's read of the log)
-        repeats positions the reader already has, and those are dropped."""
+        (a ``loop.time()`` value), or the reader's Redis error. Every follow of this instance
+        shares one blocking read (:class:`~shared.stream_mux.StreamMux`). Each delta position is
+        yielded once: a log rewritten from the start (Redis flushed between prefill's first token
+        and decode's read of the log) repeats positions the reader already has, and those are
+        dropped."""
         loop = asyncio.get_running_loop()
-        after = "0-0"
+        key = self._keys.token_stream(request_id)
+        sub = await self._mux.subscribe(key)
         next_seq = 0
-        while True:
-            left_ms = int((deadline_s - loop.time()) * 1000)
-            if left_ms <= 0:
-                raise TimeoutError(f"no terminal event for {request_id} before the deadline")
-            for after, event in await self.read(request_id, after_id=after, block_ms=min(block_ms, left_ms)):
+        try:
+            while True:
+                while not sub.entries:
+                    if sub.error is not None:
+                        raise sub.error
+                    left_s = deadline_s - loop.time()
+                    if left_s <= 0:
+                        raise TimeoutError(f"no terminal event for {request_id} before the deadline")
+                    sub.event.clear()
+                    if not sub.entries and sub.error is None:
+                        try:
+                            async with asyncio.timeout(left_s):
+                                await sub.event.wait()
+                        except TimeoutError:
+                            pass
+                _eid, fields = sub.entries.popleft()
+                event = protocol.decode_event(fields[_FIELD])
                 if isinstance(event, protocol.TokenDelta):
                     if event.seq < next_seq:
                         continue
@@ -126,6 +144,12 @@ class TokenStreams:
                 yield event
                 if isinstance(event, (protocol.Finish, protocol.ErrorEvent)):
                     return
+        finally:
+            self._mux.unsubscribe(key)
+
+    async def close(self) -> None:
+        """Stop the shared reader (followers still open get no more events)."""
+        await self._mux.close()
 
     async def history(self, request_id: str) -> list[protocol.StreamEvent]:
         entries = await self._redis.xrange(self._keys.token_stream(request_id))

@@ -104,6 +104,7 @@ async def _lifecycle(app: web.Application):
             await asyncio.gather(ingress_task, return_exceptions=True)
         if doorbell is not None:
             await doorbell.close()
+        await streams.close()
         await transfer.stop()
         await producer.stop()
         await redis.aclose()

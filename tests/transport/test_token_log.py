@@ -1,6 +1,6 @@
-"""The token log's compare-and-append against a real Redis: two decodes of one request (a
-redelivery racing a live worker, an attempt re-driven after a broker restart) never both write a
-position, and a flushed counter does not wedge the writer that goes on."""
+"""The token log against a real Redis: two decodes of one request (a redelivery racing a live
+worker, an attempt re-driven after a broker restart) never both write a position, a flushed
+counter does not wedge the writer that goes on, and a process's followers share one reader."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ async def test_a_log_rewritten_after_a_flush_reaches_the_reader_once(redis_url):
     try:
         assert await streams.append_delta("r3", _delta(0), position=0)
         deadline_s = asyncio.get_running_loop().time() + 10
-        follow = streams.follow("r3", deadline_s=deadline_s, block_ms=200)
+        follow = streams.follow("r3", deadline_s=deadline_s)
         first = await anext(follow)
         await redis.delete(keys.token_seq("r3"), keys.token_stream("r3"))  # what FLUSHALL does to it
         await asyncio.sleep(0.01)  # decode comes later: its entry ids are past the reader's
@@ -116,4 +116,75 @@ async def test_appends_go_on_after_redis_forgets_its_scripts(redis_url):
         assert not await streams.append_delta("s1", _delta(1), position=1)
         assert [e.seq for e in await streams.history("s1")] == [0, 1]
     finally:
+        await redis.aclose()
+
+
+def _finish(n: int) -> protocol.Finish:
+    return protocol.Finish(reason="length", usage=protocol.Usage(prompt_tokens=1, completion_tokens=n))
+
+
+async def test_followers_share_one_blocking_read(redis_url):
+    """Eight requests streaming at once: each follower gets its own events in order, and the
+    process reads them with far fewer XREADs than one per follower per step."""
+    redis = aioredis.from_url(redis_url)
+    streams = TokenStreams(redis, RedisKeys("toklog"), maxlen=1000, ttl_s=60)
+    calls = []
+    real_xread = redis.xread
+
+    async def counting_xread(*a, **kw):
+        calls.append(len(a[0]))
+        return await real_xread(*a, **kw)
+
+    redis.xread = counting_xread
+    n, steps = 8, 6
+    try:
+        deadline_s = asyncio.get_running_loop().time() + 20
+
+        async def collect(i: int) -> list:
+            return [e async for e in streams.follow(f"m{i}", deadline_s=deadline_s)]
+
+        readers = [asyncio.create_task(collect(i)) for i in range(n)]
+        await asyncio.sleep(0.1)
+        for step in range(steps):  # a batched decode step: every sequence's token in one pipeline
+            assert all(await asyncio.gather(*(streams.append_delta(f"m{i}", _delta(step), position=step)
+                                              for i in range(n))))
+            await asyncio.sleep(0.02)
+        await asyncio.gather(*(streams.append(f"m{i}", _finish(steps)) for i in range(n)))
+        got = await asyncio.wait_for(asyncio.gather(*readers), 20)
+        for events in got:
+            assert [e.seq for e in events[:-1]] == list(range(steps)) and isinstance(events[-1], protocol.Finish)
+        assert max(calls) == n + 1  # every open stream and the wake stream in one read
+        assert len(calls) < n * steps  # one XREAD per follower per step was n * steps
+    finally:
+        redis.xread = real_xread
+        await streams.close()
+        await redis.aclose()
+
+
+async def test_a_follower_joining_a_blocked_read_is_served_at_once(redis_url):
+    """The reader blocks up to its block time on the streams it has; a new follower wakes it, so
+    its first event does not wait for that block to end."""
+    redis = aioredis.from_url(redis_url)
+    streams = TokenStreams(redis, RedisKeys("toklog"), maxlen=1000, ttl_s=60, read_block_ms=30_000)
+    loop = asyncio.get_running_loop()
+    try:
+        idle = streams.follow("w-idle", deadline_s=loop.time() + 60)
+        idle_task = asyncio.create_task(anext(idle))
+        await asyncio.sleep(0.2)  # the reader now blocks on w-idle for up to 30 s
+        assert await streams.append_delta("w-new", _delta(0), position=0)
+        fresh = streams.follow("w-new", deadline_s=loop.time() + 60)
+        first = await asyncio.wait_for(anext(fresh), 10)  # far inside the 30 s block
+        assert first.seq == 0
+        await fresh.aclose()
+        idle_task.cancel()
+        await asyncio.gather(idle_task, return_exceptions=True)
+        await idle.aclose()
+        with_deadline = streams.follow("w-none", deadline_s=loop.time() + 0.3)
+        try:
+            await anext(with_deadline)
+            raise AssertionError("a stream with no events must time out")
+        except TimeoutError:
+            pass
+    finally:
+        await streams.close()
         await redis.aclose()
