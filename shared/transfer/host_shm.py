@@ -12,8 +12,8 @@ Contracts: ``SharedPool(nbytes)`` owns the memfd, the mapping and the registrati
 ``close``. ``PeerPools(max_peers)`` keeps at most ``max_peers`` mappings (least recently used is
 unregistered and unmapped first); ``copy_to(...)`` returns a new device tensor (following the
 owner's staging copy chunk by chunk) or raises ``OSError`` / ``RuntimeError`` (callers fall
-back). Slot lifetimes are the leases' business, as
-with NIXL: a consumer reads a slot only while it holds the lease that names it.
+back). Slot lifetimes are the leases' business, as with NIXL: a consumer reads a slot only while
+it holds the lease that names it.
 """
 
 from __future__ import annotations
