@@ -82,6 +82,12 @@ class RequestFailed(Exception):
                    type_="timeout_error", code="deadline_exceeded")
 
 
+class LogLost(Exception):
+    """The request's token log is gone (Redis flushed) while its writer is past position 0: the
+    writer appends its log again from position 0 (readers drop the positions they have), so a
+    delta written and flushed before anyone read it is not lost."""
+
+
 class EventSink(Protocol):
     """Where token-stream events go (Redis in production, a list in handler tests)."""
 
@@ -91,10 +97,11 @@ class EventSink(Protocol):
         """Every event written for the request so far, in order."""
         ...
 
-    async def append_delta(self, request_id: str, delta: protocol.TokenDelta, position: int) -> bool:
-        """Append ``delta`` as the log's ``position``-th delta, only if that is the next one (or
-        the log's counter is gone, e.g. Redis was flushed); False: another decode of the request
-        wrote that position first."""
+    async def append_delta(self, request_id: str, delta: protocol.StreamEvent, position: int) -> bool:
+        """Append ``delta`` (a ``TokenDelta``, or the ``Finish`` after the last one) as the log's
+        ``position``-th entry, only if that is the next one;
+        False: another decode of the request wrote that position first. Raises
+        :class:`LogLost` when the log is gone (Redis flushed) and ``position`` is past 0."""
         ...
 
 

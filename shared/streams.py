@@ -19,14 +19,20 @@ from redis.exceptions import NoScriptError
 
 from shared import protocol
 from shared.keys import RedisKeys
+from shared.stage import LogLost
 from shared.stream_mux import StreamMux
 
 _FIELD = b"e"
 
-# KEYS: stream, position counter; ARGV: position, encoded delta, maxlen, ttl_s
+# KEYS: stream, position counter; ARGV: position, encoded delta, maxlen, ttl_s.
+# 1: appended; 0: another writer has that position; 2: the log is gone (flushed) past position 0
 _APPEND_AT_SEQ = """
 local nxt = redis.call('get', KEYS[2])
-if nxt and tonumber(nxt) ~= tonumber(ARGV[1]) then return 0 end
+if nxt then
+  if tonumber(nxt) ~= tonumber(ARGV[1]) then return 0 end
+elseif tonumber(ARGV[1]) > 0 then
+  return 2
+end
 redis.call('xadd', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[2])
 redis.call('set', KEYS[2], tonumber(ARGV[1]) + 1, 'EX', ARGV[4])
 redis.call('expire', KEYS[1], ARGV[4])
@@ -57,17 +63,21 @@ class TokenStreams:
             pipe.expire(key, self._ttl_s)
             await pipe.execute()
 
-    async def append_delta(self, request_id: str, delta: protocol.TokenDelta, position: int) -> bool:
+    async def append_delta(self, request_id: str, delta: protocol.StreamEvent, position: int) -> bool:
         """Compare-and-append (one round trip): XADD ``delta`` only if ``position`` is the
-        request's next delta position (``RedisKeys.token_seq``; a missing counter, after a
-        flush, accepts any). False: another decode of the request wrote that position first.
-        Appends of one loop turn share a round trip (:meth:`_flush`)."""
+        request's next delta position (``RedisKeys.token_seq``). False: another decode of the
+        request wrote that position first. A missing counter (Redis flushed, or the log expired)
+        accepts position 0 only; past it, :class:`~shared.stage.LogLost`. Appends of one loop
+        turn share a round trip (:meth:`_flush`)."""
         fut = asyncio.get_running_loop().create_future()
         self._batch.append(([self._keys.token_stream(request_id), self._keys.token_seq(request_id)],
                             [position, protocol.encode(delta), self._maxlen, self._ttl_s], fut))
         if self._flusher is None:  # runs after the writers already woken this turn have queued theirs
             self._flusher = asyncio.create_task(self._flush(), name="token-appends")
-        return bool(await fut)
+        res = await fut
+        if res == 2:
+            raise LogLost(f"the token log of {request_id} is gone (Redis flushed?) at position {position}")
+        return bool(res)
 
     async def _flush(self) -> None:
         batch, self._batch, self._flusher = self._batch, [], None

@@ -9,6 +9,7 @@ import itertools
 import torch
 
 from shared import protocol
+from shared.stage import LogLost
 from shared.transfer import OwnerGoneError
 
 
@@ -59,6 +60,11 @@ class ListSink:
 
     def __init__(self) -> None:
         self.events: dict[str, list[protocol.StreamEvent]] = {}
+        self.lost: set[str] = set()  # logs flushed away, as FLUSHALL does in Redis
+
+    def flush(self, request_id: str) -> None:
+        self.events.pop(request_id, None)
+        self.lost.add(request_id)
 
     async def append(self, request_id: str, event: protocol.StreamEvent) -> None:
         self.events.setdefault(request_id, []).append(event)
@@ -67,6 +73,10 @@ class ListSink:
         return list(self.events.get(request_id, ()))
 
     async def append_delta(self, request_id: str, delta: protocol.TokenDelta, position: int) -> bool:
+        if request_id in self.lost:  # the counter is gone: position 0 only (RedisKeys.token_seq)
+            if position > 0:
+                raise LogLost(f"{request_id} flushed")
+            self.lost.discard(request_id)
         written = sum(isinstance(e, protocol.TokenDelta) for e in self.events.get(request_id, ()))
         if position != written:
             return False

@@ -11,7 +11,9 @@ runs again for a request (redelivery after a crash, recompute after a lost tenso
 reads the log (:func:`read_log`): a terminal event means the work is done; otherwise the
 tokens already written are forced back into the engine (``resume``) and the first
 ``skip_deltas`` deltas, which the log already holds, are regenerated but not appended again.
-Deltas are a deterministic function of the token sequence, so the client sees each once.
+Deltas are a deterministic function of the token sequence, so the client sees each once. A log
+that vanishes mid-request (Redis flushed) is written again whole from position 0 at the next
+append, since deltas the reader had not read yet went with it; the reader drops positions it has.
 
 Look-ahead: from the second token on, the engine's iterator is pulled by a task of its own, up
 to ``lookahead_tokens`` ahead of the writer, so the next decode step runs while this token's
@@ -35,7 +37,7 @@ from shared import protocol, tracing
 from shared.engines.base import SampledToken
 from shared.engines.detok import IncrementalDetokenizer, StopChecker
 from shared.engines.sampling import stop_token_set
-from shared.stage import Context, EventSink
+from shared.stage import Context, EventSink, LogLost
 from shared.tracing import path_so_far
 
 log = logging.getLogger(__name__)
@@ -97,15 +99,14 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopChecker(sampling.stop)
     generated, reason = 0, "length"
-    sent = 0
+    written: list[protocol.StreamEvent] = []  # the whole log, skipped deltas too: a lost log is written again
 
     async def _send(seq: int, token_ids: tuple[int, ...], text: str) -> None:
-        nonlocal sent
-        sent += 1
-        if sent > skip_deltas:  # the log already holds the first skip_deltas deltas
-            if not await events.append_delta(meta.request_id, _delta(seq, token_ids, text), position=sent - 1):
-                raise _Superseded(sent - 1)
-            if sent == 1:
+        written.append(_delta(seq, token_ids, text))
+        if len(written) > skip_deltas:  # the log already holds the first skip_deltas deltas
+            if not await _append(meta.request_id, events, written):
+                raise _Superseded(len(written) - 1)
+            if len(written) == 1:
                 tracing.mark_first_output()
 
     if lookahead_tokens > 0:
@@ -152,7 +153,31 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
         await stream.aclose()
         await tokens.aclose()
     usage = protocol.Usage(prompt_tokens=prompt_len, completion_tokens=generated, cached_tokens=cached_tokens)
-    await events.append(meta.request_id, protocol.Finish(reason=reason, usage=usage, spans=path_so_far(meta)))
+    # at the log's next position too: a log flushed after the last delta is written again first
+    written.append(protocol.Finish(reason=reason, usage=usage, spans=path_so_far(meta)))
+    if not await _append(meta.request_id, events, written):
+        log.info("request %s: another decode already finished its token log", meta.request_id)
+
+
+_LOG_REWRITES = 3
+
+
+async def _append(request_id: str, events: EventSink, written: list[protocol.StreamEvent]) -> bool:
+    """Append the last of ``written`` at its position; if the log is gone (Redis flushed, so
+    deltas no reader had seen may be gone with it), append the whole log again from position 0
+    first. False: another writer holds a position."""
+    position = start = len(written) - 1
+    for _ in range(_LOG_REWRITES + 1):
+        try:
+            for i in range(start, position + 1):
+                if not await events.append_delta(request_id, written[i], position=i):
+                    return False
+            return True
+        except LogLost:
+            log.warning("request %s: its token log is gone (Redis flushed?); writing its %d deltas again",
+                        request_id, position + 1)
+            start = 0
+    raise LogLost(f"the token log of {request_id} was lost {_LOG_REWRITES + 1} times while writing it")
 
 
 class _Failed:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import RedisKeys
+from shared.stage import LogLost
 from shared.streams import TokenStreams
 
 
@@ -33,7 +35,9 @@ async def test_only_the_next_position_is_written(redis_url):
         await redis.aclose()
 
 
-async def test_a_flushed_counter_accepts_the_writer_that_goes_on(redis_url):
+async def test_a_flushed_log_makes_the_writer_start_it_again(redis_url):
+    """Past position 0 a missing counter means the log went (FLUSHALL) with deltas no reader may
+    have read: the writer is told (LogLost), and position 0 is accepted again."""
     redis = aioredis.from_url(redis_url)
     keys = RedisKeys("toklog")
     streams = TokenStreams(redis, keys, maxlen=1000, ttl_s=60)
@@ -41,10 +45,12 @@ async def test_a_flushed_counter_accepts_the_writer_that_goes_on(redis_url):
         for i in range(3):
             assert await streams.append_delta("r2", _delta(i), position=i)
         await redis.delete(keys.token_seq("r2"), keys.token_stream("r2"))  # what FLUSHALL does to it
-        assert await streams.append_delta("r2", _delta(3), position=3)
+        with pytest.raises(LogLost):
+            await streams.append_delta("r2", _delta(3), position=3)
+        for i in range(4):
+            assert await streams.append_delta("r2", _delta(i), position=i)
         assert not await streams.append_delta("r2", _delta(3), position=3)
-        assert await streams.append_delta("r2", _delta(4), position=4)
-        assert [e.seq for e in await streams.history("r2")] == [3, 4]
+        assert [e.seq for e in await streams.history("r2")] == [0, 1, 2, 3]
     finally:
         await redis.aclose()
 
