@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from shared.protocol import AgentRef, TensorRef
-from shared.transfer.probe import frames_stdout
+from shared.transfer.probe import frame, frames_stdout
 
 QUESTION = "What is in the image?"
 
@@ -65,11 +65,6 @@ _IN = msgspec.msgpack.Decoder(Job | Stats)
 _OUT = msgspec.msgpack.Decoder(Done)
 
 
-def _frame(obj) -> bytes:
-    body = msgspec.msgpack.encode(obj)
-    return struct.pack("<I", len(body)) + body
-
-
 # ---------------------------------------------------------------- a stage process
 
 async def _stage(stage: str, model_dir: str, device: str, dtype: str) -> None:
@@ -83,7 +78,7 @@ async def _stage(stage: str, model_dir: str, device: str, dtype: str) -> None:
     await agent.start()
     loop = asyncio.get_running_loop()
     read = sys.stdin.buffer.read
-    out.write(_frame(Done(agent=agent.ref())))
+    out.write(frame(Done(agent=agent.ref())))
     out.flush()
     while True:
         head = await loop.run_in_executor(None, read, 4)
@@ -95,7 +90,7 @@ async def _stage(stage: str, model_dir: str, device: str, dtype: str) -> None:
                                                                                           MediaPixels)
         except Exception as exc:  # reported to the driver, which fails the check with it
             reply = Done(error=f"{stage}: {type(exc).__name__}: {exc}")
-        out.write(_frame(reply))
+        out.write(frame(reply))
         out.flush()
     await agent.stop()
 
@@ -125,7 +120,7 @@ class _Proc:
         self.proc = proc
 
     async def call(self, msg) -> Done:
-        self.proc.stdin.write(_frame(msg))
+        self.proc.stdin.write(frame(msg))
         await self.proc.stdin.drain()
         return await self.read()
 

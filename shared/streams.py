@@ -106,19 +106,6 @@ class TokenStreams:
             else:
                 fut.set_result(res)
 
-    async def read(
-        self, request_id: str, *, after_id: str = "0-0", block_ms: int = 1000
-    ) -> list[tuple[str, protocol.StreamEvent]]:
-        """Entries after ``after_id``, waiting up to ``block_ms`` for the first one."""
-        key = self._keys.token_stream(request_id)
-        reply = await self._redis.xread({key: after_id}, block=block_ms, count=256)
-        out: list[tuple[str, protocol.StreamEvent]] = []
-        for _key, entries in reply or ():
-            for entry_id, fields in entries:
-                eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                out.append((eid, protocol.decode_event(fields[_FIELD])))
-        return out
-
     async def follow(self, request_id: str, *, deadline_s: float) -> AsyncIterator[protocol.StreamEvent]:
         """Yield events until a terminal one; raises ``TimeoutError`` past ``deadline_s``
         (a ``loop.time()`` value), or the reader's Redis error. Every follow of this instance
@@ -138,13 +125,12 @@ class TokenStreams:
                     left_s = deadline_s - loop.time()
                     if left_s <= 0:
                         raise TimeoutError(f"no terminal event for {request_id} before the deadline")
-                    sub.event.clear()
-                    if not sub.entries and sub.error is None:
-                        try:
-                            async with asyncio.timeout(left_s):
-                                await sub.event.wait()
-                        except TimeoutError:
-                            pass
+                    sub.event.clear()  # nothing can arrive between the checks above and the wait
+                    try:
+                        async with asyncio.timeout(left_s):
+                            await sub.event.wait()
+                    except TimeoutError:
+                        pass
                 _eid, fields = sub.entries.popleft()
                 event = protocol.decode_event(fields[_FIELD])
                 if isinstance(event, protocol.TokenDelta):

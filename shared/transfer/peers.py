@@ -103,10 +103,10 @@ class Peers:
             done = chunks_done(read_local(), ref.stamp)
             if done >= need:
                 return
-            why = "the slot holds another tensor" if done < 0 else (
-                "staging not done in time" if time.monotonic() > deadline else "")
-            if why:
-                raise OwnerGoneError(f"{self._name}: lease {ref.lease} of {owner.name}: {why}")
+            if done < 0:
+                raise OwnerGoneError(f"{self._name}: lease {ref.lease} of {owner.name}: the slot holds another tensor")
+            if time.monotonic() > deadline:
+                raise OwnerGoneError(f"{self._name}: lease {ref.lease} of {owner.name}: staging not done in time")
             await asyncio.sleep(poll_s)
 
     def _release(self, handle: object, on_stuck: Callable[[], None]) -> None:

@@ -135,7 +135,8 @@ async def _peer(device: torch.device, sizes: list[int]) -> None:
         hello = msgspec.structs.replace(hello, vram_agent=vram.name, vram_meta=vram.get_agent_metadata(),
                                         vram_addr=src.data_ptr(), vram_device_id=device.index or 0,
                                         vram_bytes=src.numel())
-    _send(out, hello)
+    out.write(frame(hello))
+    out.flush()
 
     async def vram_progress():  # an owner must make progress for a new peer's first READ
         while True:
@@ -154,7 +155,8 @@ async def _peer(device: torch.device, sizes: list[int]) -> None:
         for _ in range(req.count):
             t0 = time.perf_counter()
             ref = agent.put(srcs[req.size_mib])
-            _send(out, PutDone(ref, t0, time.perf_counter() - t0))
+            out.write(frame(PutDone(ref, t0, time.perf_counter() - t0)))
+            out.flush()
     if progress is not None:
         progress.cancel()
         vram.deregister_memory(reg)
@@ -165,10 +167,15 @@ def _stream_bytes(sizes: list[int]) -> int:
     return max(max(2, _STREAM_MIB // s) * s for s in sizes) * MIB
 
 
-def _send(out, obj) -> None:
+def frame(obj) -> bytes:
+    """A length-prefixed msgpack frame (the probe's and the GPU check's pipes)."""
     body = msgspec.msgpack.encode(obj)
-    out.write(struct.pack("<I", len(body)) + body)
-    out.flush()
+    return struct.pack("<I", len(body)) + body
+
+
+async def read_frame(stream: asyncio.StreamReader, type_, timeout_s: float):
+    head = await asyncio.wait_for(stream.readexactly(4), timeout_s)
+    return msgspec.msgpack.decode(await stream.readexactly(struct.unpack("<I", head)[0]), type=type_)
 
 
 # ---------------------------------------------------------------- the prober
@@ -186,8 +193,7 @@ async def probe(device: str = "cpu", sizes_mib: tuple[int, ...] = (1, 16, 256), 
     rows: list[Row] = []
     agent = None
     try:
-        head = await asyncio.wait_for(proc.stdout.readexactly(4), 120)
-        hello = msgspec.msgpack.decode(await proc.stdout.readexactly(struct.unpack("<I", head)[0]), type=Hello)
+        hello = await read_frame(proc.stdout, Hello, 120)
         agent = TransferAgent(f"probe-puller-{os.getpid()}", 2 * max(sizes) * MIB, device=dev, cuda_ipc=True)
         await agent.start()
         fresh = _Fresh(proc)
@@ -213,15 +219,12 @@ class _Fresh:
         self._proc, self._leases = proc, []
 
     async def ask(self, size_mib: int, count: int = 1) -> None:
-        body = msgspec.msgpack.encode(PutReq(size_mib, count, self._leases))
+        self._proc.stdin.write(frame(PutReq(size_mib, count, self._leases)))
         self._leases = []
-        self._proc.stdin.write(struct.pack("<I", len(body)) + body)
         await self._proc.stdin.drain()
 
     async def next(self) -> PutDone:
-        head = await asyncio.wait_for(self._proc.stdout.readexactly(4), 60)
-        done = msgspec.msgpack.decode(await self._proc.stdout.readexactly(struct.unpack("<I", head)[0]),
-                                      type=PutDone)
+        done = await read_frame(self._proc.stdout, PutDone, 60)
         self._leases.append(done.ref.lease)
         return done
 

@@ -134,10 +134,6 @@ class Stager:
         self.wait(off)
         self._pending.pop(off, None)
 
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
-
     def close(self) -> None:
         self._stream.synchronize()
         self._pending.clear()
