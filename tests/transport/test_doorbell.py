@@ -55,23 +55,26 @@ async def _consume(settings, topic, bell, got: list, fetches: list):
         await consumer.stop()
 
 
-async def _warm_up(producer, topic: str, pub: Doorbell, got: list, task: asyncio.Task) -> None:
+async def _warm_up(producer, topic: str, pub: Doorbell, got: list, task: asyncio.Task,
+                   sub: Doorbell | None = None) -> None:
     """Produce a first record and ring until the consumer has it (the consumer's start takes
-    seconds on tansu)."""
+    seconds on tansu) and, given ``sub``, until its subscription has heard a ring: the consumer's
+    first fetch can get the record before the subscriber's SUBSCRIBE is in, and a ring sent
+    before then reaches no one (one CI run lost the test's only ring that way, on a loaded machine)."""
     await producer.send_and_wait(topic, b"warm")
     deadline = time.monotonic() + 30
-    while not got:
-        assert time.monotonic() < deadline, "no record after 30 s of rings"
+    while not got or (sub is not None and not sub.rings_heard):
+        assert time.monotonic() < deadline, f"after 30 s of rings: {len(got)} records, {sub and sub.rings_heard} heard"
         if task.done():
             task.result()
         pub.ring(topic)
         await asyncio.sleep(0.1)
 
 
-async def _until(pred, timeout_s: float) -> None:
+async def _until(pred, timeout_s: float, why=lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
+        assert time.monotonic() < deadline, f"condition not reached in time {why()}"
         await asyncio.sleep(0.02)
 
 
@@ -82,7 +85,7 @@ async def test_ring_wakes_an_idle_consumer_and_no_ring_waits_the_interval(bell_e
     got, fetches = [], []
     task = asyncio.create_task(_consume(settings, topic, sub, got, fetches))
     try:
-        await _warm_up(producer, topic, pub, got, task)
+        await _warm_up(producer, topic, pub, got, task, sub)
         await asyncio.sleep(0.5)
         idle_fetches = len(fetches)
         await asyncio.sleep(1.0)
@@ -91,9 +94,10 @@ async def test_ring_wakes_an_idle_consumer_and_no_ring_waits_the_interval(bell_e
         await producer.send_and_wait(topic, b"unrung")
         await asyncio.sleep(1.0)
         assert [v for v, _ in got] == [b"warm"], "a record was fetched without a ring before the idle interval"
-        rung_at = time.monotonic()
+        rung_at, heard, fetched = time.monotonic(), sub.rings_heard, len(fetches)
         pub.ring(topic)
-        await _until(lambda: len(got) == 2, 10)
+        await _until(lambda: len(got) == 2, 10,
+                     lambda: f"rings heard {sub.rings_heard - heard}, fetches {len(fetches) - fetched} since the ring")
         assert got[1][0] == b"unrung" and got[1][1] - rung_at < 10
         assert sub.rings_heard >= 1 and pub.rings_sent >= 1
     finally:
