@@ -63,7 +63,7 @@ class Stack:
 
     def build(self, compute, states: list) -> None:
         """Stack ``states``' own caches, left-padded to the longest."""
-        from transformers import DynamicCache
+        from shared.engines.kv_grow import growing_cache
 
         lens = [state.cache.get_seq_length() for state in states]
         width = max(lens)
@@ -81,7 +81,7 @@ class Stack:
             layers.append((torch.cat(ks), torch.cat(vs)))
         self.members, self.lens = list(states), lens
         self.builds += 1
-        self.cache = DynamicCache(ddp_cache_data=layers, config=compute.cache_config)
+        self.cache = growing_cache(compute.cache_config, layers)
 
 
 @torch.inference_mode()

@@ -22,10 +22,10 @@ def unpack_kv(kv_packed: torch.Tensor, expected: tuple[int, int, int, int, int],
     """The packed tensor → a ``DynamicCache`` for ``config`` (its text config) on the model's
     ``device`` / ``dtype``; ``expected``: the shape it must have, ``(layers, 2, kv_heads, seq,
     head_dim)`` (ValueError otherwise)."""
-    from transformers import DynamicCache
+    from shared.engines.kv_grow import growing_cache
 
     if tuple(kv_packed.shape) != expected:
         raise ValueError(f"packed KV shape {tuple(kv_packed.shape)} != {expected}")
     kv = kv_packed.to(device, dtype)
-    layers = [(kv[i, 0].unsqueeze(0).clone(), kv[i, 1].unsqueeze(0).clone()) for i in range(expected[0])]
-    return DynamicCache(ddp_cache_data=layers, config=config)
+    # decode appends to this cache a position a step: its layers grow in place (one copy here)
+    return growing_cache(config, [(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(expected[0])])
