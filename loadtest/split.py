@@ -9,7 +9,10 @@ What it measures (model compute only: no image decode/resize, no HTTP, no fleet)
 - ``decode``: one token appended to that prompt's KV cache, mean over ``--decode-tokens`` steps;
 - ``long_prefill``: the LM over a ``--long-tokens`` multi-turn prompt (earlier turns' images
   come from prefill's embedding cache, only the newest is encoded): ``long_prefill_share =
-  long_prefill / (encode + long_prefill)``.
+  long_prefill / (encode + long_prefill)``;
+- ``suffix_prefill``: the same long prompt with its first ``--cached-tokens`` positions' KV
+  already cached (a follow-up turn that hits its prefix), ``long_over_suffix = long_prefill /
+  suffix_prefill``: what a prefix hit saves in compute, i.e. the most KV-aware routing can win.
 Every figure is measured ``--repeats`` times, the parts interleaved, and the ratios are taken
 per repeat (a shared machine's load moves absolute times several-fold, ratios much less); the
 median and the range are reported.
@@ -17,7 +20,9 @@ median and the range are reported.
 ``--model-dir`` / ``--demo-model`` measure a built model (float32, CPU, 1 torch thread: what a
 fleet worker runs); ``--arch qwen2-vl-2b`` builds Qwen2-VL-2B's real shapes with random
 weights (no download; weights do not change the cost) on ``--device`` (``cuda``: bf16) — the
-proportions the bench model is meant to mimic.
+proportions the bench model is meant to mimic; ``--layers N`` builds only N language and N vision
+layers of those shapes (every layer costs the same, so per-layer ratios such as
+``long_over_suffix`` hold; absolute times and shares do not).
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-side", type=int, default=448)
     p.add_argument("--text-tokens", type=int, default=64)
     p.add_argument("--long-tokens", type=int, default=2048)
+    p.add_argument("--cached-tokens", type=int, default=1536,
+                   help="of the long prompt, positions whose KV is cached for the suffix prefill (0: skip it)")
+    p.add_argument("--layers", type=int, help="with --arch: build only this many LM and vision layers")
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -63,9 +71,12 @@ def _load(args):
 
     if args.arch:
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        cfg = {**ARCH_2B, "text_config": dict(ARCH_2B["text_config"]), "vision_config": dict(ARCH_2B["vision_config"])}
+        if args.layers:
+            cfg["text_config"]["num_hidden_layers"] = cfg["vision_config"]["depth"] = args.layers
         with torch.device(args.device):
-            model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**ARCH_2B)).to(dtype)
-        return model.eval(), args.arch
+            model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**cfg)).to(dtype)
+        return model.eval(), args.arch + (f" ({args.layers} layers)" if args.layers else "")
     path = args.model_dir
     if not path:
         from shared.models.registry import resolve_model_path
@@ -77,7 +88,7 @@ def _load(args):
 
 
 def measure(model, *, device: str, image_side: int, text_tokens: int, long_tokens: int, decode_tokens: int,
-            repeats: int) -> dict:
+            repeats: int, cached_tokens: int = 0) -> dict:
     """Times in ms per repeat (see the module contract); ``model`` is a Qwen2VLForConditionalGeneration."""
     from transformers import DynamicCache
 
@@ -103,11 +114,17 @@ def measure(model, *, device: str, image_side: int, text_tokens: int, long_token
         sync()
         return (time.perf_counter() - t) * 1e3, out
 
-    def prefill(embeds):
+    def prefill(embeds, cache=None, start=0):
         n = embeds.shape[1]
-        pos = torch.arange(n, device=device).view(1, 1, -1).expand(4, 1, -1)
-        return model(inputs_embeds=embeds, position_ids=pos, past_key_values=DynamicCache(config=model.config),
+        pos = torch.arange(start, start + n, device=device).view(1, 1, -1).expand(4, 1, -1)
+        return model(inputs_embeds=embeds, position_ids=pos,
+                     past_key_values=cache if cache is not None else DynamicCache(config=model.config),
                      use_cache=True, logits_to_keep=1)
+
+    def cached_prefix():  # the long prompt's first cached_tokens positions, computed untimed
+        cache = DynamicCache(config=model.config)
+        prefill(long[:, :cached_tokens], cache)
+        return cache
 
     def decode(cache, n0):
         for i in range(decode_tokens):
@@ -122,9 +139,14 @@ def measure(model, *, device: str, image_side: int, text_tokens: int, long_token
             pre, out = timed(lambda: prefill(short))
             dec, _ = timed(lambda cache=out.past_key_values: decode(cache, short.shape[1]))
             lpre, _ = timed(lambda: prefill(long))
+            run = {"encode_ms": enc, "prefill_ms": pre, "decode_ms_per_token": dec / decode_tokens,
+                   "long_prefill_ms": lpre}
+            if 0 < cached_tokens < long_tokens:
+                run["suffix_prefill_ms"], _ = timed(lambda c=cached_prefix(): prefill(long[:, cached_tokens:], c,
+                                                                                     cached_tokens))
+                run["long_over_suffix"] = lpre / run["suffix_prefill_ms"]
             if r:
-                runs.append({"encode_ms": enc, "prefill_ms": pre, "decode_ms_per_token": dec / decode_tokens,
-                             "long_prefill_ms": lpre})
+                runs.append(run)
     for x in runs:
         x["ttft_ms"] = x["encode_ms"] + x["prefill_ms"]
         x["encode_share"] = x["encode_ms"] / x["ttft_ms"]
@@ -135,7 +157,8 @@ def measure(model, *, device: str, image_side: int, text_tokens: int, long_token
     params = {"vision": sum(p.numel() for n, p in model.named_parameters() if "visual" in n),
               "language": sum(p.numel() for n, p in model.named_parameters() if "visual" not in n)}
     return {"image_side": image_side, "image_tokens": image_tokens, "prompt_tokens": short.shape[1],
-            "long_tokens": long_tokens, "decode_tokens": decode_tokens, "repeats": repeats,
+            "long_tokens": long_tokens, "cached_tokens": cached_tokens if "long_over_suffix" in summary else 0,
+            "decode_tokens": decode_tokens, "repeats": repeats,
             "params": params, "summary": summary, "runs": runs}
 
 
@@ -168,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model, name = _load(args)
     res = measure(model, device=args.device, image_side=args.image_side, text_tokens=args.text_tokens,
-                  long_tokens=args.long_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats)
+                  long_tokens=args.long_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats,
+                  cached_tokens=args.cached_tokens)
     res["model"], res["device"] = name, args.device
     if args.json:
         print(json.dumps(res, indent=1))
@@ -177,6 +201,13 @@ def run(args: argparse.Namespace) -> int:
               f"{args.long_tokens}-token prefill; median (min–max) of {args.repeats}\n")
         print(header(args.long_tokens))
         print(markdown(name.rsplit("/", 1)[-1], args.device, res))
+        if res["cached_tokens"]:
+            s = res["summary"]
+            print(f"\nthe {args.long_tokens}-token prompt with its first {res['cached_tokens']} positions cached: "
+                  f"{s['suffix_prefill_ms']['median']:.1f} ms ({s['suffix_prefill_ms']['min']:.1f}–"
+                  f"{s['suffix_prefill_ms']['max']:.1f}); full ÷ cached-suffix prefill "
+                  f"{s['long_over_suffix']['median']:.2f} ({s['long_over_suffix']['min']:.2f}–"
+                  f"{s['long_over_suffix']['max']:.2f})")
     return 0
 
 
