@@ -2,7 +2,7 @@
 
 transformers' ``DynamicLayer.update`` appends with ``torch.cat``: every decode step copies the
 whole context's keys and values, per layer (at 2-3k-token contexts that copy was ~9 % of a
-decode worker's samples, README "KV routing"). Contract:
+decode worker's samples, README "Fleet overhead"). Contract:
 - :class:`GrowingLayer` is a ``DynamicLayer`` whose ``keys`` / ``values`` are views of buffers
   with spare room; ``update`` writes the new positions into the room and returns the views, so
   a step copies only its own positions. When the room is used up the buffers are reallocated
@@ -23,41 +23,42 @@ MIN_ROOM = 64  # positions
 
 
 class GrowingLayer(DynamicLayer):
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self._kbuf: torch.Tensor | None = None
-        self._vbuf: torch.Tensor | None = None
+    # keys / values are properties: one assigned from outside (a batch's view, a crop) drops
+    # the buffers, so a stale buffer is neither written into nor kept alive
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._keys
 
-    def _owned(self) -> bool:
-        """True when ``keys`` / ``values`` are still the views this layer handed out."""
-        kb = self._kbuf
-        return (kb is not None and self.keys is not None and self.keys.data_ptr() == kb.data_ptr()
-                and self.keys.shape[:2] == kb.shape[:2] and self.keys.shape[-1] == kb.shape[-1]
-                and self.values.data_ptr() == self._vbuf.data_ptr() and self.keys.stride() == kb.stride())
+    @keys.setter
+    def keys(self, t: torch.Tensor | None) -> None:
+        self._keys, self._kbuf = t, None
 
-    def _reserve(self, keys: torch.Tensor, values: torch.Tensor, need: int) -> None:
-        """New buffers for ``need`` positions plus room, holding ``keys`` / ``values``."""
-        n = keys.shape[-2]
-        cap = need + max(MIN_ROOM, need // 4)
-        b, h, _, d = keys.shape
-        self._kbuf = keys.new_empty((b, h, cap, d))
-        self._vbuf = values.new_empty((b, values.shape[1], cap, values.shape[-1]))
-        self._kbuf[:, :, :n].copy_(keys)
-        self._vbuf[:, :, :n].copy_(values)
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._values
+
+    @values.setter
+    def values(self, t: torch.Tensor | None) -> None:
+        self._values, self._vbuf = t, None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        empty = self.keys is None or self.keys.dim() != 4 or self.keys.numel() == 0
-        keys = key_states[:, :, :0] if empty else self.keys
-        values = value_states[:, :, :0] if empty else self.values
-        n, add = keys.shape[-2], key_states.shape[-2]
-        if not (self._owned() and not empty) or n + add > self._kbuf.shape[-2]:
-            self._reserve(keys, values, n + add)
-        self._kbuf[:, :, n:n + add].copy_(key_states)
-        self._vbuf[:, :, n:n + add].copy_(value_states)
-        self.keys, self.values = self._kbuf[:, :, :n + add], self._vbuf[:, :, :n + add]
-        return self.keys, self.values
+        empty = self._keys is None or self._keys.dim() != 4 or self._keys.numel() == 0
+        keys = key_states[:, :, :0] if empty else self._keys
+        values = value_states[:, :, :0] if empty else self._values
+        n, need = keys.shape[-2], keys.shape[-2] + key_states.shape[-2]
+        kb, vb = self._kbuf, self._vbuf
+        if kb is None or vb is None or need > kb.shape[-2]:  # no room (or views from outside): reallocate
+            cap = need + max(MIN_ROOM, need // 4)
+            kb = keys.new_empty((*keys.shape[:2], cap, keys.shape[-1]))
+            vb = values.new_empty((*values.shape[:2], cap, values.shape[-1]))
+            kb[:, :, :n].copy_(keys)
+            vb[:, :, :n].copy_(values)
+        kb[:, :, n:need].copy_(key_states)
+        vb[:, :, n:need].copy_(value_states)
+        self._keys, self._values, self._kbuf, self._vbuf = kb[:, :, :need], vb[:, :, :need], kb, vb
+        return self._keys, self._values
 
 
 def growing_cache(config, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:

@@ -41,6 +41,7 @@ def test_views_set_from_outside_are_adopted_not_written_through():
     outer_k, outer_v = _kv(3, 20, 1)
     keep_k, keep_v = outer_k.clone(), outer_v.clone()
     layer.keys, layer.values = outer_k[1:2, :, 5:], outer_v[1:2, :, 5:]  # as Stack.write_back does
+    assert layer._kbuf is None and layer._vbuf is None  # its own buffers are let go at once
     new_k, new_v = _kv(1, 1, 2)
     k, v = layer.update(new_k, new_v)
     assert torch.equal(k, torch.cat([keep_k[1:2, :, 5:], new_k], dim=2))
