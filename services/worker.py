@@ -124,7 +124,8 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         os.environ.update(hostaddr.ucx_env(settings))
         transfer = TransferAgent(worker_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms,
                                  host=hostaddr.advertise_host(settings), device=placement.device,
-                                 cuda_ipc=settings.transfer_cuda_ipc)
+                                 cuda_ipc=settings.transfer_cuda_ipc,
+                                 progress_wake_ms=settings.nixl_progress_wake_ms)
         await stack.enter_async_context(transfer)
         metrics.watch_pool(transfer)
         streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,

@@ -298,6 +298,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     advertise_host: Annotated[str, _d("address other hosts reach this process at (liveness records, metrics URL, "
                                       "NIXL peer host); empty: metrics_host unless a wildcard, else the host "
                                       "name")] = ""
+    nixl_progress_wake_ms: Annotated[int, _d("NIXL's progress thread sleeps on UCX's event fd, waking at least "
+                                             "this often; 0: no thread, Python polls (1 ms after puts)")] = 100
     nixl_net_devices: Annotated[str, _d("UCX network devices NIXL may use (UCX_NET_DEVICES, e.g. eth0); empty: "
                                         "the device holding advertise_host when that is set, else UCX's "
                                         "choice")] = ""

@@ -74,7 +74,8 @@ async def _lifecycle(app: web.Application):
     auth = Authenticator(settings, redis, keys)
     gateway_id = app[GATEWAY_ID]
     transfer = TransferAgent(gateway_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms,
-                             host=hostaddr.advertise_host(settings, settings.gateway_host))
+                             host=hostaddr.advertise_host(settings, settings.gateway_host),
+                             progress_wake_ms=settings.nixl_progress_wake_ms)
     await producer.start()
     await transfer.start()
     metrics.watch_pool(transfer)

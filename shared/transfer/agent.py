@@ -23,10 +23,11 @@ Contracts:
 - Any failure to pull (peer SIGKILLed, unreachable, timeout, NIXL error state) raises
   :class:`OwnerGoneError`: "recompute from the source". A READ of an expired CPU lease is NOT
   detectable by the puller (one-sided), so TTLs must exceed the worst consumer delay.
-- Not thread-safe: every method runs on the event loop thread that called ``start``. NIXL is
-  created without its progress thread (it busy-spins a core); the ``start``-ed progress task
-  drives notifications and lease expiry instead, and it must be running for peers' READs of
-  this pool to complete.
+- Not thread-safe: every method runs on the event loop thread that called ``start``. NIXL's
+  own progress thread (``progress_wake_ms`` > 0) sleeps on UCX's event fd and serves peers'
+  READs (:mod:`shared.transfer.nixl_thread`); the ``start``-ed progress task handles
+  notifications and lease expiry. With ``progress_wake_ms = 0`` there is no thread and that
+  task must also drive NIXL for peers' READs of this pool to complete.
 - Blocking calls: ``add_remote_agent`` (first contact with a peer) connects eagerly, ~10 ms;
   a loopback DRAM READ copies inside ``transfer()`` (UCX cma), ~0.1 ms per MiB.
 """
@@ -42,14 +43,10 @@ import msgspec
 import numpy as np
 import torch
 
-try:  # the meta package's import path, else the variant wheel the project pins
-    from nixl._api import nixl_agent, nixl_agent_config
-except ImportError:
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
-
 from shared import metrics
 from shared.protocol import AgentRef, TensorRef
 from shared.transfer.leases import SlotHolders
+from shared.transfer.nixl_thread import make_agent
 from shared.transfer.paths import DevicePaths
 from shared.transfer.peers import Peers
 from shared.transfer.pool import SlotAllocator
@@ -78,16 +75,17 @@ class TransferAgent:
     def __init__(
         self, name: str, pool_bytes: int, *, lease_ttl_ms: int = 60_000,
         fast_poll_ms: float = 1.0, idle_poll_ms: float = 20.0, fast_window_ms: float = 1_000,
-        xfer_timeout_ms: int = 10_000,
+        xfer_timeout_ms: int = 10_000, progress_wake_ms: int = 100,
         align_bytes: int = 64, nixl_log_level: int | None = logging.WARNING, host: str = "",
         device: str | torch.device = "cpu", cuda_ipc: bool = True,
     ) -> None:
         """``name`` must be unique across the fleet (e.g. stage-host-pid-random).
         ``xfer_timeout_ms`` bounds a ``get`` (staging wait + transfer) unless overridden.
-        Polling is fast (``fast_poll_ms``) while a transfer is in flight or for
-        ``fast_window_ms`` after a ``put``: an owner's progress is needed only while a NEW peer
-        connects (its first READ), and a consumer usually reads within that window. Polling
-        every 1 ms for a lease's whole life cost ~10 % of a core per process, measured here.
+        ``progress_wake_ms`` > 0: NIXL's event-driven progress thread serves peers' READs, so
+        Python polls fast (``fast_poll_ms``) only while a transfer is in flight or a slot is
+        awaited. 0: no thread; Python polling drives NIXL too, so it is also fast for
+        ``fast_window_ms`` after a ``put`` (a peer's READ waits for the owner's progress on
+        this host); polling every 1 ms for a lease's whole life cost ~10 % of a core.
         ``nixl_log_level``: nixl's Python logger prints INFO lines to *stdout*; this sets
         the ``nixl`` logger's level (``None`` leaves it alone). ``host``: this process's
         advertised host, carried in :meth:`ref`; READs from a peer with another host are
@@ -108,7 +106,9 @@ class TransferAgent:
         self._tbuf = self._dev.pool  # uint8, page aligned; pinned and shared on a GPU
         self._base = int(self._tbuf.data_ptr())
         self._alloc = SlotAllocator(pool_bytes, align_bytes)
-        self._nixl = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+        self._nixl, threaded = make_agent(name, wake_ms=progress_wake_ms)
+        if threaded:  # the thread serves peers' READs: no need to poll fast after a put
+            self._fast_window_s = 0.0
         self._reg = self._nixl.register_memory(
             np.array([[self._base, pool_bytes, 0]], dtype=np.uint64), "DRAM"
         )
@@ -407,5 +407,7 @@ class TransferAgent:
         self._expire(time.monotonic())
 
     def _busy(self) -> bool:
-        """Poll fast while a transfer is in flight or shortly after a put (see ``__init__``)."""
-        return self._inflight > 0 or (bool(self._leases) and time.monotonic() - self._last_put < self._fast_window_s)
+        """Poll fast while a transfer is in flight, a slot is awaited (releases free it), or
+        shortly after a put (see ``__init__``)."""
+        return (self._inflight > 0 or self._space_event is not None
+                or (bool(self._leases) and time.monotonic() - self._last_put < self._fast_window_s))

@@ -100,9 +100,9 @@ async def _median_s(fn: Callable[[], Awaitable[object]], repeats: int, device: t
 
 
 def _nixl_agent(name: str):
-    from shared.transfer.agent import nixl_agent, nixl_agent_config
+    from shared.transfer.nixl_thread import make_agent
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+    return make_agent(name, wake_ms=0)[0]  # the probe polls its raw VRAM agents itself
 
 
 # ---------------------------------------------------------------- the peer (owner) process

@@ -60,10 +60,12 @@ class Owner:
 
 
 @asynccontextmanager
-async def owner_process(sizes: list[int], ttl_ms: int = 60_000) -> AsyncIterator[tuple[Owner, Hello]]:
+async def owner_process(sizes: list[int], ttl_ms: int = 60_000,
+                        wake_ms: int | None = None) -> AsyncIterator[tuple[Owner, Hello]]:
+    quiet = [] if wake_ms is None else [str(wake_ms)]  # see owner_proc: only NIXL's thread progresses
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.transport.owner_proc",
-        uniq("owner"), str(16 << 20), str(ttl_ms), ",".join(map(str, sizes)),
+        uniq("owner"), str(16 << 20), str(ttl_ms), ",".join(map(str, sizes)), *quiet,
         cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
     )
     try:
@@ -115,6 +117,22 @@ async def test_remote_get_exact_bytes_then_release() -> None:
             assert after["leases_outstanding"] == 1
             assert after["released_leases"] == 2  # the unknown id was ignored
             assert after["used_bytes"] == before["used_bytes"] - KIB4 - MIB4
+
+
+@pytest.mark.asyncio
+async def test_progress_thread_serves_reads_while_owner_python_sleeps() -> None:
+    """NIXL's event-driven progress thread answers peers' READs with nothing polling from the
+    owner's Python; without the thread the same quiet owner never serves one (the control)."""
+    async with owner_process([KIB4, MIB4], wake_ms=100) as (_owner, hello):
+        async with TransferAgent(uniq("consumer"), 8 << 20) as xa:
+            for _ in range(5):
+                for i, n in enumerate((KIB4, MIB4)):
+                    t = await xa.get(hello.agent, hello.refs[i], timeout_ms=5_000)
+                    assert torch.equal(t, expected_tensor(n, i))
+    async with owner_process([KIB4], wake_ms=0) as (_owner, hello):
+        async with TransferAgent(uniq("consumer"), 1 << 20) as xa:
+            with pytest.raises(OwnerGoneError):
+                await xa.get(hello.agent, hello.refs[0], timeout_ms=1_500)
 
 
 @pytest.mark.asyncio
