@@ -10,7 +10,6 @@ holds them to that).
 
 from __future__ import annotations
 
-import base64
 import binascii
 import re
 from collections.abc import Iterable
@@ -99,13 +98,14 @@ def decode_data_url(url: str, *, allowed_mime: frozenset[str], max_bytes: int, p
                          code="media_too_large")
     if not payload:
         raise MediaError(f"{param}: data URL is empty")
-    bad = _NON_B64.search(payload)
-    if bad:
-        raise MediaError(f"{param}: invalid base64 in data URL: character {bad.group()!r} at offset {bad.start()}; "
-                         "use standard base64 (A-Z a-z 0-9 + /, '=' padding) without whitespace")
-    try:
-        raw = base64.b64decode(payload, validate=True)
+    try:  # one strict pass; the payload is scanned for the bad character only when it fails
+        raw = binascii.a2b_base64(payload, strict_mode=True)
     except (binascii.Error, ValueError) as exc:
+        bad = _NON_B64.search(payload)
+        if bad:
+            raise MediaError(f"{param}: invalid base64 in data URL: character {bad.group()!r} at offset "
+                             f"{bad.start()}; use standard base64 (A-Z a-z 0-9 + /, '=' padding) without "
+                             "whitespace") from None
         raise MediaError(f"{param}: invalid base64 in data URL ({exc}); the length must be a multiple of 4, "
                          "padded with '='") from None
     if not raw:
