@@ -4,7 +4,8 @@ sample the first token, keep the KV cache in this worker's pool and send its des
 In: ``PrefillRequest`` (text-only requests come straight from the gateway with no items).
 Out: ``DecodeRequest`` on ``mm.decode``; releases encode's embedding slots once produced.
 The first token goes into the request's stream here, before the hand-off (``write_first_delta``:
-decode resumes after it), so TTFT does not wait for the decode hop and the KV pull.
+decode resumes after it), so TTFT does not wait for the decode hop and the KV pull, nor for the
+prefix cache keeping the prompt's blocks.
 Needs an engine that exports KV (``capabilities.kv_export``): as a packed tensor put in this
 worker's pool, or (``capabilities.remote_kv``, vLLM) left in the engine with its descriptor in
 ``DecodeRequest.engine_kv``.
@@ -94,6 +95,7 @@ class PrefillHandler:
             else:
                 out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling,
                                                  prefix_kv=lookup.prefix_kv)
+        await self._first_delta(ctx, meta, out)  # the client's first token before the cache bookkeeping
         events = self._prefix.keep(lookup, out.kv, ctx.worker_id) if self._prefix is not None else []
         return await self._outcome(msg, ctx, out, lookup.prefix_len, events)
 
@@ -105,16 +107,20 @@ class PrefillHandler:
         with self._load.track(total):  # the hit is known only once the engine has scheduled it
             out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling,
                                              block_keys=hashes)
+        await self._first_delta(ctx, meta, out)
         if self._audit is not None:
             self._audit.prefilled(meta.request_id, ctx.worker_id, report.hit_blocks(out.cached_tokens))
         events = report.report(hashes, out.cached_tokens, out.kv_changes, ctx.worker_id)
         return await self._outcome(msg, ctx, out, out.cached_tokens, events)
 
-    async def _outcome(self, msg: protocol.PrefillRequest, ctx: Context, out: PrefillOutput, cached_tokens: int,
-                       events: list[Produce]) -> Outcome:
-        meta = msg.meta
+    async def _first_delta(self, ctx: Context, meta: protocol.RequestMeta, out: PrefillOutput) -> None:
         await write_first_delta(ctx.events, meta, out.first_token, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids)
+
+    async def _outcome(self, msg: protocol.PrefillRequest, ctx: Context, out: PrefillOutput, cached_tokens: int,
+                       events: list[Produce]) -> Outcome:
+        """After the first delta is written: the KV handed to decode, the KV events beside it."""
+        meta = msg.meta
         owner = ctx.transfer.ref()
         if out.engine_kv is not None:  # the KV stays in the engine; decode's engine reads it
             kv_ref = protocol.empty_tensor_ref(owner.name)

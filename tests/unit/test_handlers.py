@@ -284,3 +284,23 @@ async def test_encode_passes_index_hits_on_in_prompt_order(pipeline, compute):
     for owner, leases in outcome.releases:  # media-fetch's pixels, as the runner would
         await enc_ctx.transfer.release(owner, leases)
     enc_ctx.transfer.free_local(out.value.items[1].embeds.lease)
+
+
+async def test_prefill_writes_the_first_token_before_keeping_its_prefix(engine, compute):
+    """The client's first token must not wait for the prefix cache storing the prompt's blocks."""
+    from shared.kv.prefix_cache import PrefixCache
+    from shared.kv.reuse import PrefixReuse
+
+    sink, seen = ListSink(), []
+
+    class Recording(PrefixReuse):
+        def keep(self, lookup, kv, worker_id):
+            seen.append([e for e in sink.events.get("pk", []) if isinstance(e, protocol.TokenDelta)])
+            return super().keep(lookup, kv, worker_id)
+
+    ids = compute.render_prompt_ids([{"role": "user", "content": "Say something about prefixes, please."}])
+    ctx = Context(stage="prefill", worker_id="prefill", events=sink, transfer=MemoryTransfer("prefill", {}))
+    handler = PrefillHandler(engine, prefix=Recording(PrefixCache(1 << 24, 8), compute.placeholder_token_id))
+    outcome = await handler.handle(protocol.PrefillRequest(meta=_meta("pk", ids), items=()), ctx)
+    assert [len(deltas) for deltas in seen] == [1]  # kept once, the first delta already written
+    assert len(outcome.produce) > 1  # the decode request and the KV events of the kept blocks
