@@ -119,7 +119,14 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_post("/spans", spans)
+    app.router.add_get("/metrics", prom_metrics)  # the engine's own metrics (e.g. decode batch sizes)
     return app
+
+
+async def prom_metrics(_request: web.Request) -> web.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def spans(request: web.Request) -> web.Response:

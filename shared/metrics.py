@@ -63,6 +63,10 @@ CONSUMER_LAG = Gauge("mmfleet_consumer_lag_records",
 MODEL_WEIGHT_BYTES = Gauge("mmfleet_model_weight_bytes",
                            "bytes of model weights this worker holds, by part (encoder: vision / audio tower + "
                            "projector; lm: the language model)", ["part"])
+# how full the transformers engine's batched decode steps are (shared.engines.batched): CPU per
+# token falls with the batch, so a fleet whose decode batches stay small pays more per token
+DECODE_BATCH = Histogram("mmfleet_decode_batch_sequences", "sequences stepped by one batched decode forward",
+                         buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
 
 # ------------------------------------------------------------------------------- NIXL
 NIXL_BYTES = Counter("mmfleet_nixl_bytes_total",

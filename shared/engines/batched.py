@@ -26,6 +26,8 @@ import asyncio
 
 import torch
 
+from shared import metrics
+
 
 def _uses_mrope(compute) -> bool:
     return getattr(compute, "mrope", False)
@@ -198,6 +200,7 @@ class DecodeBatcher:
                 continue
             self.forwards += 1
             self.steps += len(live)
+            metrics.DECODE_BATCH.observe(len(live))
             for (_, _, fut), out in zip(live, logits, strict=True):
                 if not fut.done():
                     fut.set_result(out)

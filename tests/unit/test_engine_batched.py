@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from shared import protocol
+from shared import metrics, protocol
 from shared.engines.base import MediaEmbeds
 from shared.engines.transformers_engine import TransformersEngine
 from shared.models.llava_tiny import ensure_tiny_llava
@@ -49,11 +49,18 @@ async def _check(model_dir, requests, *, rebuilt: bool = False) -> None:
                 for i, (m, imgs) in enumerate(requests)]
     engine = TransformersEngine(model_dir, decode_max_batch=8)
     await engine.start()
+    batches = metrics.DECODE_BATCH.collect()[0]
+    before = {s.name: s.value for s in batches.samples}
     try:
         got = await _run_concurrently(engine, requests)
         decoder = engine._decoder
         assert got == expected
         assert decoder.steps > decoder.forwards, "no decode step ran batched with another"
+        after = {s.name: s.value for s in metrics.DECODE_BATCH.collect()[0].samples}
+        assert after["mmfleet_decode_batch_sequences_count"] - before["mmfleet_decode_batch_sequences_count"] \
+            == decoder.forwards  # the metric an operator reads: one sample per forward, its sequences
+        assert after["mmfleet_decode_batch_sequences_sum"] - before["mmfleet_decode_batch_sequences_sum"] \
+            == decoder.steps
         assert decoder.stack.reused > 0  # steps appended to the stack as it was
         if rebuilt:
             assert decoder.stack.builds > 1
