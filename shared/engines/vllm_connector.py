@@ -11,9 +11,10 @@ positions and computes the few after them itself (text tokens: no embeddings nee
 
 Why no progress thread: NIXL's UCX progress thread (on by default, and vLLM keeps the default)
 spins a whole core per agent, idle or not (measured: 100 % of a core for an idle agent, 0 %
-without it), which on a 2-core host starved the engines of an e-p-d fleet. The connector
-drives transfers from the engine's step anyway (``get_finished`` polls the transfer states and
-notifications), as the fleet's own NIXL agents do (``shared.transfer.agent``).
+without it), which on a 2-core host starved the engines of an e-p-d fleet. It spins because
+nixl's wrapper gives it no wait (``shared.transfer.nixl_thread``, which the fleet's own agents
+use); the connector drives transfers from the engine's step anyway (``get_finished`` polls the
+transfer states and notifications), so here the thread stays off.
 """
 
 from __future__ import annotations
