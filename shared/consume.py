@@ -227,7 +227,7 @@ class ConsumeLoop:
                 pass
             self._commit_wanted.clear()
             await self._commit()
-            await asyncio.sleep(0.005)  # coalesce bursts of completions into one commit
+            await asyncio.sleep(self._settings.commit_interval_ms / 1000)  # completions meanwhile: one commit
 
     async def _broker_restarted(self) -> bool:
         """True once per change of the broker epoch: every watermark is stale then (offsets

@@ -93,6 +93,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # Apache Kafka answers as soon as data arrives: raise this to 500 there.
     fetch_max_wait_ms: Annotated[int, _d("longest a broker may hold a fetch with no data; the per-hop latency "
                                          "floor with the embedded broker, use 500 with Apache Kafka")] = 10
+    # Each commit is a Redis read (the broker epoch) and a broker round trip; a crash redelivers
+    # at most this much finished work, which the ledger's done-marks skip.
+    commit_interval_ms: Annotated[int, _d("a consumer commits finished records at most this often (stop and "
+                                          "rebalance commit at once)")] = 100
     # The doorbell (shared/doorbell.py) takes the broker's wait off the critical path: stage
     # consumers fetch with no broker-side wait and sleep client-side until the upstream stage
     # rings (Redis PUBLISH after its produce is acked) or the idle interval passes. A lost ring

@@ -132,6 +132,38 @@ async def test_outputs_produced_and_offsets_committed(env):
     assert again.calls == 0
 
 
+async def test_commits_are_coalesced_to_the_interval(env):
+    """Finished records are committed at most once per ``commit_interval_ms`` (each commit costs a
+    Redis read and a broker round trip); stopping still commits what is done."""
+    env = {**env, "settings": env["settings"].with_overrides(commit_interval_ms=1_000)}
+    runner = _runner(env, Echo(env["out"]), f"co-{env['tag']}")
+    consumer, commits = runner._loop._consumer, []
+    commit = consumer.commit
+
+    async def counted(offsets=None):
+        commits.append(time.monotonic())
+        return await commit(offsets)
+
+    consumer.commit = counted
+    task = await _start(runner)
+    t0 = time.monotonic()
+    for i in range(20):  # spread out: each would get a commit of its own without coalescing
+        await _send(env, protocol.PrefillRequest(meta=_meta(f"c{i}")))
+        await asyncio.sleep(0.02)
+    await _until(lambda: runner.processed == 20)
+    elapsed_s = time.monotonic() - t0
+    assert len(commits) <= elapsed_s / 1.0 + 2, (len(commits), elapsed_s)
+    runner.stop()
+    await task
+    again = Echo(env["out"])  # nothing left for the group: the stop committed the rest
+    runner2 = _runner(env, again, f"co-{env['tag']}")
+    task2 = await _start(runner2)
+    await asyncio.sleep(1.0)
+    runner2.stop()
+    await task2
+    assert again.calls == 0
+
+
 async def test_uncommitted_work_is_redelivered_after_a_stop(env):
     stage = f"redeliver-{env['tag']}"
     stuck = Echo(env["out"], block=asyncio.Event())  # never finishes: drain times out, work cancelled
