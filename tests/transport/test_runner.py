@@ -111,6 +111,17 @@ async def _start(runner: StageRunner) -> asyncio.Task:
     return task
 
 
+async def _nothing_left(env, stage: str) -> None:
+    """A second runner of the stage's group finds no record: everything was committed."""
+    again = Echo(env["out"])
+    runner = _runner(env, again, stage)
+    task = await _start(runner)
+    await asyncio.sleep(1.0)
+    runner.stop()
+    await task
+    assert again.calls == 0
+
+
 async def test_outputs_produced_and_offsets_committed(env):
     runner = _runner(env, Echo(env["out"]), f"ok-{env['tag']}")
     task = await _start(runner)
@@ -122,14 +133,7 @@ async def test_outputs_produced_and_offsets_committed(env):
     await _until(lambda: runner.processed == 5)
     runner.stop()
     await task
-    # a second runner of the same group finds nothing left: everything was committed
-    again = Echo(env["out"])
-    runner2 = _runner(env, again, f"ok-{env['tag']}")
-    task2 = await _start(runner2)
-    await asyncio.sleep(1.0)
-    runner2.stop()
-    await task2
-    assert again.calls == 0
+    await _nothing_left(env, f"ok-{env['tag']}")
 
 
 async def test_commits_are_coalesced_to_the_interval(env):
@@ -155,13 +159,7 @@ async def test_commits_are_coalesced_to_the_interval(env):
     assert len(commits) <= elapsed_s / 1.0 + 2, (len(commits), elapsed_s)
     runner.stop()
     await task
-    again = Echo(env["out"])  # nothing left for the group: the stop committed the rest
-    runner2 = _runner(env, again, f"co-{env['tag']}")
-    task2 = await _start(runner2)
-    await asyncio.sleep(1.0)
-    runner2.stop()
-    await task2
-    assert again.calls == 0
+    await _nothing_left(env, f"co-{env['tag']}")  # the stop committed the rest
 
 
 async def test_uncommitted_work_is_redelivered_after_a_stop(env):
