@@ -1,0 +1,62 @@
+"""The prefix-continuation attention (shared.engines.prefix_attention): equal to transformers'
+masked SDPA, used only where the mask is "all of the cache, then causal", and installed on the
+Qwen2-VL engine so that a prefix-hit prefill runs through it (test_kv_reuse checks its tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+from shared.engines import prefix_attention
+from shared.engines.qwen2_vl import Qwen2VLCompute
+
+F = torch.nn.functional
+
+
+@pytest.mark.parametrize("heads,kv_heads,q,kv", [(4, 2, 37, 101), (4, 4, 5, 9), (8, 2, 2, 3), (2, 1, 64, 65)])
+def test_equals_masked_sdpa(heads, kv_heads, q, kv):
+    gen = torch.Generator().manual_seed(q)
+    query = torch.randn(2, q, heads, 16, generator=gen).transpose(1, 2)  # as the layers hand it over
+    key, value = (torch.randn(2, kv_heads, kv, 16, generator=gen) for _ in range(2))
+    g = heads // kv_heads
+    mask = torch.ones(q, kv, dtype=torch.bool).tril(kv - q)
+    ref = F.scaled_dot_product_attention(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1),
+                                         attn_mask=mask, scale=0.3)
+    out = prefix_attention.prefix_attention(query, key, value, scale=0.3)
+    assert out.shape == ref.shape
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def _masks(**kw):
+    args = dict(batch_size=1, mask_function=causal_mask_function, allow_is_causal_skip=True) | kw
+    return prefix_attention._mask(**args), sdpa_mask(**args)
+
+
+def test_no_mask_only_for_a_prefix_continuation():
+    ours, theirs = _masks(q_length=5, kv_length=12, q_offset=7)
+    assert ours is None and theirs is not None and theirs[0, 0].equal(torch.ones(5, 12, dtype=torch.bool).tril(7))
+    # anything else: transformers' own answer (a mask, or None where it would skip it too)
+    for kw in (dict(q_length=12, kv_length=12), dict(q_length=1, kv_length=12, q_offset=11),
+               dict(q_length=5, kv_length=12, q_offset=7, attention_mask=torch.tensor([[0] + [1] * 11]).bool()),
+               dict(q_length=5, kv_length=12, q_offset=7, allow_is_causal_skip=False),
+               dict(q_length=5, kv_length=12, q_offset=7, local_size=4)):
+        ours, theirs = _masks(**kw)
+        assert (ours is None and theirs is None) or ours.equal(theirs), kw
+
+
+def test_installed_on_the_engine_and_used_by_prefix_hits_only(model_dir, monkeypatch):
+    compute = Qwen2VLCompute(model_dir)
+    assert compute.model.config.text_config._attn_implementation == prefix_attention.NAME
+    assert compute.model.config.vision_config._attn_implementation != prefix_attention.NAME
+    calls = []
+    real = prefix_attention.prefix_attention
+    monkeypatch.setattr(prefix_attention, "prefix_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ids = compute.render_prompt_ids([{"role": "user", "content": "one two three four five six seven"}])
+    full = compute.prefill(ids, [])
+    state = compute.start_decode(full.kv, full.rope_delta, full.prompt_len)
+    compute.decode_step(state, int(full.last_logits.argmax()))
+    assert calls == []  # a fresh prompt and a decode step keep transformers' path
+    hit = compute.prefill(ids, [], prefix_kv=full.kv[:, :, :, :4].contiguous())
+    assert len(calls) == compute.n_layers
+    assert torch.allclose(hit.last_logits, full.last_logits, atol=1e-4)
