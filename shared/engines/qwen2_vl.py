@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from shared.engines import prefix_attention
+from shared.engines import cpu_attention
 from shared.engines.kv_pack import pack_kv, unpack_kv
 
 
@@ -156,7 +156,7 @@ class Qwen2VLCompute:
         # parts: the encoder and / or the LM (shared.models.loading); None: both
         self.model = self.placement.load(getattr(transformers, self.model_class), self.model_dir, parts)
         cfg = self.model.config
-        prefix_attention.install(self.model, cfg.text_config)  # prefix-hit prefills without a mask
+        cpu_attention.install(self.model, cfg.text_config)  # prefix hits without a mask, no K/V copies
         self.placeholder_token_id: int = int(cfg.image_token_id)
         self.video_token_id: int = int(cfg.video_token_id)
         # modality -> (placeholder token id, mm_token_type id get_rope_index expects)

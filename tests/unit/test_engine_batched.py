@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import transformers.integrations.sdpa_attention as hf_sdpa
 
 from shared import metrics, protocol
 from shared.engines.base import MediaEmbeds
@@ -41,12 +42,15 @@ async def _run_concurrently(engine: TransformersEngine, requests: list[tuple[lis
     return await asyncio.gather(*(one(i, m, imgs) for i, (m, imgs) in enumerate(requests)))
 
 
-async def _check(model_dir, requests, *, rebuilt: bool = False) -> None:
+async def _check(model_dir, requests, *, rebuilt: bool = False, kv_copies: list | None = None) -> None:
     """``rebuilt``: the set of sequences changed while some kept stepping (the stack was written
-    back and built again at least once)."""
+    back and built again at least once). ``kv_copies``: filled with transformers' per-head K / V
+    copies while the requests run (there must be none: shared.engines.cpu_attention)."""
     reference = load_reference(model_dir)
     expected = [reference_generate(model_dir, m, imgs, MAX_NEW - i % 3, loaded=reference)
                 for i, (m, imgs) in enumerate(requests)]
+    if kv_copies is not None:
+        kv_copies.clear()  # the reference's own calls above do not count
     engine = TransformersEngine(model_dir, decode_max_batch=8)
     await engine.start()
     batches = metrics.DECODE_BATCH.collect()[0]
@@ -62,20 +66,24 @@ async def _check(model_dir, requests, *, rebuilt: bool = False) -> None:
         assert after["mmfleet_decode_batch_sequences_sum"] - before["mmfleet_decode_batch_sequences_sum"] \
             == decoder.steps
         assert decoder.stack.reused > 0  # steps appended to the stack as it was
+        assert not kv_copies, "a padded decode step copied K / V per query head (repeat_kv)"
         if rebuilt:
             assert decoder.stack.builds > 1
     finally:
         await engine.stop()
 
 
-async def test_concurrent_qwen2_vl_requests_equal_generate(model_dir):
+async def test_concurrent_qwen2_vl_requests_equal_generate(model_dir, monkeypatch):
+    copies: list[int] = []
+    real = hf_sdpa.repeat_kv
     imgs = make_images()
     requests = [(messages_for(0, "Tell me a story."), []),
                 (messages_for(1), [imgs["noise1"]]),
                 (messages_for(2), [imgs["noise_big"], imgs["hgrad"]]),
                 (messages_for(1, "Which colour?"), [imgs["red"]]),
                 (messages_for(1), [imgs["vgrad"]])]
-    await _check(model_dir, requests, rebuilt=True)
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda h, n: (n > 1 and copies.append(n)) or real(h, n))
+    await _check(model_dir, requests, rebuilt=True, kv_copies=copies)
 
 
 @pytest.fixture(scope="module")

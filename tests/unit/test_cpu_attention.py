@@ -1,14 +1,17 @@
-"""The prefix-continuation attention (shared.engines.prefix_attention): equal to transformers'
-masked SDPA, used only where the mask is "all of the cache, then causal", and installed on the
-Qwen2-VL engine so that a prefix-hit prefill runs through it (test_kv_reuse checks its tokens)."""
+"""The LM's CPU attention (shared.engines.cpu_attention): the prefix-continuation path equals
+transformers' masked SDPA and is used only where the mask is "all of the cache, then causal";
+the masked grouped-KV path equals transformers' (``repeat_kv``) call; both are installed on the
+Qwen2-VL engine and taken by a prefix-hit prefill and a batched decode step (test_kv_reuse and
+test_engine_batched check their tokens)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from shared.engines import prefix_attention
+from shared.engines import cpu_attention
 from shared.engines.qwen2_vl import Qwen2VLCompute
 
 F = torch.nn.functional
@@ -23,14 +26,14 @@ def test_equals_masked_sdpa(heads, kv_heads, q, kv):
     mask = torch.ones(q, kv, dtype=torch.bool).tril(kv - q)
     ref = F.scaled_dot_product_attention(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1),
                                          attn_mask=mask, scale=0.3)
-    out = prefix_attention.prefix_attention(query, key, value, scale=0.3)
+    out = cpu_attention.prefix_attention(query, key, value, scale=0.3)
     assert out.shape == ref.shape
     assert torch.allclose(out, ref, atol=1e-5)
 
 
 def _masks(**kw):
     args = dict(batch_size=1, mask_function=causal_mask_function, allow_is_causal_skip=True) | kw
-    return prefix_attention._mask(**args), sdpa_mask(**args)
+    return cpu_attention._mask(**args), sdpa_mask(**args)
 
 
 def test_no_mask_only_for_a_prefix_continuation():
@@ -45,13 +48,27 @@ def test_no_mask_only_for_a_prefix_continuation():
         assert (ours is None and theirs is None) or ours.equal(theirs), kw
 
 
+def test_masked_grouped_kv_equals_repeated_heads():
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(3, 1, 4, 16, generator=gen).transpose(1, 2)  # a decode step of 3 sequences
+    key, value = (torch.randn(3, 2, 40, 16, generator=gen) for _ in range(2))
+    mask = torch.ones(3, 1, 1, 40, dtype=torch.bool)
+    mask[0, ..., :25] = False  # left padding of the shorter ones
+    mask[2, ..., :7] = False
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    ours, _ = cpu_attention._attention(module, query, key, value, mask, scaling=0.25)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    assert ours.shape == theirs.shape and torch.allclose(ours, theirs, atol=1e-6)
+
+
 def test_installed_on_the_engine_and_used_by_prefix_hits_only(model_dir, monkeypatch):
     compute = Qwen2VLCompute(model_dir)
-    assert compute.model.config.text_config._attn_implementation == prefix_attention.NAME
-    assert compute.model.config.vision_config._attn_implementation != prefix_attention.NAME
+    assert compute.model.config.text_config._attn_implementation == cpu_attention.NAME
+    assert compute.model.config.vision_config._attn_implementation != cpu_attention.NAME
     calls = []
-    real = prefix_attention.prefix_attention
-    monkeypatch.setattr(prefix_attention, "prefix_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = cpu_attention.prefix_attention
+    monkeypatch.setattr(cpu_attention, "prefix_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     ids = compute.render_prompt_ids([{"role": "user", "content": "one two three four five six seven"}])
     full = compute.prefill(ids, [])
     state = compute.start_decode(full.kv, full.rope_delta, full.prompt_len)

@@ -1,15 +1,19 @@
-"""Attention for a prefill that continues a cached prefix, without a materialised mask (CPU).
+"""The transformers engine's LM attention on CPU: two paths where transformers' SDPA call wastes
+work, everything else handed to it unchanged.
 
-A follow-up turn that hits its prefix computes only its new positions: each attends to every
-cached position and causally to the new ones. transformers builds a [new, all] boolean mask for
-that and SDPA then computes every block, masked or not, at a cost per block above the unmasked
-kernel. Here the two parts run apart through torch's CPU flash kernel (the cached part unmasked,
-the new part with ``is_causal``) and are merged by their log-sum-exp: the same result to float
-rounding, no mask to build. Measured in the README ("Prefix-hit prefill").
+- **A prefill that continues a cached prefix** (a follow-up turn that hit): each new position
+  attends to every cached one and causally to the new ones. transformers builds a [new, all]
+  boolean mask and SDPA computes every block with it. Here the two parts run apart through
+  torch's CPU flash kernel (the cached part unmasked, the new part with ``is_causal``) and are
+  merged by their log-sum-exp; no mask is built (the mask function returns None for exactly
+  this shape).
+- **A masked call with grouped KV heads** (a batched decode step: padding): transformers copies
+  K / V once per query head (``repeat_kv``) whenever a mask is given, i.e. the whole context's KV
+  per layer per step; torch's ``enable_gqa`` reads the shared heads in place on CPU.
 
-``install(model)`` points the language model's attention at :data:`NAME`; every other call
-(a fresh prompt, a decode step, a padded batch, any device but the CPU) goes to transformers'
-own SDPA path unchanged, because the mask function returns a mask for all of them.
+Both equal transformers' results (tests: ``tests/unit/test_cpu_attention.py``); measured in the
+README ("CPU attention"). ``install(model, text_config)`` points the LM's attention at
+:data:`NAME` when it runs on the CPU with SDPA.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import logging
 
 import torch
 
+F = torch.nn.functional
 log = logging.getLogger(__name__)
 
-NAME = "mmfleet_prefix_sdpa"
+NAME = "mmfleet_cpu_sdpa"
 # private but stable since torch 2.3: (output, logsumexp, ...); the public SDPA hides the LSE
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -71,9 +76,14 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q_length, kv_length = query.shape[2], key.shape[2]
-    if (attention_mask is None and 1 < q_length < kv_length and not dropout and query.device.type == "cpu"
-            and kwargs.get("sliding_window") is None and kwargs.get("position_bias") is None):
+    plain = (not dropout and query.device.type == "cpu" and kwargs.get("sliding_window") is None
+             and kwargs.get("position_bias") is None and kwargs.get("cache") is None)
+    if plain and attention_mask is None and 1 < q_length < kv_length:
         out = prefix_attention(query, key, value, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    if plain and attention_mask is not None and key.shape[1] < query.shape[1]:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
@@ -91,5 +101,5 @@ def install(model: torch.nn.Module, text_config) -> bool:
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, _mask)
     text_config._attn_implementation = NAME
-    log.debug("prefix-continuation attention installed (%s)", NAME)
+    log.debug("CPU attention installed (%s)", NAME)
     return True
