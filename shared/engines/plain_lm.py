@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from shared.engines import cpu_attention
 from shared.engines.kv_pack import pack_kv, unpack_kv
 from shared.engines.qwen2_vl import DecodeState, PrefillResult, _kind
 
@@ -39,6 +40,7 @@ class PlainLMCompute:
 
     def _init_lm(self) -> None:
         text_cfg = self.model.config.text_config
+        cpu_attention.install(self.model, text_cfg)  # padded decode steps without K/V copies
         self.hidden_size: int = int(text_cfg.hidden_size)
         self.n_layers: int = int(text_cfg.num_hidden_layers)
         self.n_kv_heads: int = int(text_cfg.num_key_value_heads)

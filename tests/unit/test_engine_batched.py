@@ -73,17 +73,22 @@ async def _check(model_dir, requests, *, rebuilt: bool = False, kv_copies: list 
         await engine.stop()
 
 
-async def test_concurrent_qwen2_vl_requests_equal_generate(model_dir, monkeypatch):
+def _count_kv_copies(monkeypatch) -> list[int]:
+    """transformers' per-head K / V copies from now on (both tiny LMs have 2 query heads per KV head)."""
     copies: list[int] = []
     real = hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda h, n: (n > 1 and copies.append(n)) or real(h, n))
+    return copies
+
+
+async def test_concurrent_qwen2_vl_requests_equal_generate(model_dir, monkeypatch):
     imgs = make_images()
     requests = [(messages_for(0, "Tell me a story."), []),
                 (messages_for(1), [imgs["noise1"]]),
                 (messages_for(2), [imgs["noise_big"], imgs["hgrad"]]),
                 (messages_for(1, "Which colour?"), [imgs["red"]]),
                 (messages_for(1), [imgs["vgrad"]])]
-    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda h, n: (n > 1 and copies.append(n)) or real(h, n))
-    await _check(model_dir, requests, rebuilt=True, kv_copies=copies)
+    await _check(model_dir, requests, rebuilt=True, kv_copies=_count_kv_copies(monkeypatch))
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +96,6 @@ def llava_dir():
     return ensure_tiny_llava(CACHE_DIR / "models")
 
 
-async def test_concurrent_llava_requests_equal_generate(llava_dir):
+async def test_concurrent_llava_requests_equal_generate(llava_dir, monkeypatch):
     requests = [(msgs(1), [image(1)]), (msgs(2, "Compare them."), [image(2), image(3)]), (msgs(1), [image(4)])]
-    await _check(llava_dir, requests)
+    await _check(llava_dir, requests, kv_copies=_count_kv_copies(monkeypatch))
