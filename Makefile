@@ -45,15 +45,17 @@ test: install $(VLLM_STAMP) chromium
 	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# the benchmark suites (~25 minutes on 2 cores); results under loadtest/results/<time>/. The plumbing
+# the benchmark suites (~30 minutes on 2 cores); results under loadtest/results/<time>/. The plumbing
 # overhead suite (with the vLLM-engine fleets and vLLM's own client beside ours: `engines`)
 # runs the tiny model (compute should be small there); the bench model
 # (qwen2-vl:bench, a 2B-class VLM's encode / prefill / decode proportions) serves the
 # compute split, the KV-routing and the reuse (cache on / off / vllm serve) suites.
 BENCH_MODEL ?= qwen2-vl:bench
-# sized to keep `make bench` near 20 minutes on 2 cores (measured 2026-11-23: engines ~6,
-# kv ~5, reuse ~10, step ~3); raise them for tighter figures
+# sized to keep `make bench` near 30 minutes on 2 cores (measured 2026-11-23/25: engines ~6,
+# kv ~10 (its long workload 3 times, the policies alternating: the ratio swings ~±15 % run to
+# run here), reuse ~10, step ~3); raise them for tighter figures
 BENCH_ARGS ?= --low-requests 12 --sat-requests 24
+KV_BENCH_ARGS ?= --repeats 3
 REUSE_BENCH_ARGS ?= --repeats 3 --num-requests 16
 bench: install $(VLLM_STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

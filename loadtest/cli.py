@@ -135,6 +135,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="skip the short workload (4 turns x 48 words) run after the long one for contrast")
     kv.add_argument("--concurrency", type=int, default=4)
     kv.add_argument("--prefill-replicas", type=int, default=3)
+    kv.add_argument("--repeats", type=int, default=1,
+                    help="runs of the long workload, the policies' order alternating; goals on their medians")
     kv.add_argument("--engine", action="append", choices=["transformers", "vllm"], default=[],
                     help="language-model engine of the fleets (repeatable: each runs both policies); "
                          "default transformers")
@@ -211,7 +213,8 @@ def _bench(args: argparse.Namespace) -> int:
         result = kvbench.run_kv(out, opts, sessions=args.sessions, concurrency=args.concurrency,
                                 workloads=(long,) if args.no_short else (long, kvbench.SHORT),
                                 replicas=args.prefill_replicas, progress=not args.no_progress,
-                                engines=tuple(dict.fromkeys(args.engine)) or ("transformers",))
+                                engines=tuple(dict.fromkeys(args.engine)) or ("transformers",),
+                                repeats=max(1, args.repeats))
         print(kvbench.write(result, out, plots=not args.no_plots).read_text())
         print(f"results in {out}", file=sys.stderr)
         return 1 if result.get("failed") or not result["runs"] else 0
