@@ -37,13 +37,14 @@ def _masks(**kw):
 
 
 def test_no_mask_only_for_a_prefix_continuation():
-    ours, theirs = _masks(q_length=5, kv_length=12, q_offset=7)
-    assert ours is None and theirs is not None and theirs[0, 0].equal(torch.ones(5, 12, dtype=torch.bool).tril(7))
+    ours, theirs = _masks(q_length=300, kv_length=700, q_offset=400)
+    assert ours is None and theirs is not None and theirs[0, 0].equal(torch.ones(300, 700, dtype=torch.bool).tril(400))
     # anything else: transformers' own answer (a mask, or None where it would skip it too)
-    for kw in (dict(q_length=12, kv_length=12), dict(q_length=1, kv_length=12, q_offset=11),
-               dict(q_length=5, kv_length=12, q_offset=7, attention_mask=torch.tensor([[0] + [1] * 11]).bool()),
-               dict(q_length=5, kv_length=12, q_offset=7, allow_is_causal_skip=False),
-               dict(q_length=5, kv_length=12, q_offset=7, local_size=4)):
+    for kw in (dict(q_length=700, kv_length=700), dict(q_length=1, kv_length=700, q_offset=699),
+               dict(q_length=5, kv_length=12, q_offset=7),  # too small for the split to pay
+               dict(q_length=300, kv_length=700, q_offset=400, attention_mask=torch.tensor([[0] + [1] * 699]).bool()),
+               dict(q_length=300, kv_length=700, q_offset=400, allow_is_causal_skip=False),
+               dict(q_length=300, kv_length=700, q_offset=400, local_size=64)):
         ours, theirs = _masks(**kw)
         assert (ours is None and theirs is None) or ours.equal(theirs), kw
 
@@ -69,7 +70,8 @@ def test_installed_on_the_engine_and_used_by_prefix_hits_only(model_dir, monkeyp
     calls = []
     real = cpu_attention.prefix_attention
     monkeypatch.setattr(cpu_attention, "prefix_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    ids = compute.render_prompt_ids([{"role": "user", "content": "one two three four five six seven"}])
+    ids = compute.render_prompt_ids([{"role": "user", "content": " ".join(f"w{i}" for i in range(400))}])
+    assert len(ids) * (len(ids) - 4) >= cpu_attention.SPLIT_MIN_PAIRS
     full = compute.prefill(ids, [])
     state = compute.start_decode(full.kv, full.rope_delta, full.prompt_len)
     compute.decode_step(state, int(full.last_logits.argmax()))
