@@ -1,8 +1,8 @@
 """The LM's CPU attention (shared.engines.cpu_attention): the prefix-continuation path equals
 transformers' masked SDPA and is used only where the mask is "all of the cache, then causal";
 the masked grouped-KV path equals transformers' (``repeat_kv``) call; both are installed on the
-Qwen2-VL engine and taken by a prefix-hit prefill and a batched decode step (test_kv_reuse and
-test_engine_batched check their tokens)."""
+Qwen2-VL engine, a long prefix-hit prefill takes the split with the full prefill's logits (here),
+and batched decode takes the grouped-KV path with generate()'s tokens (test_engine_batched)."""
 
 from __future__ import annotations
 
