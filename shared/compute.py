@@ -9,12 +9,17 @@ machine's cores.
 waiting at most ``max_wait_ms`` after the first, runs ONE batched call on the lane and resolves
 each caller's future with its own result. The pending queue is bounded (``max_pending``):
 ``submit`` waits for room rather than buffering without limit.
+
+``LaneBatcher``: batches with no wait. Each ``submit`` queues its item and one job on the lane;
+the first job the lane runs takes every item queued by then (up to ``max_items``), so calls that
+arrive while the lane is busy share one call, and a lone call starts at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
@@ -91,3 +96,63 @@ class MicroBatcher(Generic[T, R]):
             for (_, fut), result in zip(live, results, strict=True):
                 if not fut.done():
                     fut.set_result(result)
+
+
+class _Slot:
+    """One submitted item and, once its batch ran, its result or exception."""
+
+    __slots__ = ("item", "result", "error", "dropped")
+
+    def __init__(self, item) -> None:
+        self.item, self.result, self.error, self.dropped = item, None, None, False
+
+
+class LaneBatcher(Generic[T, R]):
+    """``fn(items)`` returns one result per item; a result that is an ``Exception`` fails that
+    caller alone (one bad prompt must not fail its batch-mates). ``fn`` raising fails the whole
+    batch. At most ``max_pending`` callers wait at once; more wait for room."""
+
+    def __init__(self, fn: Callable[[Sequence[T]], Sequence[R | Exception]], lane: ComputeLane, *, max_items: int,
+                 max_pending: int = 1024) -> None:
+        self._fn = fn
+        self._lane = lane
+        self._max_items = max(1, max_items)
+        self._pending: deque[_Slot] = deque()  # appended on the loop, taken on the lane (deque ops are atomic)
+        self._room = asyncio.Semaphore(max_pending)
+        self.batches = 0  # calls of fn (for stats and tests)
+        self.items = 0
+
+    async def submit(self, item: T) -> R:
+        async with self._room:
+            slot = _Slot(item)
+            self._pending.append(slot)
+            # the lane runs jobs in order, so when this job is done, this item's batch has run:
+            # in this job or in an earlier one that found it queued
+            try:
+                await self._lane.run(self._drain)
+            except asyncio.CancelledError:
+                slot.dropped = True  # caller gone: a later batch skips it if it is still queued
+                raise
+            if slot.error is not None:
+                raise slot.error
+            return slot.result
+
+    def _drain(self) -> None:
+        batch: list[_Slot] = []
+        while self._pending and len(batch) < self._max_items:
+            slot = self._pending.popleft()
+            if not slot.dropped:
+                batch.append(slot)
+        if not batch:
+            return
+        try:
+            results = self._fn([slot.item for slot in batch])
+        except Exception as exc:
+            results = [exc] * len(batch)
+        self.batches += 1
+        self.items += len(batch)
+        for slot, result in zip(batch, results, strict=True):
+            if isinstance(result, Exception):
+                slot.error = result
+            else:
+                slot.result = result

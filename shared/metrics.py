@@ -67,6 +67,8 @@ MODEL_WEIGHT_BYTES = Gauge("mmfleet_model_weight_bytes",
 # token falls with the batch, so a fleet whose decode batches stay small pays more per token
 DECODE_BATCH = Histogram("mmfleet_decode_batch_sequences", "sequences stepped by one batched decode forward",
                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
+PREFILL_BATCH = Histogram("mmfleet_prefill_batch_sequences", "prompts computed by one prefill forward",
+                          buckets=(1, 2, 3, 4, 6, 8, 12, 16))
 
 # ------------------------------------------------------------------------------- NIXL
 NIXL_BYTES = Counter("mmfleet_nixl_bytes_total",

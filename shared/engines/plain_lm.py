@@ -74,21 +74,28 @@ class PlainLMCompute:
         return expanded
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], items: list) -> PrefillResult:
-        from transformers import DynamicCache
-
+    def prefill_inputs(self, prompt_ids: list[int], items: list) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Embeddings ``[L, hidden]`` with the items merged, position ids ``[1, L]``, rope delta 0."""
         dev = self.device
         input_ids = torch.tensor([self.expand_prompt(prompt_ids, items)], dtype=torch.long, device=dev)
         embeds = self.model.get_input_embeddings()(input_ids)
         if items:
             at = (input_ids == self.placeholder_token_id).unsqueeze(-1)
             embeds = embeds.masked_scatter(at, torch.cat([it[0].to(dev, embeds.dtype) for it in items]))
-        seq_len = input_ids.shape[1]
-        out = self.model(inputs_embeds=embeds, position_ids=torch.arange(seq_len, device=dev)[None, :],
-                         past_key_values=DynamicCache(config=self.model.config.text_config), use_cache=True,
-                         logits_to_keep=1)
+        return embeds[0], torch.arange(input_ids.shape[1], device=dev)[None, :], 0
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.cache_config)
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], items: list) -> PrefillResult:
+        embeds, positions, _ = self.prefill_inputs(prompt_ids, items)
+        out = self.model(inputs_embeds=embeds[None], position_ids=positions, past_key_values=self.new_cache(),
+                         use_cache=True, logits_to_keep=1)
         return PrefillResult(last_logits=out.logits[0, -1].to("cpu", torch.float32),
-                             kv=pack_kv(out.past_key_values), rope_delta=0, prompt_len=seq_len)
+                             kv=pack_kv(out.past_key_values), rope_delta=0, prompt_len=embeds.shape[0])
 
     @torch.inference_mode()
     def start_decode(self, kv_packed: torch.Tensor, rope_delta: int, seq_len: int) -> DecodeState:

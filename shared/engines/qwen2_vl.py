@@ -249,17 +249,10 @@ class Qwen2VLCompute:
         return expanded
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int], media: list, prefix_kv: torch.Tensor | None = None) -> PrefillResult:
-        """Run the LM over the prompt with image / video embeddings merged at the placeholders.
-
-        ``prefix_kv``: packed KV of the prompt's first ``P < prompt_len`` expanded positions
-        (from an earlier prompt with the same prefix, see :mod:`shared.kv`); only positions
-        ``P..`` are computed, with their M-RoPE positions taken from the whole prompt (a media
-        item's positions depend only on what precedes it and on its grid), and the returned
-        KV covers the whole prompt.
-        """
-        from transformers import DynamicCache
-
+    def prefill_inputs(self, prompt_ids: list[int], media: list) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The LM's inputs for a prompt: embeddings ``[L, hidden]`` with the media merged at the
+        placeholders, position ids ``[4, 1, L]`` (row 0 plain text positions, used only for mask
+        construction; rows 1..3 the M-RoPE axes: the layout generate() passes) and ``rope_delta``."""
         expanded = self.expand_prompt(prompt_ids, media)
         dev = self.device
         input_ids = torch.tensor([expanded], dtype=torch.long, device=dev)
@@ -281,8 +274,6 @@ class Qwen2VLCompute:
         else:
             vision_pos = torch.arange(seq_len, device=dev).view(1, 1, -1).expand(3, 1, -1)
             rope_delta = 0
-        # Row 0 = plain text positions (used only for mask construction), rows 1..3 =
-        # M-RoPE axes: the same [4, batch, seq] layout generate() passes.
         text_pos = torch.arange(seq_len, device=dev).view(1, 1, -1)
         position_ids = torch.cat([text_pos, vision_pos], dim=0)
 
@@ -290,7 +281,25 @@ class Qwen2VLCompute:
         if media:  # items are in prompt order, so one scatter over every media position
             media_embeds = torch.cat([it[0].to(dev, embeds.dtype) for it in media], dim=0)
             embeds = embeds.masked_scatter(is_media.unsqueeze(-1), media_embeds)
+        return embeds[0], position_ids, rope_delta
 
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.cache_config)
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], media: list, prefix_kv: torch.Tensor | None = None) -> PrefillResult:
+        """Run the LM over the prompt with image / video embeddings merged at the placeholders.
+
+        ``prefix_kv``: packed KV of the prompt's first ``P < prompt_len`` expanded positions
+        (from an earlier prompt with the same prefix, see :mod:`shared.kv`); only positions
+        ``P..`` are computed, with their M-RoPE positions taken from the whole prompt (a media
+        item's positions depend only on what precedes it and on its grid), and the returned
+        KV covers the whole prompt. Several fresh prompts at once: :mod:`shared.engines.batched_prefill`.
+        """
+        embeds, position_ids, rope_delta = self.prefill_inputs(prompt_ids, media)
+        seq_len = embeds.shape[0]
         start = 0
         if prefix_kv is not None and prefix_kv.shape[3] > 0:
             start = int(prefix_kv.shape[3])
@@ -298,9 +307,9 @@ class Qwen2VLCompute:
                 raise ValueError(f"prefix of {start} positions leaves nothing to compute of {seq_len}")
             cache = self.start_decode(prefix_kv, 0, start).cache
         else:
-            cache = DynamicCache(config=self.model.config)
+            cache = self.new_cache()
         out = self.model(
-            inputs_embeds=embeds[:, start:],
+            inputs_embeds=embeds[None, start:],
             position_ids=position_ids[:, :, start:],
             past_key_values=cache,
             use_cache=True,

@@ -10,8 +10,9 @@ work runs on one ``ComputeLane`` thread (torch releases the GIL in kernels, so t
 event loop keeps serving Kafka, Redis and NIXL). Encoder calls from concurrent requests meet in
 a ``MicroBatcher`` and run as one forward. Decode steps of all sequences generating at once meet
 in a ``DecodeBatcher`` and run as one padded forward (:mod:`shared.engines.batched`; sequences
-join and leave between steps, greedy tokens equal to one-at-a-time decoding). Token loops check
-for an abort between steps.
+join and leave between steps, greedy tokens equal to one-at-a-time decoding). Prefills that
+arrive while the lane is busy run together (``LaneBatcher`` + :mod:`shared.engines.batched_prefill`;
+no wait: a lone prefill starts at once). Token loops check for an abort between steps.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from pathlib import Path
 import torch
 
 from shared import protocol
-from shared.compute import ComputeLane, MicroBatcher
+from shared.compute import ComputeLane, LaneBatcher, MicroBatcher
 from shared.engines.base import Capabilities, MediaEmbeds, PrefillOutput
 from shared.engines.batched import DecodeBatcher
+from shared.engines.batched_prefill import prefill_many
 from shared.engines.sampling import sample_at, stop_token_set, with_logprob
 from shared.engines.structured import Grammars
 
@@ -70,7 +72,8 @@ class TransformersEngine:
 
     def __init__(self, model_dir: str | Path, *, encode_max_batch_items: int = 16,
                  encode_batch_wait_ms: float = 2.0, device: str = "cpu", dtype: str = "auto",
-                 decode_max_batch: int = 16, parts: frozenset[str] | None = None) -> None:
+                 decode_max_batch: int = 16, prefill_max_batch: int = 8,
+                 parts: frozenset[str] | None = None) -> None:
         self._model_dir = Path(model_dir)
         self._parts = parts  # None: the whole model
         self._device, self._dtype = device, dtype  # settings device / dtype (shared.device)
@@ -80,6 +83,8 @@ class TransformersEngine:
         self._batcher: MicroBatcher | None = None
         self._decode_max_batch = decode_max_batch
         self._decoder: DecodeBatcher | None = None
+        self._prefill_max_batch = prefill_max_batch
+        self._prefiller: LaneBatcher | None = None
         self._aborted: set[str] = set()
         self._grammars: Grammars | None = None  # built on the first structured-output request
         self.compute = None
@@ -106,6 +111,8 @@ class TransformersEngine:
                                      max_wait_ms=self._batch_wait_ms)
         await self._batcher.start()
         self._decoder = DecodeBatcher(compute, self._lane, max_batch=self._decode_max_batch)
+        self._prefiller = LaneBatcher(lambda items: prefill_many(compute, items), self._lane,
+                                      max_items=self._prefill_max_batch)
 
     async def stop(self) -> None:
         if self._decoder is not None:
@@ -135,6 +142,11 @@ class TransformersEngine:
         return self.compute.max_model_len
 
     @property
+    def prefill_stats(self) -> tuple[int, int]:
+        """(prefill batches run, prompts prefilled)."""
+        return (self._prefiller.batches, self._prefiller.items) if self._prefiller else (0, 0)
+
+    @property
     def encode_stats(self) -> tuple[int, int]:
         """(forwards run, items encoded) — how well requests were batched."""
         return (self._batcher.batches, self._batcher.items) if self._batcher else (0, 0)
@@ -146,8 +158,7 @@ class TransformersEngine:
 
     async def prefill(self, request_id: str, prompt_ids: list[int], media: list[MediaEmbeds],
                       sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None) -> PrefillOutput:
-        args = (prompt_ids, media) if prefix_kv is None else (prompt_ids, media, prefix_kv)
-        result = await self._lane.run(self.compute.prefill, *args)
+        result = await self._prefiller.submit((prompt_ids, media, prefix_kv))
         constraint = self._constraint(sampling, result.last_logits)
         logits = result.last_logits if constraint is None else constraint.mask(result.last_logits)
         first = sample_at(logits, sampling, step=0, prompt_ids=prompt_ids,

@@ -1,0 +1,126 @@
+"""Batched prefill: several fresh prompts in ONE forward.
+
+``prefill_many(compute, items)``: ``items`` = ``(prompt_ids, media, prefix_kv)`` per request;
+returns one ``PrefillResult`` each, in order, or the exception that request alone raised (a bad
+prompt fails its caller, not its batch-mates). A prompt that continues a cached prefix, and every
+prompt of a family without ``prefill_inputs``, runs the family's own ``prefill`` alone; so does a
+lone fresh prompt (the very call it always was).
+
+Fresh prompts are grouped by length (sorted; a group holds at most ``PAD_WASTE`` more positions
+than its prompts have) and each group runs as one forward, right-padded to its longest prompt.
+With a causal mask no real position attends to a later one, so none sees the padding and no
+padding mask is needed: SDPA keeps its causal kernel. Positions are each prompt's own (M-RoPE
+included); each prompt's logits are read at its own last position and its KV cut to its length.
+Greedy tokens equal one-prompt-per-forward prefill (``tests/unit/test_engine_batched.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared import metrics
+
+# a group's padded positions may exceed its prompts' own by this fraction: padding costs compute
+# (the MLPs are linear in positions), one forward instead of several saves per-call overhead
+PAD_WASTE = 0.25
+MAX_GROUP_POSITIONS = 16384  # bounds one forward's activations and KV (padded positions)
+
+
+def _groups(lens: list[int]) -> list[list[int]]:
+    """Indices into ``lens``, grouped: ascending length, each group's padded size (count × its
+    longest) within ``1 + PAD_WASTE`` of its real positions and ``MAX_GROUP_POSITIONS``."""
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None:
+            padded = (len(group) + 1) * lens[i]  # i is the longest so far
+            if padded <= (1 + PAD_WASTE) * (real + lens[i]) and padded <= MAX_GROUP_POSITIONS:
+                group.append(i)
+                real += lens[i]
+                continue
+        groups.append([i])
+        real = lens[i]
+    return groups
+
+
+def prefill_many(compute, items: list[tuple]) -> list:
+    """See the module docstring. Runs on the compute lane."""
+    results: list = [None] * len(items)
+    fresh: list[int] = []
+    for i, (prompt_ids, media, prefix_kv) in enumerate(items):
+        if prefix_kv is not None or not hasattr(compute, "prefill_inputs"):
+            results[i] = _alone(compute, prompt_ids, media, prefix_kv)
+        else:
+            fresh.append(i)
+    if len(fresh) == 1:
+        i = fresh[0]
+        results[i] = _alone(compute, items[i][0], items[i][1], None)
+        return results
+    inputs: dict[int, tuple] = {}
+    for i in fresh:
+        try:
+            inputs[i] = compute.prefill_inputs(items[i][0], items[i][1])
+        except Exception as exc:  # this prompt's own fault (e.g. placeholders ≠ media)
+            results[i] = exc
+    ready = list(inputs)
+    for group in _groups([inputs[i][0].shape[0] for i in ready]):
+        members = [ready[g] for g in group]
+        try:
+            if len(members) == 1:
+                results[members[0]] = _alone(compute, items[members[0]][0], items[members[0]][1], None)
+            else:
+                for i, result in zip(members, _forward(compute, [inputs[i] for i in members]), strict=True):
+                    results[i] = result
+        except Exception as exc:
+            for i in members:
+                results[i] = exc
+    return results
+
+
+def _alone(compute, prompt_ids, media, prefix_kv):
+    metrics.PREFILL_BATCH.observe(1)
+    try:
+        return compute.prefill(prompt_ids, media) if prefix_kv is None else compute.prefill(prompt_ids, media,
+                                                                                             prefix_kv)
+    except Exception as exc:
+        return exc
+
+
+@torch.inference_mode()
+def _forward(compute, inputs: list[tuple]) -> list:
+    """One forward over ``inputs`` = ``(embeds [L, H], positions [..., 1, L], rope_delta)`` each."""
+    from shared.engines.kv_pack import pack_kv
+    from shared.engines.qwen2_vl import PrefillResult
+
+    lens = [embeds.shape[0] for embeds, _, _ in inputs]
+    width = max(lens)
+    embeds = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, width - n)) for (e, _, _), n in
+                          zip(inputs, lens, strict=True)])
+    # padding's positions continue its prompt's last one; no real position attends to them
+    positions = torch.cat([torch.cat([p, p[..., -1:].expand(*p.shape[:-1], width - n)], dim=-1)
+                           for (_, p, _), n in zip(inputs, lens, strict=True)], dim=-2)
+    last = torch.tensor([n - 1 for n in lens], device=embeds.device)
+    out = compute.model(inputs_embeds=embeds, position_ids=positions, past_key_values=compute.new_cache(),
+                        use_cache=True, logits_to_keep=last)
+    metrics.PREFILL_BATCH.observe(len(inputs))
+    logits = out.logits[torch.arange(len(inputs)), torch.arange(len(inputs))].to("cpu", torch.float32)
+    results = []
+    for b, ((_, _, rope_delta), n) in enumerate(zip(inputs, lens, strict=True)):
+        kv = _PrefixView(out.past_key_values, b, n)
+        results.append(PrefillResult(last_logits=logits[b], kv=pack_kv(kv), rope_delta=rope_delta, prompt_len=n))
+    return results
+
+
+class _PrefixView:
+    """Row ``b``'s first ``n`` positions of a batched cache, shaped as a batch-1 cache for
+    ``pack_kv`` (which copies them into the packed layout)."""
+
+    class _Layer:
+        def __init__(self, layer, b: int, n: int) -> None:
+            self.keys = layer.keys[b:b + 1, :, :n]
+            self.values = layer.values[b:b + 1, :, :n]
+
+    def __init__(self, cache, b: int, n: int) -> None:
+        self.layers = [self._Layer(layer, b, n) for layer in cache.layers]
