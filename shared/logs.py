@@ -101,12 +101,18 @@ def make_handler(log_format: str, stream=None) -> logging.Handler:
     return handler
 
 
+_CHATTY_LIBRARIES = ("aiokafka", "kafka", "redis")
+
+
 def setup(settings, *, process: str = "") -> None:
     """Replace the root logger's handlers with one in ``settings.log_format`` at
-    ``settings.log_level``. Idempotent."""
+    ``settings.log_level``. Idempotent. At DEBUG the Kafka and Redis clients stay at INFO: theirs
+    is a line per fetch and connection, which would bury the fleet's own."""
     set_process(process or f"pid-{os.getpid()}")
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(make_handler(settings.log_format))
     root.setLevel(settings.log_level.upper())
+    for noisy in _CHATTY_LIBRARIES:
+        logging.getLogger(noisy).setLevel(max(logging.INFO, root.level))

@@ -83,7 +83,10 @@ class EncodeCache:
                     result = entry
                     return self._remote(item, entry)
                 if not leased:  # another worker is encoding it: wait for its entry
+                    log.debug("%s: another worker holds the encode lease; waiting for its entry", key)
                     entry, holder = await self._await_fleet(key, holder, deadline_unix_ms)
+                    log.debug("%s: the wait ended with %s", key, "its entry" if entry is not None else
+                              "the lease taken over" if holder is not None else "no entry (encoding it here)")
                     if entry is not None:
                         result = entry
                         return self._remote(item, entry)

@@ -89,3 +89,23 @@ def test_text_format_shows_stage_and_request_id(capture):
 def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="log_format"):
         logs.make_handler("xml")
+
+
+def test_debug_keeps_the_kafka_and_redis_clients_at_info():
+    from shared.settings import Settings
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    levels = {n: logging.getLogger(n).level for n in ("aiokafka", "kafka", "redis")}
+    try:
+        logs.setup(Settings(log_level="DEBUG"), process="test")
+        assert logging.getLogger("services.runner").isEnabledFor(logging.DEBUG)
+        assert not logging.getLogger("aiokafka.consumer.fetcher").isEnabledFor(logging.DEBUG)
+        assert not logging.getLogger("redis.asyncio.connection").isEnabledFor(logging.DEBUG)
+        logs.setup(Settings(log_level="WARNING"), process="test")
+        assert not logging.getLogger("aiokafka").isEnabledFor(logging.INFO)  # never below the chosen level
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for name, was in levels.items():
+            logging.getLogger(name).setLevel(was)
