@@ -95,7 +95,9 @@ def _forward(compute, inputs: list[tuple]) -> list:
     from shared.engines.qwen2_vl import PrefillResult
 
     lens = [embeds.shape[0] for embeds, _, _ in inputs]
-    width = max(lens)
+    # a width equal to the batch size would make logits of every position indistinguishable from
+    # the kept ones (below); one more padding column avoids it
+    width = max(lens) + (max(lens) == len(inputs))
     embeds = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, width - n)) for (e, _, _), n in
                           zip(inputs, lens, strict=True)])
     # padding's positions continue its prompt's last one; no real position attends to them
@@ -105,7 +107,11 @@ def _forward(compute, inputs: list[tuple]) -> list:
     out = compute.model(inputs_embeds=embeds, position_ids=positions, past_key_values=compute.new_cache(),
                         use_cache=True, logits_to_keep=last)
     metrics.PREFILL_BATCH.observe(len(inputs))
-    logits = out.logits[torch.arange(len(inputs)), torch.arange(len(inputs))].to("cpu", torch.float32)
+    rows = torch.arange(len(inputs), device=last.device)
+    # logits at the kept positions ([B, B, vocab]); a model that ignores logits_to_keep
+    # (Qwen2-Audio's) gives every position ([B, width, vocab]): read each prompt's last then
+    kept = out.logits.shape[1] != width
+    logits = out.logits[rows, rows if kept else last].to("cpu", torch.float32)
     results = []
     for b, ((_, _, rope_delta), n) in enumerate(zip(inputs, lens, strict=True)):
         kv = _PrefixView(out.past_key_values, b, n)

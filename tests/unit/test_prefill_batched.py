@@ -80,6 +80,27 @@ def test_batched_prefill_equals_one_at_a_time(compute):
         _same(got, want)
 
 
+def test_batched_audio_prefill_equals_one_at_a_time():
+    """Qwen2-Audio's forward ignores ``logits_to_keep`` (logits of every position come back):
+    each prompt's logits must still be its own last position's."""
+    from shared.engines.qwen2_audio import Qwen2AudioCompute
+    from shared.models.qwen2_audio_tiny import ensure_tiny_qwen2_audio
+    from tests.unit.test_engine_qwen2_audio import clip
+    from tests.unit.test_engine_qwen2_audio import msgs as audio_msgs
+
+    compute = Qwen2AudioCompute(ensure_tiny_qwen2_audio(CACHE_DIR / "models"))
+    prompts = []
+    for freq, seconds, text in ((440.0, 0.5, "What is this sound?"), (900.0, 0.6, "Describe it."),
+                                (1500.0, 0.5, "Which note?")):
+        px = compute.preprocess_audio(clip(freq, seconds))
+        items = [MediaEmbeds(compute.encode_media([px])[0], px.grid_thw, "audio")]
+        prompts.append((compute.render_prompt_ids(audio_msgs(1, text)), items))
+    alone = [compute.prefill(ids, items) for ids, items in prompts]
+    batched = prefill_many(compute, [(ids, items, None) for ids, items in prompts])
+    for got, want in zip(batched, alone, strict=True):
+        _same(got, want)
+
+
 def test_a_bad_prompt_fails_alone_and_prefix_hits_run_alone(compute):
     imgs = make_images()
     good = _prompt(compute, messages_for(1), [imgs["noise1"]])
