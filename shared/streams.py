@@ -11,8 +11,9 @@ step's sequences) go to Redis in one pipeline.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
@@ -23,6 +24,9 @@ from shared.stage import LogLost
 from shared.stream_mux import StreamMux
 
 _FIELD = b"e"
+# how long a follower waits without news before it checks that its log still exists
+LOST_CHECK_S = 2.0
+log = logging.getLogger(__name__)
 
 # KEYS: stream, position counter; ARGV: position, encoded delta, maxlen, ttl_s.
 # 1: appended; 0: another writer has that position; 2: the log is gone (flushed) past position 0
@@ -106,17 +110,25 @@ class TokenStreams:
             else:
                 fut.set_result(res)
 
-    async def follow(self, request_id: str, *, deadline_s: float) -> AsyncIterator[protocol.StreamEvent]:
+    async def follow(self, request_id: str, *, deadline_s: float,
+                     on_lost: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[protocol.StreamEvent]:
         """Yield events until a terminal one; raises ``TimeoutError`` past ``deadline_s``
         (a ``loop.time()`` value), or the reader's Redis error. Every follow of this instance
         shares one blocking read (:class:`~shared.stream_mux.StreamMux`). Each delta position is
         yielded once: a log rewritten from the start (Redis flushed between prefill's first token
         and decode's read of the log) repeats positions the reader already has, and those are
-        dropped."""
+        dropped.
+
+        A log that vanishes after this reader saw part of it (Redis flushed once its writer had
+        finished, so nobody writes it again) is noticed after ``LOST_CHECK_S`` without news: the
+        deltas read so far are written back (compare-and-append, so a writer that is still
+        running keeps its own) and ``on_lost`` asks for the request to run again; its decode
+        resumes after those deltas (services/decode/stream.py)."""
         loop = asyncio.get_running_loop()
         key = self._keys.token_stream(request_id)
         sub = await self._mux.subscribe(key)
         next_seq = 0
+        seen: list[protocol.TokenDelta] = []  # in order: what a lost log is written back from
         try:
             while True:
                 while not sub.entries:
@@ -127,21 +139,36 @@ class TokenStreams:
                         raise TimeoutError(f"no terminal event for {request_id} before the deadline")
                     sub.event.clear()  # nothing can arrive between the checks above and the wait
                     try:
-                        async with asyncio.timeout(left_s):
+                        async with asyncio.timeout(min(left_s, LOST_CHECK_S)):
                             await sub.event.wait()
                     except TimeoutError:
-                        pass
+                        if seen and not sub.entries and not await self._redis.exists(key):
+                            await self._restore(request_id, seen, on_lost)
                 _eid, fields = sub.entries.popleft()
                 event = protocol.decode_event(fields[_FIELD])
                 if isinstance(event, protocol.TokenDelta):
                     if event.seq < next_seq:
                         continue
                     next_seq = event.seq + 1
+                    seen.append(event)
                 yield event
                 if isinstance(event, (protocol.Finish, protocol.ErrorEvent)):
                     return
         finally:
             self._mux.unsubscribe(key)
+
+    async def _restore(self, request_id: str, seen: list[protocol.TokenDelta],
+                       on_lost: Callable[[], Awaitable[None]] | None) -> None:
+        log.warning("request %s: its token log is gone (Redis flushed?) after %d deltas were read; writing them "
+                    "back%s", request_id, len(seen), " and running the request again" if on_lost else "")
+        try:
+            for position, delta in enumerate(seen):
+                if not await self.append_delta(request_id, delta, position=position):
+                    return  # a writer is at work on it again: it rewrites the log itself
+        except LogLost:
+            return  # flushed again meanwhile: the next check writes it back
+        if on_lost is not None:
+            await on_lost()
 
     async def close(self) -> None:
         """Stop the shared reader (followers still open get no more events)."""

@@ -144,7 +144,8 @@ class Frontend:
         the request's deadline passes first)."""
         s = self.settings
         deadline_s = asyncio.get_running_loop().time() + s.request_timeout_ms / 1000
-        events = _token_timing(self.streams.follow(adm.request_id, deadline_s=deadline_s), adm.t0)
+        events = _token_timing(self.streams.follow(adm.request_id, deadline_s=deadline_s,
+                                                   on_lost=lambda: self.redriver.redrive(adm.request_id)), adm.t0)
         shaper = Shaper(adm.request_id, adm.model, chat=adm.chat,
                         include_usage=adm.prepared.stream and adm.prepared.include_usage,
                         token_text=self.builder.token_text if adm.prepared.sampling.logprobs is not None else None,

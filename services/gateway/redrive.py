@@ -53,6 +53,17 @@ class Redriver:
     def forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
 
+    async def redrive(self, request_id: str) -> None:
+        """Produce one tracked request again under a fresh attempt (its token log was lost after
+        its decode finished: ``TokenStreams.follow``); errors are logged, the deadline still holds."""
+        meta = self._tracked.get(request_id)
+        if meta is None:
+            return
+        try:
+            await self._redrive(meta)
+        except Exception as exc:  # noqa: BLE001 - the request's own deadline ends it then
+            log.warning("could not re-drive %s: %r", request_id, exc)
+
     async def run(self) -> None:
         """Poll the epoch until cancelled. Redis errors only delay the check (a flushed Redis
         loses the token: the last one seen stays the reference)."""

@@ -1,6 +1,8 @@
 """The token log against a real Redis: two decodes of one request (a redelivery racing a live
 worker, an attempt re-driven after a broker restart) never both write a position, a flushed
-counter does not wedge the writer that goes on, and a process's followers share one reader."""
+counter does not wedge the writer that goes on, a log flushed after its writer finished is
+written back by its follower and the request run again, and a process's followers share one
+reader."""
 
 from __future__ import annotations
 
@@ -51,6 +53,41 @@ async def test_a_flushed_log_makes_the_writer_start_it_again(redis_url):
             assert await streams.append_delta("r2", _delta(i), position=i)
         assert not await streams.append_delta("r2", _delta(3), position=3)
         assert [e.seq for e in await streams.history("r2")] == [0, 1, 2, 3]
+    finally:
+        await redis.aclose()
+
+
+async def test_a_log_lost_after_its_writer_finished_is_written_back_and_rerun(redis_url, monkeypatch):
+    """Decode wrote the whole log and finished; the reader had read deltas 0-1 when Redis was
+    flushed, so the rest is gone and nobody writes it again (seen in the Redis-flush e2e test:
+    a request waited out its deadline). The follower notices the missing log, writes back what
+    it read, and asks for the request to run again; the new run resumes after those deltas."""
+    monkeypatch.setattr("shared.streams.LOST_CHECK_S", 0.2)
+    redis = aioredis.from_url(redis_url)
+    keys = RedisKeys("toklog")
+    streams = TokenStreams(redis, keys, maxlen=1000, ttl_s=60)
+    reruns = []
+    try:
+        for i in range(2):
+            assert await streams.append_delta("r5", _delta(i), position=i)
+        follow = streams.follow("r5", deadline_s=asyncio.get_running_loop().time() + 10,
+                                on_lost=lambda: asyncio.sleep(0, reruns.append("r5")))
+        got = [await anext(follow), await anext(follow)]
+        await redis.delete(keys.token_seq("r5"), keys.token_stream("r5"))  # what FLUSHALL does to it
+        rest = asyncio.ensure_future(anext(follow))
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if reruns:
+                break
+        assert reruns == ["r5"]
+        assert [e.seq for e in await streams.history("r5")] == [0, 1]  # written back: a rerun resumes after them
+        assert not await streams.append_delta("r5", _delta(1), position=1)  # the rerun's decode skips what is there
+        assert await streams.append_delta("r5", _delta(2), position=2)
+        await streams.append("r5", protocol.Finish(reason="length", usage=protocol.Usage(
+            prompt_tokens=1, completion_tokens=3)))
+        got.append(await rest)
+        got += [e async for e in follow]
+        assert [getattr(e, "seq", "end") for e in got] == [0, 1, 2, "end"]
     finally:
         await redis.aclose()
 
