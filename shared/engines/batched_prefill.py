@@ -11,7 +11,7 @@ than its prompts have) and each group runs as one forward, right-padded to its l
 With a causal mask no real position attends to a later one, so none sees the padding and no
 padding mask is needed: SDPA keeps its causal kernel. Positions are each prompt's own (M-RoPE
 included); each prompt's logits are read at its own last position and its KV cut to its length.
-Greedy tokens equal one-prompt-per-forward prefill (``tests/unit/test_engine_batched.py``).
+Greedy tokens equal one-prompt-per-forward prefill (``tests/unit/test_prefill_batched.py``).
 """
 
 from __future__ import annotations
@@ -112,21 +112,7 @@ def _forward(compute, inputs: list[tuple]) -> list:
     # (Qwen2-Audio's) gives every position ([B, width, vocab]): read each prompt's last then
     kept = out.logits.shape[1] != width
     logits = out.logits[rows, rows if kept else last].to("cpu", torch.float32)
-    results = []
-    for b, ((_, _, rope_delta), n) in enumerate(zip(inputs, lens, strict=True)):
-        kv = _PrefixView(out.past_key_values, b, n)
-        results.append(PrefillResult(last_logits=logits[b], kv=pack_kv(kv), rope_delta=rope_delta, prompt_len=n))
-    return results
+    return [PrefillResult(last_logits=logits[b], kv=pack_kv(out.past_key_values, row=b, length=n),
+                          rope_delta=rope_delta, prompt_len=n)
+            for b, ((_, _, rope_delta), n) in enumerate(zip(inputs, lens, strict=True))]
 
-
-class _PrefixView:
-    """Row ``b``'s first ``n`` positions of a batched cache, shaped as a batch-1 cache for
-    ``pack_kv`` (which copies them into the packed layout)."""
-
-    class _Layer:
-        def __init__(self, layer, b: int, n: int) -> None:
-            self.keys = layer.keys[b:b + 1, :, :n]
-            self.values = layer.values[b:b + 1, :, :n]
-
-    def __init__(self, cache, b: int, n: int) -> None:
-        self.layers = [self._Layer(layer, b, n) for layer in cache.layers]

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 
-def pack_kv(cache) -> torch.Tensor:
-    """``DynamicCache`` (batch 1) → the packed tensor."""
-    per_layer = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
+def pack_kv(cache, row: int = 0, length: int | None = None) -> torch.Tensor:
+    """A ``DynamicCache``'s batch row ``row`` (its first ``length`` positions; all by default) →
+    the packed tensor (a copy)."""
+    per_layer = [torch.stack([layer.keys[row, :, :length], layer.values[row, :, :length]]) for layer in cache.layers]
     return torch.stack(per_layer).contiguous()
 
 
