@@ -81,6 +81,7 @@ class Router:
         self._rng = rng or random.Random()
         self._turn = itertools.count()
         self.audit = RouteAudit(redis, keys)
+        self._owner_ids: list[str] = []  # the workers the owners map named last time (see workers())
 
     async def partition_for(self, msg: protocol.PrefillRequest) -> int | None:
         """The partition to produce ``msg`` to, or None for key hashing (never raises)."""
@@ -120,28 +121,36 @@ class Router:
                         candidates=len(workers), blocks=len(hashes))
 
     async def workers(self, hashes: list[int]) -> list[WorkerView]:
-        """Live prefill workers that own partitions, sorted by id, with their overlap."""
-        owners = await self._redis.hgetall(self._keys.kv_owners(self.topic))
-        by_worker: dict[str, list[int]] = {}
-        for part, wid in owners.items():
-            by_worker.setdefault(wid.decode(), []).append(int(part))
-        ids = sorted(by_worker)
-        if not ids:
-            return []
-        held = self.policy == "kv"  # the cached-block count only breaks kv's ties
-        pipe = self._redis.pipeline(transaction=False)
-        for wid in ids:
-            pipe.hgetall(self._keys.kv_load(wid))
-            if held:
-                pipe.scard(self._keys.kv_blocks(wid))
-            if hashes:
-                pipe.smismember(self._keys.kv_blocks(wid), [str(h) for h in hashes])
-        replies = await pipe.execute()
+        """Live prefill workers that own partitions, sorted by id, with their overlap.
+
+        One Redis round trip in the steady state: the owners map is read in the same pipeline as
+        the load and blocks of the workers it named last time; only when it names others (a
+        rebalance) is the pipeline sent again for them."""
+        for _ in range(3):  # owners that change between two reads of them: a rebalance in progress
+            ids = self._owner_ids
+            held = self.policy == "kv"  # the cached-block count only breaks kv's ties
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hgetall(self._keys.kv_owners(self.topic))
+            for wid in ids:
+                pipe.hgetall(self._keys.kv_load(wid))
+                if held:
+                    pipe.scard(self._keys.kv_blocks(wid))
+                if hashes:
+                    pipe.smismember(self._keys.kv_blocks(wid), [str(h) for h in hashes])
+            owners, *replies = await pipe.execute()
+            by_worker: dict[str, list[int]] = {}
+            for part, wid in owners.items():
+                by_worker.setdefault(wid.decode(), []).append(int(part))
+            self._owner_ids = sorted(by_worker)
+            if self._owner_ids == ids:
+                break
+        else:
+            log.warning("the owners of %s kept changing while routing; using what was read last", self.topic)
         step = 1 + held + bool(hashes)
         out = []
         for i, wid in enumerate(ids):
             load = replies[i * step]
-            if not load:
+            if not load or wid not in by_worker:
                 continue  # not heard from within kv_report_ttl_ms: gone
             listed = {int(p) for p in load.get(b"partitions", b"").decode().split(",") if p}
             parts = tuple(sorted(p for p in by_worker[wid] if p in listed))  # both must agree

@@ -131,6 +131,50 @@ async def test_a_rebalance_moves_partitions_and_stale_owners_are_ignored(table):
     assert {w.worker_id for w in await router(t).workers([])} == {"w2"}
 
 
+async def test_one_round_trip_per_decision_and_a_rebalance_is_seen_at_once(table, monkeypatch):
+    """The same router across calls: in the steady state a decision is one Redis pipeline
+    (the owners map read beside the loads of the workers it named last time); a worker that
+    joins or leaves between two calls is in (out of) the very next decision."""
+    t, r = table, router(table)
+    sent = []  # round trips: lone commands and pipelines
+    real, command = t["redis"].pipeline, t["redis"].execute_command
+
+    async def counted_command(*a, **kw):
+        sent.append(a[0])
+        return await command(*a, **kw)
+
+    def counting(*a, **kw):
+        pipe = real(*a, **kw)
+        execute = pipe.execute
+
+        async def counted(*ea, **ekw):
+            sent.append(len(pipe.command_stack))
+            return await execute(*ea, **ekw)
+
+        pipe.execute = counted
+        return pipe
+
+    monkeypatch.setattr(t["redis"], "pipeline", counting)
+    monkeypatch.setattr(t["redis"], "execute_command", counted_command)
+    prompt = list(range(500, 516))
+    await r.decide(request(prompt))  # first call: learns who owns what (two round trips)
+    sent.clear()
+    for _ in range(3):
+        assert (await r.decide(request(prompt))).worker_id in ("w1", "w2")
+    assert len(sent) == 3, sent  # one round trip each
+    # w3 takes partition 1 from w1: the next decision sees it (the pipeline is sent again for it)
+    w3 = LoadReporter(t["redis"], t["keys"], "w3", LoadTracker(), t["settings"])
+    await t["reporters"]["w1"].on_partitions_revoked([TopicPartition(TOPIC_PREFILL, 1)])
+    await w3.on_partitions_assigned([TopicPartition(TOPIC_PREFILL, 1)])
+    await stored(t, "w3", block_hashes(prompt, [], placeholder_id=PH, block_size=BLOCK))
+    sent.clear()
+    d = await r.decide(request(prompt))
+    assert (d.worker_id, d.partition, d.reason) == ("w3", 1, "kv_hit") and len(sent) == 2
+    # and once w3 is gone from the owners map, it is no candidate any more
+    await t["redis"].hdel(t["keys"].kv_owners(TOPIC_PREFILL), "1")
+    assert {w.worker_id for w in await r.workers([])} == {"w1", "w2"}
+
+
 async def test_no_table_or_no_redis_means_key_hashing(redis_url):
     s = Settings(redis_url=redis_url, redis_prefix=f"kv{uuid.uuid4().hex[:8]}")
     redis = aioredis.from_url(redis_url)
