@@ -29,6 +29,40 @@ def test_min_tokens_masks_stop_tokens_until_reached():
     assert process_logits(torch.zeros(5), S(min_tokens=2), 2, stop_ids=stops).tolist() == [0.0] * 5
 
 
+def test_a_plain_greedy_token_copies_no_logits_and_draws_no_entropy():
+    """Per decode token on the event loop: no vocabulary-sized copy when no control changes the
+    logits, and a greedy pick makes no generator (seeding one from OS entropy is a syscall); the
+    caller's logits are never modified, whichever path."""
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.0])
+    assert process_logits(logits, S(), 3).data_ptr() == logits.data_ptr()
+    biased = process_logits(logits, S(logit_bias=((0, 9.0),)), 3)
+    assert biased.data_ptr() != logits.data_ptr() and logits.tolist() == [0.5, 3.0, -1.0, 2.0]
+    from shared.engines.sampling import Sampler
+
+    greedy = Sampler(temperature=0.0)
+    assert greedy(logits) == 1 and greedy._generator is None
+    drawn = Sampler(temperature=1.0, seed=5)
+    drawn(logits)
+    assert drawn._generator is not None
+    assert sample_at(logits, S(), 1) == 1
+
+
+@pytest.mark.parametrize("values", [
+    [1.0, 3.0, 3.0, 2.0],  # a tie: the first index, like generate()
+    [float("-inf"), float("-inf"), -5.0],
+    [0.0, float("nan"), 9.0, float("nan")],  # NaN counts as the largest, as in torch.argmax
+    [float("inf"), 1.0, float("inf")],
+])
+def test_the_greedy_pick_is_torchs_argmax(values):
+    from shared.engines.sampling import greedy_pick
+
+    logits = torch.tensor(values)
+    assert greedy_pick(logits) == int(torch.argmax(logits))
+    wide = torch.randn(151_936)
+    assert greedy_pick(wide) == int(torch.argmax(wide))
+    assert greedy_pick(wide[::2]) == int(torch.argmax(wide[::2]))  # a strided view too
+
+
 def test_ignore_eos_leaves_only_stop_token_ids():
     assert stop_token_set(S(ignore_eos=True, stop_token_ids=(3,)), frozenset({4})) == {3}
 
