@@ -4,7 +4,9 @@ A target's processes: its root process and every descendant (a fleet's superviso
 and gateway; the inproc server), plus for fleets the broker and Redis the harness started
 (children of this process named ``tansu`` / ``redis-server``, shared by the fleets of one
 invocation, so they are counted for whichever fleet runs at the time). Figures are percent of
-ONE core: CPU seconds (user + system) over the wall seconds of the window.
+ONE core: CPU seconds (user + system) over the wall seconds of the window. Under load the
+window also splits them by process role (``process_role``: a worker's stages, the gateway, the
+broker, ...), reported as CPU milliseconds per finished request (:func:`by_process_md`).
 """
 
 from __future__ import annotations
@@ -35,15 +37,37 @@ def target_processes(pid: int | None, *, with_infra: bool) -> list:
     return procs
 
 
+def process_role(p) -> str:
+    """What a target process is: ``worker <stages>``, ``gateway``, ``supervisor``, ``broker``,
+    ``redis``, ``inproc``, else its name."""
+    try:
+        name, argv = p.name(), p.cmdline()
+    except psutil.Error:
+        return "gone"
+    if "tansu" in name:
+        return "broker"
+    if "redis-server" in name:
+        return "redis"
+    if "services.cli" in argv:
+        verb = argv[argv.index("services.cli") + 1:][:1]
+        if verb == ["worker"] and "--stages" in argv:
+            return "worker " + argv[argv.index("--stages") + 1]
+        return {"up": "supervisor"}.get(verb[0], verb[0]) if verb else "cli"
+    if "loadtest" in argv and "inproc" in argv:
+        return "inproc"
+    return name
+
+
+def _seconds(p) -> float:
+    try:
+        t = p.cpu_times()
+        return t.user + t.system
+    except psutil.Error:
+        return 0.0
+
+
 def cpu_seconds(procs: list) -> float:
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    return sum(_seconds(p) for p in procs)
 
 
 class CpuWindow:
@@ -52,16 +76,22 @@ class CpuWindow:
     def __init__(self, pid: int | None, *, with_infra: bool) -> None:
         self._procs = target_processes(pid, with_infra=with_infra)
         self.pct: float | None = None
+        self.by_role_s: dict[str, float] = {}  # CPU seconds over the window by process_role
+        self.wall_s = 0.0
 
     def __enter__(self) -> CpuWindow:
-        self._c0, self._t0 = cpu_seconds(self._procs), time.monotonic()
+        self._c0 = [_seconds(p) for p in self._procs]
+        self._t0 = time.monotonic()
         return self
 
     def __exit__(self, *exc) -> None:
-        wall = time.monotonic() - self._t0
+        self.wall_s = wall = time.monotonic() - self._t0
         if not self._procs:
             return
-        self.pct = round(100 * (cpu_seconds(self._procs) - self._c0) / wall, 1) if wall > 0 else None
+        for p, c0 in zip(self._procs, self._c0, strict=True):
+            role = process_role(p)
+            self.by_role_s[role] = self.by_role_s.get(role, 0.0) + max(_seconds(p) - c0, 0.0)
+        self.pct = round(100 * sum(self.by_role_s.values()) / wall, 1) if wall > 0 else None
 
 
 async def idle_pct(pid: int | None, seconds: float, *, with_infra: bool) -> float | None:
@@ -71,3 +101,30 @@ async def idle_pct(pid: int | None, seconds: float, *, with_infra: bool) -> floa
     with CpuWindow(pid, with_infra=with_infra) as w:
         await asyncio.sleep(seconds)
     return w.pct
+
+
+def by_process_md(runs: list[dict]) -> list[str]:
+    """Per run (target at load level): CPU milliseconds per finished request, by process role;
+    a fleet's CPU per request against the in-process server's is its throughput ceiling on a
+    machine its load saturates."""
+    runs = [r for r in runs if (r.get("cpu") or {}).get("by_process_s") and r["aggregates"].get("ok")]
+    if not runs:
+        return []
+    roles = sorted({role for r in runs for role in r["cpu"]["by_process_s"]},
+                   key=lambda role: -max(r["cpu"]["by_process_s"].get(role, 0) / r["aggregates"]["ok"] for r in runs))
+    out = ["## CPU per request by process", "",
+           "CPU milliseconds (user + system) per finished request over each load window, by process "
+           "(fleets: + the broker and Redis the harness started); percent of one core in brackets.", "",
+           "| process | " + " | ".join(f"`{r['target']}` {r['label']}" for r in runs) + " |",
+           "|---|" + "---:|" * len(runs)]
+
+    def cell(r: dict, role: str | None) -> str:
+        by, ok, wall = r["cpu"]["by_process_s"], r["aggregates"]["ok"], r["cpu"].get("window_s") or 0
+        sec = sum(by.values()) if role is None else by.get(role)
+        if sec is None:
+            return "–"
+        return f"{1000 * sec / ok:.1f}" + (f" ({100 * sec / wall:.0f} %)" if wall else "")
+
+    out += [f"| {role} | " + " | ".join(cell(r, role) for r in runs) + " |" for role in roles]
+    out += ["| **all** | " + " | ".join(cell(r, None) for r in runs) + " |", ""]
+    return out

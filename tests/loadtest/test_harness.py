@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 from aiohttp import web
 
-from loadtest import metrics, spans, ttft_split, workloads
+from loadtest import cpu, metrics, spans, ttft_split, workloads
 from loadtest.bench import BenchConfig, level_specs, run_bench
 from loadtest.client import RequestRecord
 from loadtest.loadgen import LoadShape, drive, poisson_gaps
@@ -244,7 +244,10 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
            "MMFLEET_REDIS_PREFIX": prefix, "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024)}
     log_dir = logs_dir / "loadtest-fleet"
     log_dir.mkdir()
-    with procs.fleet(env, log_dir) as (base, _proc):
+    with procs.fleet(env, log_dir) as (base, proc):
+        roles = {cpu.process_role(p) for p in cpu.target_processes(proc.pid, with_infra=False)}
+        assert {"supervisor", "gateway", *(f"worker {s}" for s in ("media-fetch", "encode", "prefill", "decode"))} \
+            <= roles, roles
         cfg = _config(tmp_path, [f"url:{base}", "inproc"], n=4, idle_cpu_s=1.0)  # a CPU sample, not a figure
         result = run_bench(cfg, TargetOptions(model_dir=model_dir, log_dir=tmp_path, redis_url=redis_url,
                                               redis_prefix=prefix))
@@ -268,9 +271,12 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
         # "stream read" is a remainder of stamps taken in different processes (the client's send,
         # decode's first output): it came out -1.5 ms in one CI run, so no sign is asserted
         assert parts["compute"] > 0 and parts["gateway"] > 0
-    assert inproc_run["cpu"]["load_pct"] is None or inproc_run["cpu"]["load_pct"] > 0
+    assert inproc_run["cpu"]["load_pct"] > 0
+    assert set(inproc_run["cpu"]["by_process_s"]) == {"inproc"}  # a url: target has no processes to count
+    assert fleet_run["cpu"]["by_process_s"] == {}
     write_all(result, tmp_path, plots=False)
     summary = (tmp_path / "summary.md").read_text()
+    assert "## CPU per request by process" in summary and "| inproc | " in summary
     assert "Per-stage breakdown" in summary and "same text as" in summary
     assert "Medians over repetitions" in summary
     assert "## TTFT split" in summary
