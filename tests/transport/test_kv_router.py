@@ -15,6 +15,7 @@ from shared.kv.blocks import block_hashes
 from shared.kv.router import Router
 from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
 from shared.settings import Settings
+from tests.roundtrips import count_round_trips
 
 PH = 99
 BLOCK = 4
@@ -136,26 +137,7 @@ async def test_one_round_trip_per_decision_and_a_rebalance_is_seen_at_once(table
     (the owners map read beside the loads of the workers it named last time); a worker that
     joins or leaves between two calls is in (out of) the very next decision."""
     t, r = table, router(table)
-    sent = []  # round trips: lone commands and pipelines
-    real, command = t["redis"].pipeline, t["redis"].execute_command
-
-    async def counted_command(*a, **kw):
-        sent.append(a[0])
-        return await command(*a, **kw)
-
-    def counting(*a, **kw):
-        pipe = real(*a, **kw)
-        execute = pipe.execute
-
-        async def counted(*ea, **ekw):
-            sent.append(len(pipe.command_stack))
-            return await execute(*ea, **ekw)
-
-        pipe.execute = counted
-        return pipe
-
-    monkeypatch.setattr(t["redis"], "pipeline", counting)
-    monkeypatch.setattr(t["redis"], "execute_command", counted_command)
+    sent = count_round_trips(monkeypatch, t["redis"])
     prompt = list(range(500, 516))
     await r.decide(request(prompt))  # first call: learns who owns what (two round trips)
     sent.clear()

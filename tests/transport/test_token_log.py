@@ -15,6 +15,7 @@ from shared import protocol
 from shared.keys import RedisKeys
 from shared.stage import LogLost
 from shared.streams import TokenStreams
+from tests.roundtrips import count_round_trips
 
 
 def _delta(i: int) -> protocol.TokenDelta:
@@ -117,26 +118,12 @@ async def test_a_log_rewritten_after_a_flush_reaches_the_reader_once(redis_url):
         await redis.aclose()
 
 
-async def test_appends_of_one_loop_turn_share_a_round_trip(redis_url):
+async def test_appends_of_one_loop_turn_share_a_round_trip(redis_url, monkeypatch):
     """A batched decode step's sequences append together: one pipeline, each writer its own
     answer, a racing second writer of a position still refused."""
     redis = aioredis.from_url(redis_url)
     streams = TokenStreams(redis, RedisKeys("toklog"), maxlen=1000, ttl_s=60)
-    executed = []
-    real_pipeline = redis.pipeline
-
-    def counting_pipeline(*a, **kw):
-        pipe = real_pipeline(*a, **kw)
-        real_execute = pipe.execute
-
-        async def execute(*ea, **ekw):
-            executed.append(len(pipe.command_stack))
-            return await real_execute(*ea, **ekw)
-
-        pipe.execute = execute
-        return pipe
-
-    redis.pipeline = counting_pipeline
+    executed = count_round_trips(monkeypatch, redis)
     try:
         got = await asyncio.gather(*(streams.append_delta(f"b{i}", _delta(0), position=0) for i in range(8)),
                                    streams.append_delta("b0", _delta(0), position=0))
@@ -145,7 +132,6 @@ async def test_appends_of_one_loop_turn_share_a_round_trip(redis_url):
         for i in range(8):
             assert [e.seq for e in await streams.history(f"b{i}")] == [0]
     finally:
-        redis.pipeline = real_pipeline
         await redis.aclose()
 
 
