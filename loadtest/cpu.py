@@ -66,10 +66,6 @@ def _seconds(p) -> float:
         return 0.0
 
 
-def cpu_seconds(procs: list) -> float:
-    return sum(_seconds(p) for p in procs)
-
-
 class CpuWindow:
     """``with`` a window: ``pct`` = the processes' CPU over it, percent of one core."""
 

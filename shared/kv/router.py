@@ -126,9 +126,9 @@ class Router:
         One Redis round trip in the steady state: the owners map is read in the same pipeline as
         the load and blocks of the workers it named last time; only when it names others (a
         rebalance) is the pipeline sent again for them."""
+        held = self.policy == "kv"  # the cached-block count only breaks kv's ties
         for _ in range(3):  # owners that change between two reads of them: a rebalance in progress
             ids = self._owner_ids
-            held = self.policy == "kv"  # the cached-block count only breaks kv's ties
             pipe = self._redis.pipeline(transaction=False)
             pipe.hgetall(self._keys.kv_owners(self.topic))
             for wid in ids:
