@@ -76,11 +76,7 @@ class Redriver:
             await asyncio.sleep(self._poll_s)
 
     async def _redrive_all(self) -> None:
-        metas = list(self._tracked.values())
-        results = await asyncio.gather(*(self._redrive(m) for m in metas), return_exceptions=True)
-        for meta, result in zip(metas, results):
-            if isinstance(result, BaseException):
-                log.warning("could not re-drive %s: %r", meta.request_id, result)
+        await asyncio.gather(*(self.redrive(request_id) for request_id in list(self._tracked)))
 
     async def _redrive(self, meta: protocol.RequestMeta) -> None:
         if meta.deadline_unix_ms <= time.time() * 1000:
