@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -37,6 +38,8 @@ from services.modes import MODES, check_engine, group_replicas, parse_replicas
 from services.stages import fleet_topics
 from shared import settings as settings_mod
 from shared.bus import ensure_topics
+from shared.consume import BROKER_RESTART_GRACE_MS
+from shared.keys import RedisKeys
 from shared.models.registry import resolve_model_path
 from shared.redis_conn import make_redis
 from shared.settings import Settings
@@ -204,7 +207,7 @@ class Fleet:
             await self._start_infra(redis_child(rhost, rport), rhost, rport)
         await ensure_topics(s, fleet_topics(s))
         if any(c.name.startswith("kafka") for c in self.infra):
-            await self._new_broker_epoch()
+            await self._bump(RedisKeys.broker_epoch, RedisKeys.broker_ready)
         env = settings_mod.child_env(s)
         cli = [sys.executable, "-m", "services.cli"]
         for stages in MODES[self.mode]:
@@ -223,7 +226,6 @@ class Fleet:
         """Until every stage group has a live worker holding partitions (its liveness record)."""
         from collections import Counter
 
-        from shared.keys import RedisKeys
         from shared.liveness import live_workers
         from shared.redis_conn import make_redis
 
@@ -324,25 +326,32 @@ class Fleet:
 
     async def _restart_infra(self, child: Child) -> None:
         log.warning("%s exited with %s; restarting it", child.name, child.proc.returncode)
+        broker = child.name.startswith("kafka")
+        if broker:
+            # The in-memory broker comes back empty: every record and offset is gone. Say so
+            # before it exists again (consumers drop their watermarks) and give commits decided
+            # before this word time to give up (shared.consume.COMMIT_TIMEOUT_MS): one landing on
+            # the new broker would make the next owner of its partition skip records.
+            await self._bump(RedisKeys.broker_epoch)
+            await asyncio.sleep(BROKER_RESTART_GRACE_MS / 1000)
         child.start()
         await _wait_port(child.host, child.port, 20, child)
-        if child.name.startswith("kafka"):
-            # The in-memory broker came back empty: every record in flight is gone. Say so
-            # before the topics exist again (gateways re-drive their unfinished requests, see
-            # services/gateway/redrive.py), then create them.
-            await self._new_broker_epoch()
+        if broker:
+            # Gateways re-drive their unfinished requests (services/gateway/redrive.py) only once
+            # the topics exist: tansu acks a record for a topic it does not know yet (a producer
+            # with the old broker's metadata sends at once) and hides it when the topic is made.
             await ensure_topics(self.settings, fleet_topics(self.settings))
+            await self._bump(RedisKeys.broker_ready)
 
-    async def _new_broker_epoch(self) -> None:
-        """A fresh broker-epoch token in Redis: the broker this supervisor runs keeps records in
-        memory only, so a (re)start means records in flight were lost."""
-        import uuid
-
-        from shared.keys import RedisKeys
-
+    async def _bump(self, *keys) -> None:
+        """Fresh tokens in Redis under ``keys`` (``RedisKeys.broker_epoch`` / ``broker_ready``
+        methods): the broker this supervisor runs keeps records in memory only, so a (re)start
+        means records in flight were lost."""
+        names = RedisKeys(self.settings.redis_prefix)
         redis = make_redis(self.settings)
         try:
-            await redis.set(RedisKeys(self.settings.redis_prefix).broker_epoch(), uuid.uuid4().hex)
+            for key in keys:
+                await redis.set(key(names), uuid.uuid4().hex)
         except Exception as exc:  # Redis away: gateways cannot re-drive; say so loudly
             log.error("could not record the broker restart in Redis (%r); requests in flight may be lost", exc)
         finally:

@@ -33,6 +33,14 @@ from shared.settings import Settings
 log = logging.getLogger(__name__)
 
 _LAG_INTERVAL_S = 1.0  # consumer-lag gauge refresh; position() is local once fetching
+# A commit still unanswered after this is abandoned (the next one covers its records). aiokafka
+# retries a commit until a coordinator answers, so unbounded, one decided before a broker restart
+# would land on the new broker with offsets of the old one (tansu stores it even from a member it
+# no longer knows), and whoever is assigned that partition next would skip the records below it.
+# `mmfleet up` announces a restart (the broker epoch) and waits BROKER_RESTART_GRACE_MS, longer
+# than this, before it starts the new broker; a commit decided after the announcement sees it.
+COMMIT_TIMEOUT_MS = 1_000
+BROKER_RESTART_GRACE_MS = 2 * COMMIT_TIMEOUT_MS + 500
 
 Process = Callable[[TopicPartition, object], Awaitable[None]]
 ProcessBatch = Callable[[list], Awaitable[None]]
@@ -233,8 +241,9 @@ class ConsumeLoop:
         """True once per change of the broker epoch: every watermark is stale then (offsets
         start at 0 again), so they are dropped, nothing is committed, and every partition is
         read again from its beginning (the ledger skips what is done). Checked right before each
-        commit, so a stale watermark never reaches the new broker: the epoch changes before the
-        topics exist again."""
+        commit, so a stale watermark never reaches the new broker: the epoch changes
+        ``BROKER_RESTART_GRACE_MS`` before that broker starts, and a commit decided earlier is
+        abandoned after ``COMMIT_TIMEOUT_MS``."""
         if self._epoch is None or not await self._epoch.changed():
             return False
         log.warning("%s: the broker lost its records (restarted); reading every partition again", self.name)
@@ -256,7 +265,11 @@ class ConsumeLoop:
         if not offsets:
             return
         try:
-            await self._consumer.commit(offsets)
+            await asyncio.wait_for(self._consumer.commit(offsets), COMMIT_TIMEOUT_MS / 1000)
+        except TimeoutError:  # the broker is away: never let this commit reach a restarted one
+            log.warning("%s: commit unanswered after %d ms; abandoned (the next one covers it)",
+                        self.name, COMMIT_TIMEOUT_MS)
+            return
         except (CommitFailedError, KafkaError) as exc:
             # A rebalance took the partition: its new owner re-processes from the last commit
             # (handlers are idempotent), so this is a duplicate, never a loss.

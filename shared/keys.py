@@ -65,9 +65,15 @@ class RedisKeys:
 
     def broker_epoch(self) -> str:
         """Bumped by whoever restarts a broker that keeps records in memory only (``mmfleet up``'s
-        embedded broker): records in flight before the bump are gone, so gateways re-drive their
-        unfinished requests from the source."""
+        embedded broker), before the new one starts: records and offsets of the old one are gone,
+        so consumers drop their watermarks and commit nothing decided before the bump."""
         return f"{self.prefix}:broker-epoch"
+
+    def broker_ready(self) -> str:
+        """Bumped once that new broker's topics exist: gateways then re-drive their unfinished
+        requests from the source. Not earlier: the embedded broker acks a record produced to a
+        topic it does not know yet, then hides it once the topic is created."""
+        return f"{self.prefix}:broker-ready"
 
     def abort(self, request_id: str) -> str:
         """Set by the gateway when the client went away: stages stop working on the request."""

@@ -136,6 +136,10 @@ class StageLedger:
         """The broker-epoch token (see ``RedisKeys.broker_epoch``); None when unset or flushed."""
         return await self._redis.get(self._keys.broker_epoch())
 
+    async def broker_ready(self) -> bytes | None:
+        """The broker-ready token (see ``RedisKeys.broker_ready``); None when unset or flushed."""
+        return await self._redis.get(self._keys.broker_ready())
+
 
 class EpochWatch:
     """Notices a change of the broker-epoch token (``RedisKeys.broker_epoch``): a restarted

@@ -2,8 +2,8 @@
 
 The embedded broker of ``mmfleet up`` keeps records in memory only: when it is restarted, every
 record in flight on any topic is gone, and with it the requests they carried. Whoever restarts
-such a broker writes a fresh token to ``RedisKeys.broker_epoch`` (the supervisor does, after the
-broker listens again and before the topics exist again). The gateway watches that token; when
+such a broker writes a fresh token to ``RedisKeys.broker_ready`` once the new broker's topics
+exist (the supervisor does: ``services.supervisor``). The gateway watches that token; when
 it changes, every request the gateway is still answering is produced again from its source
 (its entry message, the inline media still held in the gateway's pool) under a fresh attempt
 number, so every stage works on it again (``StageLedger`` keys carry the attempt) and decode
@@ -67,7 +67,7 @@ class Redriver:
     async def run(self) -> None:
         """Poll the epoch until cancelled. Redis errors only delay the check (a flushed Redis
         loses the token: the last one seen stays the reference)."""
-        epoch = EpochWatch(self._ledger.broker_epoch)
+        epoch = EpochWatch(self._ledger.broker_ready)
         while True:
             if await epoch.changed():
                 log.warning("the broker was restarted and lost its records; re-driving %d requests",

@@ -28,6 +28,7 @@ from shared import protocol
 from shared.consume import ConsumeLoop
 from shared.keys import TOPIC_KV_EVENTS, TOPIC_PREFILL, RedisKeys, consumer_group
 from shared.kv.audit import lag_ops
+from shared.ledger import EpochWatch
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,8 @@ class KvTableUpdater:
         self._ttl_ms = settings.kv_report_ttl_ms
         self._decoder = protocol.decoder_for(protocol.KvEvent)
         self._loop = ConsumeLoop(settings, TOPIC_KV_EVENTS, consumer_group("kv-table"), name="kv-table",
-                                 concurrency=256, poll_timeout_ms=500, process_batch=self._batch, doorbell=doorbell)
+                                 concurrency=256, poll_timeout_ms=500, process_batch=self._batch, doorbell=doorbell,
+                                 epoch=EpochWatch(lambda: redis.get(keys.broker_epoch())))
         self.applied = 0
 
     def stop(self) -> None:
