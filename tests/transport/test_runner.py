@@ -31,7 +31,8 @@ def _meta(rid: str, *, deadline_ms: int = 60_000) -> protocol.RequestMeta:
 async def env(kafka_bootstrap, redis_url):
     tag = uuid.uuid4().hex[:8]
     settings = Settings(kafka_bootstrap=kafka_bootstrap, redis_url=redis_url, redis_prefix=f"t{tag}",
-                        topic_partitions=2, fetch_max_wait_ms=10, max_attempts=3, drain_timeout_ms=300)
+                        topic_partitions=2, fetch_max_wait_ms=10, max_attempts=3, drain_timeout_ms=300,
+                        kafka_session_timeout_ms=2_000)  # tansu holds a first join for half of it
     topic_in, topic_out = f"t.in.{tag}", f"t.out.{tag}"
     await ensure_topics(settings, (topic_in, topic_out, TOPIC_DEAD_LETTER))
     producer = make_producer(settings)
