@@ -65,8 +65,8 @@ class Redriver:
             log.warning("could not re-drive %s: %r", request_id, exc)
 
     async def run(self) -> None:
-        """Poll the epoch until cancelled. Redis errors only delay the check (a flushed Redis
-        loses the token: the last one seen stays the reference)."""
+        """Poll the broker-ready token until cancelled. Redis errors only delay the check (a
+        flushed Redis loses the token: the last one seen stays the reference)."""
         epoch = EpochWatch(self._ledger.broker_ready)
         while True:
             if await epoch.changed():
