@@ -328,18 +328,14 @@ class Fleet:
         log.warning("%s exited with %s; restarting it", child.name, child.proc.returncode)
         broker = child.name.startswith("kafka")
         if broker:
-            # The in-memory broker comes back empty: every record and offset is gone. Say so
-            # before it exists again (consumers drop their watermarks) and give commits decided
-            # before this word time to give up (shared.consume.COMMIT_TIMEOUT_MS): one landing on
-            # the new broker would make the next owner of its partition skip records.
+            # Before the new broker exists (README "Nothing lost"): consumers drop their
+            # watermarks, and commits decided earlier give up (shared.consume.COMMIT_TIMEOUT_MS).
             await self._bump(RedisKeys.broker_epoch)
             await asyncio.sleep(BROKER_RESTART_GRACE_MS / 1000)
         child.start()
         await _wait_port(child.host, child.port, 20, child)
         if broker:
-            # Gateways re-drive their unfinished requests (services/gateway/redrive.py) only once
-            # the topics exist: tansu acks a record for a topic it does not know yet (a producer
-            # with the old broker's metadata sends at once) and hides it when the topic is made.
+            # Gateways re-drive only now: tansu hides records produced before their topic exists.
             await ensure_topics(self.settings, fleet_topics(self.settings))
             await self._bump(RedisKeys.broker_ready)
 

@@ -142,12 +142,13 @@ class StageLedger:
 
 
 class EpochWatch:
-    """Notices a change of the broker-epoch token (``RedisKeys.broker_epoch``): a restarted
-    broker that lost its records. :meth:`changed` is true once per change after the first token
-    seen; an unset token (Redis flushed) or an unreachable Redis keeps the last one."""
+    """Notices a change of a broker token (``RedisKeys.broker_epoch`` for consumers,
+    ``broker_ready`` for the re-driver): a restarted broker that lost its records.
+    :meth:`changed` is true once per change after the first token seen; an unset token (Redis
+    flushed) or an unreachable Redis keeps the last one."""
 
     def __init__(self, read: Callable[[], Awaitable[bytes | None]]) -> None:
-        self._read = read  # StageLedger.broker_epoch
+        self._read = read  # StageLedger.broker_epoch or broker_ready
         self._epoch: bytes | None = None
 
     async def changed(self) -> bool:
