@@ -5,7 +5,7 @@ terminal event (``Finish`` or ``ErrorEvent``) in normal operation. Streams are b
 (``MAXLEN ~``) and expire ``ttl_s`` after the last write, so an abandoned request cannot
 grow Redis without bound. Readers resume from the last entry id they saw; a process's followers
 share one blocking read. Compare-and-appends issued in one event-loop turn (a batched decode
-step's sequences) go to Redis in one pipeline.
+step's sequences) go to Redis in one script call.
 """
 
 from __future__ import annotations
@@ -28,19 +28,26 @@ _FIELD = b"e"
 LOST_CHECK_S = 2.0
 log = logging.getLogger(__name__)
 
-# KEYS: stream, position counter; ARGV: position, encoded delta, maxlen, ttl_s.
-# 1: appended; 0: another writer has that position; 2: the log is gone (flushed) past position 0
+# KEYS: (stream, position counter) per append; ARGV: maxlen, ttl_s, then (position, encoded delta)
+# per append. Per append, in order: 1 appended; 0 another writer has that position; 2 the log is
+# gone (flushed) past position 0. One call for a whole decode step: a call costs more than its work.
 _APPEND_AT_SEQ = """
-local nxt = redis.call('get', KEYS[2])
-if nxt then
-  if tonumber(nxt) ~= tonumber(ARGV[1]) then return 0 end
-elseif tonumber(ARGV[1]) > 0 then
-  return 2
+local out = {}
+for i = 1, #KEYS, 2 do
+  local pos = tonumber(ARGV[i + 2])
+  local nxt = redis.call('get', KEYS[i + 1])
+  if nxt and tonumber(nxt) ~= pos then
+    out[#out + 1] = 0
+  elseif not nxt and pos > 0 then
+    out[#out + 1] = 2
+  else
+    redis.call('xadd', KEYS[i], 'MAXLEN', '~', ARGV[1], '*', 'e', ARGV[i + 3])
+    redis.call('set', KEYS[i + 1], pos + 1, 'EX', ARGV[2])
+    redis.call('expire', KEYS[i], ARGV[2])
+    out[#out + 1] = 1
+  end
 end
-redis.call('xadd', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[2])
-redis.call('set', KEYS[2], tonumber(ARGV[1]) + 1, 'EX', ARGV[4])
-redis.call('expire', KEYS[1], ARGV[4])
-return 1
+return out
 """
 
 
@@ -54,8 +61,8 @@ class TokenStreams:
         self._maxlen = maxlen
         self._ttl_s = ttl_s
         self._cas = redis.register_script(_APPEND_AT_SEQ)
-        # appends waiting for the next pipeline: at most one per writer, each awaits its own
-        self._batch: list[tuple[list[str], list, asyncio.Future]] = []
+        # appends waiting for the next script call: at most one per writer, each awaits its own
+        self._batch: list[tuple[tuple[str, str], tuple[int, bytes], asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._mux = StreamMux(redis, keys.stream_wake(uuid.uuid4().hex), ttl_s=ttl_s, block_ms=read_block_ms)
 
@@ -72,10 +79,10 @@ class TokenStreams:
         request's next delta position (``RedisKeys.token_seq``). False: another decode of the
         request wrote that position first. A missing counter (Redis flushed, or the log expired)
         accepts position 0 only; past it, :class:`~shared.stage.LogLost`. Appends of one loop
-        turn share a round trip (:meth:`_flush`)."""
+        turn share one script call (:meth:`_flush`)."""
         fut = asyncio.get_running_loop().create_future()
-        self._batch.append(([self._keys.token_stream(request_id), self._keys.token_seq(request_id)],
-                            [position, protocol.encode(delta), self._maxlen, self._ttl_s], fut))
+        self._batch.append(((self._keys.token_stream(request_id), self._keys.token_seq(request_id)),
+                            (position, protocol.encode(delta)), fut))
         if self._flusher is None:  # runs after the writers already woken this turn have queued theirs
             self._flusher = asyncio.create_task(self._flush(), name="token-appends")
         res = await fut
@@ -85,11 +92,13 @@ class TokenStreams:
 
     async def _flush(self) -> None:
         batch, self._batch, self._flusher = self._batch, [], None
+        keys = [k for ks, _, _ in batch for k in ks]
+        args = [self._maxlen, self._ttl_s, *(v for _, pair, _ in batch for v in pair)]
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for keys, args, _ in batch:  # EVALSHA directly: a registered script costs SCRIPT EXISTS per pipeline
-                    pipe.evalsha(self._cas.sha, len(keys), *keys, *args)
-                results = await pipe.execute(raise_on_error=False)
+            try:  # EVALSHA directly: a registered script's call costs a SCRIPT EXISTS first
+                results = await self._redis.evalsha(self._cas.sha, len(keys), *keys, *args)
+            except NoScriptError:  # Redis restarted or flushed its scripts: load it again
+                results = await self._cas(keys=keys, args=args)
         except BaseException as exc:  # noqa: BLE001 - every writer of the batch sees the failure
             for *_, fut in batch:
                 if not fut.done():
@@ -97,17 +106,8 @@ class TokenStreams:
             if not isinstance(exc, Exception):
                 raise
             return
-        for (keys, args, fut), res in zip(batch, results, strict=True):
-            if isinstance(res, NoScriptError):  # Redis restarted or flushed its scripts: load it again
-                try:
-                    res = await self._cas(keys=keys, args=args)
-                except Exception as exc:  # noqa: BLE001
-                    res = exc
-            if fut.done():
-                continue
-            if isinstance(res, Exception):
-                fut.set_exception(res)
-            else:
+        for (*_, fut), res in zip(batch, results, strict=True):
+            if not fut.done():
                 fut.set_result(res)
 
     async def follow(self, request_id: str, *, deadline_s: float,

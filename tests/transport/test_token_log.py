@@ -119,7 +119,7 @@ async def test_a_log_rewritten_after_a_flush_reaches_the_reader_once(redis_url):
 
 
 async def test_appends_of_one_loop_turn_share_a_round_trip(redis_url, monkeypatch):
-    """A batched decode step's sequences append together: one pipeline, each writer its own
+    """A batched decode step's sequences append together: one script call, each writer its own
     answer, a racing second writer of a position still refused."""
     redis = aioredis.from_url(redis_url)
     streams = TokenStreams(redis, RedisKeys("toklog"), maxlen=1000, ttl_s=60)
@@ -128,9 +128,18 @@ async def test_appends_of_one_loop_turn_share_a_round_trip(redis_url, monkeypatc
         got = await asyncio.gather(*(streams.append_delta(f"b{i}", _delta(0), position=0) for i in range(8)),
                                    streams.append_delta("b0", _delta(0), position=0))
         assert got == [True] * 8 + [False]
-        assert executed == [9]
+        assert executed == ["EVALSHA"]
         for i in range(8):
             assert [e.seq for e in await streams.history(f"b{i}")] == [0]
+        # one call, three outcomes: appended, another writer's position, a log that is gone
+        executed.clear()
+        mixed = await asyncio.gather(streams.append_delta("b1", _delta(1), position=1),
+                                     streams.append_delta("b2", _delta(5), position=5),
+                                     streams.append_delta("never", _delta(3), position=3), return_exceptions=True)
+        assert mixed[:2] == [True, False] and isinstance(mixed[2], LogLost)
+        assert executed == ["EVALSHA"]
+        assert [e.seq for e in await streams.history("b1")] == [0, 1]
+        assert [e.seq for e in await streams.history("b2")] == [0]
     finally:
         await redis.aclose()
 
