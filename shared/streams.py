@@ -16,7 +16,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
 from shared import protocol
 from shared.keys import RedisKeys
@@ -94,11 +93,8 @@ class TokenStreams:
         batch, self._batch, self._flusher = self._batch, [], None
         keys = [k for ks, _, _ in batch for k in ks]
         args = [self._maxlen, self._ttl_s, *(v for _, pair, _ in batch for v in pair)]
-        try:
-            try:  # EVALSHA directly: a registered script's call costs a SCRIPT EXISTS first
-                results = await self._redis.evalsha(self._cas.sha, len(keys), *keys, *args)
-            except NoScriptError:  # Redis restarted or flushed its scripts: load it again
-                results = await self._cas(keys=keys, args=args)
+        try:  # EVALSHA; a Redis that restarted or flushed its scripts gets the script loaded again
+            results = await self._cas(keys=keys, args=args)
         except BaseException as exc:  # noqa: BLE001 - every writer of the batch sees the failure
             for *_, fut in batch:
                 if not fut.done():
