@@ -7,6 +7,7 @@ a ``rediss://`` URL plus the ``redis_ssl_*`` files; nothing here logs a secret.
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+from redis.exceptions import MaxConnectionsError
 
 from shared.settings import Settings
 
@@ -37,8 +38,40 @@ _POOL_HEADROOM = 128
 _POOL_WAIT_S = 10.0
 
 
+class WaitingPool(aioredis.BlockingConnectionPool):
+    """A ``BlockingConnectionPool`` that takes a free connection the way ``ConnectionPool`` does
+    and uses its condition and timeout only while the pool is exhausted or others wait for room.
+    Its own ``get_connection`` and ``release`` cost ~60 µs more per command here (~210 against
+    ~150 µs of client CPU for a lone GET) on every command a process sends."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._waiting = 0  # callers in the blocking path: a release must wake one of them
+
+    async def get_connection(self, *args, **kwargs):  # redis-py calls it without arguments
+        if not self._waiting and self.can_get_connection():
+            try:
+                return await aioredis.ConnectionPool.get_connection(self, *args, **kwargs)
+            except MaxConnectionsError:  # the last one went while this call waited for the pool's lock
+                pass
+        self._waiting += 1
+        try:
+            return await super().get_connection(*args, **kwargs)
+        finally:
+            self._waiting -= 1
+
+    async def release(self, connection) -> None:
+        if self._waiting:
+            await super().release(connection)  # and notify a waiter
+            return
+        await aioredis.ConnectionPool.release(self, connection)
+        if self._waiting:  # one began to wait while this release waited for the pool's lock
+            async with self._condition:
+                self._condition.notify()
+
+
 def make_redis(settings: Settings) -> aioredis.Redis:
-    pool = aioredis.BlockingConnectionPool.from_url(
+    pool = WaitingPool.from_url(
         settings.redis_url, max_connections=settings.max_inflight_requests + _POOL_HEADROOM, timeout=_POOL_WAIT_S,
         **redis_kwargs(settings))
     return aioredis.Redis.from_pool(pool)

@@ -40,3 +40,27 @@ async def test_blocking_reads_past_the_bound_wait_for_a_connection(redis_url, mo
         assert max(seen) == 3
     finally:
         await redis.aclose()
+
+
+async def test_many_short_commands_share_the_bound_and_none_is_lost(redis_url, monkeypatch):
+    """A free connection is taken without the blocking pool's condition; once none is free,
+    callers queue and every release wakes one (100 commands on 3 connections)."""
+    monkeypatch.setattr(redis_conn, "_POOL_HEADROOM", 0)
+    redis = redis_conn.make_redis(Settings(redis_url=redis_url, max_inflight_requests=3))
+    try:
+        pool = redis.connection_pool
+        await redis.delete("pool-test-count")
+        peak = 0
+
+        async def one():
+            nonlocal peak
+            await redis.incr("pool-test-count")
+            peak = max(peak, len(pool._in_use_connections))
+
+        await asyncio.gather(*(one() for _ in range(100)))
+        assert int(await redis.get("pool-test-count")) == 100
+        assert peak <= 3 and len(pool._in_use_connections) == 0
+        assert pool._waiting == 0
+    finally:
+        await redis.delete("pool-test-count")
+        await redis.aclose()
