@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from shared.bus import ensure_topics, make_producer
-from shared.doorbell import Doorbell
+from shared.doorbell import RING_CLIENT_NAME, Doorbell, _Bell
 from shared.settings import Settings
 
 
@@ -151,3 +151,69 @@ async def test_a_ring_ahead_of_its_record_is_not_lost(bell_env):
         await asyncio.gather(task, return_exceptions=True)
         await sub.close()
         await pub.close()
+
+
+async def _ring_until_heard(pub: Doorbell, sub: Doorbell, topic: str, timeout_s: float = 10) -> None:
+    heard, deadline = sub.rings_heard, time.monotonic() + timeout_s
+    while sub.rings_heard == heard:
+        assert time.monotonic() < deadline, "no ring heard"
+        pub.ring(topic)
+        await asyncio.sleep(0.05)
+
+
+async def _ring_conn_ids(redis) -> list[int]:
+    return [c["id"] for c in await redis.client_list() if c.get("name") == RING_CLIENT_NAME]
+
+
+async def test_rings_are_written_with_replies_off_and_a_killed_connection_is_replaced(bell_env):
+    """A ring is a PUBLISH on the ring connection, whose replies the server never sends (nothing
+    to read there after 50 rings); when that connection is killed, later rings open another."""
+    settings, topic, _producer, redis = bell_env
+    sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    pub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    sub._bells.setdefault(topic, _Bell(0.0))  # subscribe without a consumer
+    sub._listener = asyncio.create_task(sub._listen())
+    try:
+        await _ring_until_heard(pub, sub, topic)
+        heard = sub.rings_heard
+        for _ in range(50):
+            pub.ring(topic)
+            await asyncio.sleep(0)
+        await _until(lambda: sub.rings_heard >= heard + 50, 10, lambda: f"heard {sub.rings_heard - heard} of 50")
+        assert not await pub._wire._conn.can_read(), "the server replied on the ring connection"
+        assert not pub._wire.pooled
+        (first,) = await _ring_conn_ids(redis)
+        await redis.execute_command("CLIENT", "KILL", "ID", first)
+        await _ring_until_heard(pub, sub, topic)
+        assert await _ring_conn_ids(redis) not in ([], [first])
+    finally:
+        await sub.close()
+        await pub.close()
+    await _until(lambda: True, 1)
+    assert first not in await _ring_conn_ids(redis)
+
+
+async def test_a_server_that_keeps_replying_gets_plain_publishes(bell_env, redis_url):
+    """An ACL that refuses CLIENT REPLY leaves replies on: the wire notices the unread replies
+    and rings with pooled PUBLISH commands from then on, which are still heard."""
+    settings, topic, _producer, redis = bell_env
+    user, password = f"noreply-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    await redis.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all", "-client")
+    restricted = aioredis.from_url(redis_url, username=user, password=password)
+    sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    pub = Doorbell(restricted, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    sub._bells.setdefault(topic, _Bell(0.0))
+    sub._listener = asyncio.create_task(sub._listen())
+    try:
+        await _ring_until_heard(pub, sub, topic)
+        deadline = time.monotonic() + 10
+        while not pub._wire.pooled:  # the check runs on a write 50 ms after the connection opened
+            assert time.monotonic() < deadline, "the replies were never noticed"
+            pub.ring(topic)
+            await asyncio.sleep(0.02)
+        await _ring_until_heard(pub, sub, topic)
+    finally:
+        await sub.close()
+        await pub.close()
+        await restricted.aclose()
+        await redis.execute_command("ACL", "DELUSER", user)
