@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+from redis import exceptions as redis_exceptions
+
 from shared import redis_conn
 from shared.settings import Settings
 
@@ -64,3 +66,44 @@ async def test_many_short_commands_share_the_bound_and_none_is_lost(redis_url, m
     finally:
         await redis.delete("pool-test-count")
         await redis.aclose()
+
+
+async def test_commands_the_socket_takes_at_once_skip_the_send_timeout_and_big_ones_still_drain(redis_url):
+    """Sends go straight to the socket (``_DirectSend``, which relies on redis-py's ``_writer``);
+    a value larger than the socket's buffer takes the drained, timed path and arrives whole."""
+    redis = redis_conn.make_redis(Settings(redis_url=redis_url))
+    try:
+        assert await redis.ping()
+        conn = await redis.connection_pool.get_connection()
+        try:
+            assert isinstance(conn, redis_conn._DirectSend) and conn._writer is not None
+            assert conn.socket_timeout  # reads (and sends that wait) stay bounded
+        finally:
+            await redis.connection_pool.release(conn)
+        big = bytes(range(256)) * (64 * 1024)  # 16 MiB
+        await redis.set("pool-test-big", big)
+        assert await redis.get("pool-test-big") == big
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in range(200):
+                pipe.set(f"pool-test-{i}", i)
+            assert all(await pipe.execute())
+        assert await redis.get("pool-test-199") == b"199"
+    finally:
+        await redis.delete("pool-test-big", *(f"pool-test-{i}" for i in range(200)))
+        await redis.aclose()
+
+
+async def test_a_connection_the_server_closed_is_replaced(redis_url):
+    redis = redis_conn.make_redis(Settings(redis_url=redis_url))
+    other = redis_conn.make_redis(Settings(redis_url=redis_url))
+    try:
+        client_id = await redis.client_id()
+        await other.client_kill_filter(_id=client_id)
+        try:  # redis-py may notice the closed socket on this command (as with its own pools)...
+            await redis.ping()
+        except redis_exceptions.ConnectionError:
+            pass
+        assert await redis.client_id() != client_id  # ...and sends the next on a new connection
+    finally:
+        await redis.aclose()
+        await other.aclose()
