@@ -60,8 +60,9 @@ class _Bell:
         if self.rings != seen:
             return
         self.event.clear()
-        try:
-            await asyncio.wait_for(self.event.wait(), timeout_s)
+        try:  # asyncio.timeout, not wait_for: no Task per sleep (one per empty fetch)
+            async with asyncio.timeout(timeout_s):
+                await self.event.wait()
         except TimeoutError:
             pass
 
