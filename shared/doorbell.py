@@ -60,9 +60,8 @@ class _Bell:
         if self.rings != seen:
             return
         self.event.clear()
-        try:  # asyncio.timeout, not wait_for: no Task per sleep (one per empty fetch)
-            async with asyncio.timeout(timeout_s):
-                await self.event.wait()
+        try:
+            await asyncio.wait_for(self.event.wait(), timeout_s)
         except TimeoutError:
             pass
 

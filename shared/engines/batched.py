@@ -181,9 +181,8 @@ class DecodeBatcher:
                 if left <= 0:
                     break
                 self._wake.clear()
-                try:  # asyncio.timeout, not wait_for: no Task per wait
-                    async with asyncio.timeout(left):
-                        await self._wake.wait()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
                 except TimeoutError:
                     break
             batch, self._waiting = self._waiting[:self._max_batch], self._waiting[self._max_batch:]
