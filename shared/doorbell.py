@@ -35,6 +35,7 @@ _MAX_PENDING_RINGS = 64  # rings queued at most; beyond it a ring is dropped (ri
 _RECONNECT_S = 0.1
 RING_CLIENT_NAME = "mmfleet-doorbell"  # the ring connection in CLIENT LIST
 _REPLY_CHECK_S = 5.0  # how often the ring wire checks that the server really sends it no replies
+_FIRST_REPLY_CHECK_S = 0.05  # the first check: after a new connection's replies, if any, have come
 # How long after a ring a consumer keeps fetching: rings go out with the produce, before its ack
 # (~1 ms on tansu), and a ring reaches the consumer ~0.5 ms after it is sent. Short, because
 # every worker of the stage hears the ring and only one of them gets the record.
@@ -118,7 +119,7 @@ class _RingWire:
             await conn.send_packed_command(conn.pack_commands([("CLIENT", "REPLY", "OFF"),
                                                                ("CLIENT", "SETNAME", RING_CLIENT_NAME)]),
                                            check_health=False)
-            self._conn, self._check_at = conn, loop.time() + 0.05
+            self._conn, self._check_at = conn, loop.time() + _FIRST_REPLY_CHECK_S
         await self._conn.send_packed_command(self._conn.pack_commands([("PUBLISH", c, b"") for c in channels]),
                                              check_health=False)
         if loop.time() >= self._check_at:
