@@ -140,12 +140,9 @@ class EncodeCache:
         return (self._agent.ref(), self._item(item, ref)), c
 
     async def _after_encode(self, key: str, c: Cached | None, holder: str | None, encoded: bool) -> None:
-        if c is not None:
-            await self._store.publish(c)
-        if holder is not None:
-            await self._index.release_lease(key, holder)
-        if encoded:
-            await self._index.count_encoded(1)
+        entry = self._store.publishable(c) if c is not None else None
+        if await self._index.finish_encode(key, entry, holder, int(encoded)):
+            c.published_at = time.monotonic()
 
     async def _encode(self, item: protocol.PixelItem, encode, holder: str | None) -> Owned:
         owned, _ = await self._encode_and_cache(item, encode, holder)

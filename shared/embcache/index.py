@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 
 _DEL_IF_GEN = "if redis.call('hget', KEYS[1], 'gen') == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 _DEL_IF_OWNER = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# after an encode, in one round trip and in this order: the entry, the lease release (waiters
+# poll for the entry until the lease goes), the fleet counter; '' / '0' skip a step
+_FINISH_ENCODE = """
+if ARGV[1] ~= '' then
+  redis.call('hset', KEYS[1], 'v', ARGV[1], 'gen', ARGV[2])
+  redis.call('expire', KEYS[1], ARGV[3])
+end
+if ARGV[4] ~= '' and redis.call('get', KEYS[2]) == ARGV[4] then redis.call('del', KEYS[2]) end
+if ARGV[5] ~= '0' then redis.call('incrby', KEYS[3], ARGV[5]) end
+return 0
+"""
 _ERRORS = (RedisError, OSError)
 
 
@@ -39,6 +50,7 @@ class EmbeddingIndex:
         self.lease_ms = lease_ms
         self._del_if_gen = redis.register_script(_DEL_IF_GEN)
         self._del_if_owner = redis.register_script(_DEL_IF_OWNER)
+        self._finish_encode = redis.register_script(_FINISH_ENCODE)
         self._dec = protocol.decoder_for(protocol.EmbeddingIndexEntry)
 
     # ---------------------------------------------------------------- entries
@@ -139,10 +151,20 @@ class EmbeddingIndex:
         except _ERRORS as exc:
             log.warning("embedding index: lease release of %s failed (it expires): %s", key, exc)
 
-    # ---------------------------------------------------------------- stats
-    async def count_encoded(self, n: int) -> None:
-        """Fleet-wide encoder item count (``RedisKeys.encoder_items``); best-effort."""
+    async def finish_encode(self, key: str, entry: protocol.EmbeddingIndexEntry | None, holder: str | None,
+                            encoded: int) -> bool:
+        """What follows an encode, in one round trip (one script, so in this order and at once):
+        publish ``entry``, release ``holder``'s lease, count ``encoded`` items fleet-wide. Each
+        part is skipped when None / 0. True when ``entry`` was written; on a Redis error nothing
+        is (the lease expires, the entry is republished on a later hit)."""
+        if entry is None and holder is None and not encoded:
+            return False
         try:
-            await self._redis.incrby(self._keys.encoder_items(), n)
-        except _ERRORS:
-            pass
+            await self._finish_encode(
+                keys=[self._keys.embedding_index(key), self._keys.embedding_lease(key), self._keys.encoder_items()],
+                args=[b"" if entry is None else protocol.encode(entry), 0 if entry is None else entry.gen,
+                      self.ttl_s, holder or "", encoded])
+            return entry is not None
+        except _ERRORS as exc:
+            log.warning("embedding index: the writes after encoding %s failed (%s); the lease expires", key, exc)
+            return False

@@ -109,8 +109,13 @@ class EmbeddingStore:
 
     async def publish(self, c: Cached) -> None:
         """Write ``c``'s index entry (unless it was evicted meanwhile)."""
-        if self._index is not None and self._lru.get(c.key) is c and await self._index.publish(c.key, self.entry(c)):
+        entry = self.publishable(c)
+        if entry is not None and await self._index.publish(c.key, entry):
             c.published_at = time.monotonic()
+
+    def publishable(self, c: Cached) -> protocol.EmbeddingIndexEntry | None:
+        """``c``'s index entry, or None when there is no index or ``c`` was evicted meanwhile."""
+        return self.entry(c) if self._index is not None and self._lru.get(c.key) is c else None
 
     async def close(self) -> None:
         """Delete every index entry of this cache and unpin everything."""

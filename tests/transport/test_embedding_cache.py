@@ -182,3 +182,24 @@ async def test_redis_flushed_only_costs_misses(env) -> None:
 def _meta() -> protocol.RequestMeta:
     return protocol.RequestMeta(request_id=uuid.uuid4().hex, model="m", deadline_unix_ms=2**62,
                                 created_unix_ms=0, prompt_token_ids=(1,))
+
+
+async def test_finish_encode_publishes_then_releases_only_its_own_lease_then_counts(env) -> None:
+    redis, keys, index, (a, _, _) = env
+    key = cache_key("fp", "finish")
+    entry = protocol.EmbeddingIndexEntry(owner=a.ref(), embeds=a.put(emb(5)), grid_thw=(1, 4, 4), n_tokens=EMB[0],
+                                         gen=7, created_unix_ms=1)
+    assert await index.try_lease(key, "other#1")
+    assert await index.finish_encode(key, entry, "mine#1", 1)  # a lease that is not ours stays
+    assert await index.lease_held(key)
+    assert (await index.lookup(key)) == entry and await index.still_valid(key, 7)
+    assert 0 < await redis.ttl(keys.embedding_index(key)) <= index.ttl_s
+    assert int(await redis.get(keys.encoder_items())) == 1
+    await redis.delete(keys.embedding_lease(key))
+    assert await index.try_lease(key, "mine#2")
+    assert not await index.finish_encode(key, None, "mine#2", 0)  # only the release: no entry written
+    assert not await index.lease_held(key)
+    assert int(await redis.get(keys.encoder_items())) == 1
+    await redis.script_flush()  # a Redis that lost its scripts (restart, SCRIPT FLUSH): loaded again
+    assert await index.finish_encode(key, entry, None, 2)
+    assert int(await redis.get(keys.encoder_items())) == 3
