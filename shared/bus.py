@@ -142,25 +142,26 @@ async def send_retrying(producer: AIOKafkaProducer, topic: str, value: bytes, ke
             delay_s = min(delay_s * 2, 2.0)
 
 
-async def partition_for(router, p: Produce) -> int | None:
-    """The partition ``p`` goes to: its own, else the router's pick when ``router`` (a
+async def routed(router, p: Produce) -> tuple[int | None, object]:
+    """The partition ``p`` goes to and the value to send: its own partition, else the router's
+    pick (and the value carrying the decision) when ``router`` (a
     :class:`shared.kv.router.Router`) routes ``p.topic``, else None (by key)."""
     if p.partition is None and router is not None and p.topic == router.topic:
-        return await router.partition_for(p.value)
-    return p.partition
+        return await router.route(p.value)
+    return p.partition, p.value
 
 
 async def produce_all(producer: AIOKafkaProducer, produces: list[Produce], *, deadline_unix_ms: int, router=None,
                       doorbell=None) -> None:
-    """Send every record at once (to the partition :func:`partition_for` picks) and wait for
+    """Send every record at once (to the partition :func:`routed` picks) and wait for
     every broker ack (:func:`send_retrying` until ``deadline_unix_ms``). ``doorbell`` is rung
     for the topics as the records go out, and again when an ack came late or a record was not
     even queued at first (see :mod:`shared.doorbell`)."""
     sent_at = time.monotonic()
     sends = []
     for p in produces:
-        value, key = protocol.encode(p.value), p.key.encode()
-        partition = await partition_for(router, p)
+        partition, value = await routed(router, p)
+        value, key = protocol.encode(value), p.key.encode()
         try:
             fut = await producer.send(p.topic, value, key=key, partition=partition)
         except KafkaError:

@@ -264,12 +264,29 @@ class EncodeRequest(Struct, frozen=True, tag="encode.request"):
     cached_owners: tuple[AgentRef, ...] = ()
 
 
+class RouteNote(Struct, frozen=True, kw_only=True):
+    """The KV router's decision for one prefill record (``shared.kv.router``), carried in the
+    record so that the prefill worker writes the routing note whole (``shared.kv.audit``)."""
+
+    policy: str
+    worker: str
+    overlap: int = 0
+    best: int = 0
+    cost: float = 0.0
+    load: float = 0.0
+    candidates: int = 0
+    blocks: int = 0
+    t_ms: int = 0
+
+
 class PrefillRequest(Struct, frozen=True, tag="prefill.request"):
-    """gateway / encode → prefill. ``owners`` holds every agent named in ``items``."""
+    """gateway / encode → prefill. ``owners`` holds every agent named in ``items``; ``route``:
+    the router's decision, when it picked the partition."""
 
     meta: RequestMeta
     owners: tuple[AgentRef, ...] = ()
     items: tuple[EmbeddingItem, ...] = ()
+    route: RouteNote | None = None
 
 
 class MediaShape(Struct, frozen=True):

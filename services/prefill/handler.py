@@ -88,7 +88,7 @@ class PrefillHandler:
             return await self._handle_engine_cache(msg, ctx, total, media)
         lookup = self._prefix.lookup(msg, total) if self._prefix is not None else Lookup([], None, 0, 0)
         if self._audit is not None:  # why this request did (not) reuse KV, beside the request
-            self._audit.prefilled(meta.request_id, ctx.worker_id, lookup.hit_blocks)
+            self._audit.prefilled(msg, ctx.worker_id, lookup.hit_blocks)
         with self._load.track(total - lookup.prefix_len):
             if lookup.prefix_kv is None:  # engines without prefix_kv take no such argument
                 out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling)
@@ -109,7 +109,7 @@ class PrefillHandler:
                                              block_keys=hashes)
         await self._first_delta(ctx, meta, out)
         if self._audit is not None:
-            self._audit.prefilled(meta.request_id, ctx.worker_id, report.hit_blocks(out.cached_tokens))
+            self._audit.prefilled(msg, ctx.worker_id, report.hit_blocks(out.cached_tokens))
         events = report.report(hashes, out.cached_tokens, out.kv_changes, ctx.worker_id)
         return await self._outcome(msg, ctx, out, out.cached_tokens, events)
 

@@ -30,6 +30,7 @@ async def build(parts: StageParts) -> StageBuild:
         return StageBuild(GenerateHandler(lm, puller), concurrency=settings.decode_concurrency)
     from services.prefill.handler import PrefillHandler
     from services.worker import engine_capabilities
+    from shared.kv.audit import RouteAudit
     from shared.kv.prefix_cache import PrefixCache
     from shared.kv.reuse import EngineCacheReport, PrefixReuse
     from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
@@ -48,9 +49,8 @@ async def build(parts: StageParts) -> StageBuild:
     engine_cache = EngineCacheReport(placeholder, settings.kv_block_size, metric_label=label) \
         if caps.kv_events else None
     reporter = LoadReporter(parts.redis, parts.keys, parts.worker_id, load, settings)
-    handler = PrefillHandler(lm, reuse, load, puller,
-                             parts.router.audit if reuse is not None or engine_cache is not None else None,
-                             engine_cache)
+    audit = RouteAudit(parts.redis, parts.keys) if reuse is not None or engine_cache is not None else None
+    handler = PrefillHandler(lm, reuse, load, puller, audit, engine_cache)
     table = KvTableUpdater(parts.redis, parts.keys, settings, doorbell=parts.doorbell)
     return StageBuild(handler, listener=reporter, consumers=(table,), background=(reporter.run,))
 

@@ -1,18 +1,19 @@
-"""Why a routed request did or did not reuse KV: one note per routing decision, completed by the
-prefill worker that ran it, and the lag of KV events into the routing table.
+"""Why a routed request did or did not reuse KV: one note per prefill, written by the worker that
+ran it, and the lag of KV events into the routing table.
 
 Contract:
-- The router writes ``kv_route(request_id)`` (a hash, ``NOTE_TTL_S``) in the background after
-  each decision: ``policy``, ``worker`` (the winner), ``overlap`` (blocks the table said the
-  winner held), ``best`` (the most any candidate held), ``cost`` / ``load`` of the winner (cost
-  units: blocks), ``candidates``, ``blocks`` (the prompt's whole blocks), ``t_ms``.
-- The prefill worker adds ``ran_on``, ``hit`` (blocks its prefix cache gave) and ``cause``
+- The router's decision travels in the record (``PrefillRequest.route``, a ``RouteNote``):
+  ``policy``, ``worker`` (the winner), ``overlap`` (blocks the table said the winner held),
+  ``best`` (the most any candidate held), ``cost`` / ``load`` of the winner (cost units:
+  blocks), ``candidates``, ``blocks`` (the prompt's whole blocks), ``t_ms``.
+- The prefill worker writes ``kv_route(request_id)`` (a hash, ``NOTE_TTL_S``) in the background,
+  in one round trip: those fields, ``ran_on``, ``hit`` (blocks its prefix cache gave) and ``cause``
   (:func:`classify`): ``hit`` (reused at least what the table promised), ``cold`` (no worker
   listed any block: a first turn, or the previous turn's blocks not in the table yet), ``load``
   (another worker held more, the load term outweighed it), ``evicted`` (the table listed blocks
   the winner's cache no longer had: evicted before the removal reached the table, or after the
   decision), ``moved`` (the record ran on another worker than routed to: a rebalance),
-  ``unrouted`` (no note: no table, or the note write was lost).
+  ``unrouted`` (no decision: no table, or the table was unreadable).
 - ``KvTableUpdater`` pushes each applied event's lag (now − the record's produce timestamp) to
   the bounded list ``kv_event_lags`` (newest first, ``LAG_SAMPLES`` kept).
 Notes are advisory: their writes run beside the request (never on its path) and failures are
@@ -23,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
+import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Histogram
 
+from shared import protocol
 from shared.keys import RedisKeys
 
 log = logging.getLogger(__name__)
@@ -43,13 +45,13 @@ EVENT_LAG = Histogram("mmfleet_kv_event_lag_seconds", "mm.kv-events produce to r
                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 
 
-def classify(note: dict[str, str], ran_on: str, hit: int) -> str:
+def classify(note: protocol.RouteNote | None, ran_on: str, hit: int) -> str:
     """The cause of one routed prefill's reuse (see the module contract)."""
-    if not note:
+    if note is None:
         return "unrouted"
-    if note.get("worker") != ran_on:
+    if note.worker != ran_on:
         return "moved"
-    overlap, best = int(note.get("overlap", 0)), int(note.get("best", 0))
+    overlap, best = note.overlap, note.best
     if hit >= overlap and (hit > 0 or best == 0):
         return "hit" if hit > 0 else "cold"
     if hit < overlap:
@@ -73,35 +75,21 @@ class RouteAudit:
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    def routed(self, request_id: str, fields: dict[str, object]) -> None:
-        self._soon(self._write(request_id, {**fields, "t_ms": int(time.time() * 1000)}))
+    def prefilled(self, msg: protocol.PrefillRequest, ran_on: str, hit_blocks: int) -> None:
+        self._soon(self._write(msg.meta.request_id, msg.route, ran_on, hit_blocks))
 
-    def prefilled(self, request_id: str, ran_on: str, hit_blocks: int) -> None:
-        self._soon(self._complete(request_id, ran_on, hit_blocks))
-
-    async def _write(self, request_id: str, fields: dict[str, object]) -> None:
+    async def _write(self, request_id: str, note: protocol.RouteNote | None, ran_on: str, hit: int) -> None:
+        cause = classify(note, ran_on, hit)
+        PREFIX_OUTCOMES.labels(cause).inc()
+        fields = {} if note is None else {k: str(v) for k, v in msgspec.structs.asdict(note).items()}
         key = self._keys.kv_route(request_id)
         try:
             pipe = self._redis.pipeline(transaction=False)
-            pipe.hset(key, mapping={k: str(v) for k, v in fields.items()})
+            pipe.hset(key, mapping={**fields, "ran_on": ran_on, "hit": str(hit), "cause": cause})
             pipe.expire(key, NOTE_TTL_S)
             await pipe.execute()
         except (aioredis.RedisError, OSError) as exc:
             log.debug("kv audit: note for %s not written: %r", request_id, exc)
-
-    async def _complete(self, request_id: str, ran_on: str, hit: int) -> None:
-        key = self._keys.kv_route(request_id)
-        try:
-            raw = await self._redis.hgetall(key)
-            note = {k.decode(): v.decode() for k, v in raw.items()}
-            cause = classify(note, ran_on, hit)
-            PREFIX_OUTCOMES.labels(cause).inc()
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.hset(key, mapping={"ran_on": ran_on, "hit": str(hit), "cause": cause})
-            pipe.expire(key, NOTE_TTL_S)
-            await pipe.execute()
-        except (aioredis.RedisError, OSError) as exc:
-            log.debug("kv audit: note for %s not completed: %r", request_id, exc)
 
     async def drain(self) -> None:
         """Wait for the writes in flight (tests, shutdown)."""

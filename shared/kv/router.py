@@ -21,14 +21,15 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 
+import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import Counter
 
 from shared import protocol
 from shared.keys import TOPIC_PREFILL, RedisKeys
-from shared.kv.audit import RouteAudit
 from shared.kv.blocks import block_hashes
 from shared.settings import Settings
 
@@ -80,26 +81,27 @@ class Router:
         self._placeholder = placeholder_id
         self._rng = rng or random.Random()
         self._turn = itertools.count()
-        self.audit = RouteAudit(redis, keys)
         self._owner_ids: list[str] = []  # the workers the owners map named last time (see workers())
 
-    async def partition_for(self, msg: protocol.PrefillRequest) -> int | None:
-        """The partition to produce ``msg`` to, or None for key hashing (never raises)."""
+    async def route(self, msg: protocol.PrefillRequest) -> tuple[int | None, protocol.PrefillRequest]:
+        """The partition to produce ``msg`` to (None: key hashing) and ``msg`` carrying the
+        decision (``route``) when a worker was picked, for the prefill's routing note. Never raises."""
         try:
             decision = await self.decide(msg)
         except (aioredis.RedisError, OSError, ValueError) as exc:
             log.warning("routing table unreadable (%r); %s goes by key", exc, msg.meta.request_id)
             decision = Decision(None, None, "error")
         ROUTING_DECISIONS.labels(self.policy, decision.reason).inc()
-        if decision.worker_id is not None:
-            log.debug("route %s -> %s (overlap %d of %d blocks, best %d, load %.1f, %d candidates)",
-                      msg.meta.request_id, decision.worker_id, decision.overlap, decision.blocks, decision.best,
-                      decision.load, decision.candidates)
-            self.audit.routed(msg.meta.request_id, {
-                "policy": self.policy, "worker": decision.worker_id, "overlap": decision.overlap,
-                "best": decision.best, "cost": round(decision.cost, 2), "load": round(decision.load, 2),
-                "candidates": decision.candidates, "blocks": decision.blocks})
-        return decision.partition
+        if decision.worker_id is None:
+            return decision.partition, msg
+        log.debug("route %s -> %s (overlap %d of %d blocks, best %d, load %.1f, %d candidates)",
+                  msg.meta.request_id, decision.worker_id, decision.overlap, decision.blocks, decision.best,
+                  decision.load, decision.candidates)
+        note = protocol.RouteNote(policy=self.policy, worker=decision.worker_id, overlap=decision.overlap,
+                                  best=decision.best, cost=round(decision.cost, 2), load=round(decision.load, 2),
+                                  candidates=decision.candidates, blocks=decision.blocks,
+                                  t_ms=int(time.time() * 1000))
+        return decision.partition, msgspec.structs.replace(msg, route=note)
 
     async def decide(self, msg: protocol.PrefillRequest) -> Decision:
         hashes = block_hashes(msg.meta.prompt_token_ids, msg.items, placeholder_id=self._placeholder,

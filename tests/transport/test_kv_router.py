@@ -164,12 +164,12 @@ async def test_no_table_or_no_redis_means_key_hashing(redis_url):
         r = Router(redis, RedisKeys(s.redis_prefix), s, PH)
         assert await r.decide(request([1, 2])) == (await r.decide(request([1, 2])))
         assert (await r.decide(request([1, 2]))).reason == "no_table"
-        assert await r.partition_for(request([1, 2])) is None
+        assert (await r.route(request([1, 2])))[0] is None
     finally:
         await redis.aclose()
     gone = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
     try:
-        assert await Router(gone, RedisKeys("x"), s, PH).partition_for(request([1, 2])) is None
+        assert (await Router(gone, RedisKeys("x"), s, PH).route(request([1, 2])))[0] is None
     finally:
         await gone.aclose()
 
@@ -188,17 +188,22 @@ async def test_routing_notes_say_why_a_prefill_missed_and_event_lag_is_sampled(t
     hashes = block_hashes(prompt, [], placeholder_id=PH, block_size=BLOCK)
     await stored(table, "w2", hashes[:2])
     r = router(table)
-    msg = request(prompt)
-    assert await r.partition_for(msg) in (2, 3)
-    await r.audit.drain()
+    partition, msg = await r.route(request(prompt))  # the decision travels in the record
+    assert partition in (2, 3)
+    notes = audit.RouteAudit(table["redis"], table["keys"])
+    notes.prefilled(msg, "w2", 1)  # one of the two listed blocks was gone
+    await notes.drain()
     note = await audit.read_notes(table["settings"].redis_url, table["settings"].redis_prefix, [msg.meta.request_id])
     n = note[msg.meta.request_id]
     assert (n["policy"], n["worker"], n["overlap"], n["best"], n["blocks"], n["candidates"]) == \
         ("kv", "w2", "2", "2", "4", "2")
-    r.audit.prefilled(msg.meta.request_id, "w2", 1)  # one of the two listed blocks was gone
-    await r.audit.drain()
-    note = await audit.read_notes(table["settings"].redis_url, table["settings"].redis_prefix, [msg.meta.request_id])
-    assert (note[msg.meta.request_id]["cause"], note[msg.meta.request_id]["hit"]) == ("evicted", "1")
+    assert (n["ran_on"], n["cause"], n["hit"]) == ("w2", "evicted", "1")
+    unrouted = request(prompt)  # no decision in the record: the note says so
+    notes.prefilled(unrouted, "w1", 0)
+    await notes.drain()
+    note = await audit.read_notes(table["settings"].redis_url, table["settings"].redis_prefix,
+                                  [unrouted.meta.request_id])
+    assert note[unrouted.meta.request_id] == {"ran_on": "w1", "hit": "0", "cause": "unrouted"}
 
     ev = protocol.KvEvent(worker_id="w1", stored=(1, 2))
     await table["updater"].apply([protocol.encode(ev)], [int(time.time() * 1000) - 250])

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from shared.kv.audit import CAUSES, classify
+from shared.protocol import RouteNote
 
-NOTE = {"worker": "w1", "overlap": "3", "best": "3"}
+NOTE = RouteNote(policy="kv", worker="w1", overlap=3, best=3)
+
+
+def note(**kw) -> RouteNote:
+    return msgspec.structs.replace(NOTE, **kw)
 
 
 @pytest.mark.parametrize(("note", "ran_on", "hit", "cause"), [
     (NOTE, "w1", 3, "hit"),
     (NOTE, "w1", 5, "hit"),  # the cache held more than the table knew (events still on their way)
-    ({**NOTE, "overlap": "0", "best": "0"}, "w1", 2, "hit"),
-    ({**NOTE, "overlap": "0", "best": "0"}, "w1", 0, "cold"),
-    ({**NOTE, "overlap": "0", "best": "4"}, "w1", 0, "load"),
+    (note(overlap=0, best=0), "w1", 2, "hit"),
+    (note(overlap=0, best=0), "w1", 0, "cold"),
+    (note(overlap=0, best=4), "w1", 0, "load"),
     (NOTE, "w1", 1, "evicted"),  # listed, gone (partly) by the time prefill ran
     (NOTE, "w1", 0, "evicted"),
     (NOTE, "w2", 3, "moved"),  # the partition changed hands after the decision
-    ({}, "w1", 0, "unrouted"),
+    (None, "w1", 0, "unrouted"),
 ])
 def test_classify(note, ran_on, hit, cause):
     assert classify(note, ran_on, hit) == cause
