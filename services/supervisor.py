@@ -37,6 +37,7 @@ import aiohttp
 from services.modes import MODES, check_engine, group_replicas, parse_replicas
 from services.stages import fleet_topics
 from shared import settings as settings_mod
+from shared.aio import wait_event
 from shared.bus import ensure_topics
 from shared.consume import BROKER_RESTART_GRACE_MS
 from shared.keys import RedisKeys
@@ -304,10 +305,7 @@ class Fleet:
                     task = asyncio.create_task(self._restart_later(child))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
-            try:
-                await asyncio.wait_for(self._stopping.wait(), 0.5)
-            except TimeoutError:
-                pass
+            await wait_event(self._stopping, 0.5)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

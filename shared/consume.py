@@ -26,6 +26,7 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from shared import metrics
+from shared.aio import wait_event
 from shared.bus import make_consumer
 from shared.ledger import EpochWatch
 from shared.settings import Settings
@@ -229,10 +230,8 @@ class ConsumeLoop:
     # ------------------------------------------------------------------ commits
     async def _commit_loop(self) -> None:
         while True:
-            try:  # at least once a second, so an idle consumer notices a broker restart too
-                await asyncio.wait_for(self._commit_wanted.wait(), 1.0)
-            except TimeoutError:
-                pass
+            # at least once a second, so an idle consumer notices a broker restart too
+            await wait_event(self._commit_wanted, 1.0)
             self._commit_wanted.clear()
             await self._commit()
             await asyncio.sleep(self._settings.commit_interval_ms / 1000)  # completions meanwhile: one commit

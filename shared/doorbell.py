@@ -29,6 +29,8 @@ import time
 
 from redis.exceptions import ResponseError
 
+from shared.aio import wait_event
+
 log = logging.getLogger(__name__)
 
 _MAX_PENDING_RINGS = 64  # rings queued at most; beyond it a ring is dropped (rings are hints)
@@ -61,10 +63,7 @@ class _Bell:
         if self.rings != seen:
             return
         self.event.clear()
-        try:
-            await asyncio.wait_for(self.event.wait(), timeout_s)
-        except TimeoutError:
-            pass
+        await wait_event(self.event, timeout_s)
 
 
 class _RingWire:

@@ -27,6 +27,7 @@ import asyncio
 import torch
 
 from shared import metrics
+from shared.aio import wait_event
 
 
 def _uses_mrope(compute) -> bool:
@@ -181,9 +182,7 @@ class DecodeBatcher:
                 if left <= 0:
                     break
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), left)
-                except TimeoutError:
+                if not await wait_event(self._wake, left):
                     break
             batch, self._waiting = self._waiting[:self._max_batch], self._waiting[self._max_batch:]
             live = [b for b in batch if not b[2].cancelled()]

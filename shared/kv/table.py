@@ -4,8 +4,9 @@
 Layout (keys in :class:`shared.keys.RedisKeys`, every one expiring ``kv_report_ttl_ms`` after
 its worker was last heard from, so a crashed worker drops out of routing by itself):
 - ``kv_load(w)``: hash ``inflight``, ``queued_tokens`` (prompt positions still to compute) and
-  ``partitions`` (comma-separated), refreshed every ``kv_report_interval_ms`` by
-  :class:`LoadReporter` and at once on every rebalance.
+  ``partitions`` (comma-separated), written by :class:`LoadReporter` at once on every change of
+  load (that write alone), and with the owner fields and TTLs below every
+  ``kv_report_interval_ms`` and on every rebalance.
 - ``kv_owners(mm.prefill)``: hash partition -> worker, rewritten by the owner on assignment,
   removed (only if still its own) on revocation. A field is trusted only when the named
   worker's ``kv_load`` lists that partition too, so a stale field is never routed on.
@@ -25,6 +26,7 @@ import redis.asyncio as aioredis
 from aiokafka import ConsumerRebalanceListener
 
 from shared import protocol
+from shared.aio import wait_event
 from shared.consume import ConsumeLoop
 from shared.keys import TOPIC_KV_EVENTS, TOPIC_PREFILL, RedisKeys, consumer_group
 from shared.kv.audit import lag_ops
@@ -101,31 +103,37 @@ class LoadReporter(ConsumerRebalanceListener):
         except Exception as exc:
             log.warning("kv: could not record assigned partitions %s: %r", self._partitions, exc)
 
-    async def report(self) -> None:
+    async def report(self, *, full: bool = True) -> None:
+        """The load; with ``full`` also the owner fields and the blocks' TTL (a change of load
+        alone needs none of them: they change on rebalances, which report in full)."""
         k = self._keys
         pipe = self._redis.pipeline(transaction=False)
         pipe.hset(k.kv_load(self._worker), mapping={
             "inflight": self._load.inflight, "queued_tokens": self._load.queued_tokens,
             "partitions": ",".join(map(str, self._partitions))})
         pipe.pexpire(k.kv_load(self._worker), self._ttl_ms)
-        if self._partitions:
-            pipe.hset(k.kv_owners(self._topic), mapping={str(p): self._worker for p in self._partitions})
-        pipe.pexpire(k.kv_blocks(self._worker), self._ttl_ms)
+        if full:
+            if self._partitions:
+                pipe.hset(k.kv_owners(self._topic), mapping={str(p): self._worker for p in self._partitions})
+            pipe.pexpire(k.kv_blocks(self._worker), self._ttl_ms)
         await pipe.execute()
 
     async def run(self) -> None:
         """Refresh until cancelled; on the way out remove this worker from the table."""
+        loop = asyncio.get_running_loop()
         try:
+            full_at = 0.0  # loop.time() of the next full report (the TTL refresh)
             while True:
                 self._load.changed.clear()  # a change during the report triggers the next one
+                full = loop.time() >= full_at
                 try:
-                    await self.report()
+                    await self.report(full=full)
+                    if full:
+                        full_at = loop.time() + self._interval_s
                 except (aioredis.RedisError, OSError) as exc:
                     log.warning("kv: load report failed: %r", exc)
-                try:  # on a change of load, else every interval (the TTL refresh)
-                    await asyncio.wait_for(self._load.changed.wait(), self._interval_s)
-                except TimeoutError:
-                    pass
+                # on a change of load, else when the full report is due
+                await wait_event(self._load.changed, full_at - loop.time())
                 await asyncio.sleep(0.005)  # a burst of changes is one report
         finally:
             await asyncio.shield(self._withdraw())

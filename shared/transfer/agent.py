@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from shared import metrics
+from shared.aio import wait_event
 from shared.protocol import AgentRef, TensorRef
 from shared.transfer.leases import SlotHolders
 from shared.transfer.nixl_thread import make_agent
@@ -346,10 +347,7 @@ class TransferAgent:
                 raise self._full(nbytes)
             if self._space_event is None:
                 self._space_event = asyncio.Event()
-            try:
-                await asyncio.wait_for(self._space_event.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._space_event, remaining)
         return off
 
     def _full(self, nbytes: int) -> PoolFullError:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections import Counter
 
@@ -209,3 +211,28 @@ async def test_routing_notes_say_why_a_prefill_missed_and_event_lag_is_sampled(t
     await table["updater"].apply([protocol.encode(ev)], [int(time.time() * 1000) - 250])
     lags = await audit.read_lags(table["settings"].redis_url, table["settings"].redis_prefix)
     assert len(lags) == 1 and 250 <= lags[0] < 60_000
+
+
+async def test_a_change_of_load_writes_the_load_alone_and_the_interval_writes_everything(table):
+    t = table
+    s = t["settings"].with_overrides(kv_report_interval_ms=400)
+    load = LoadTracker()
+    w9 = LoadReporter(t["redis"], t["keys"], "w9", load, s)
+    await w9.on_partitions_assigned([TopicPartition(TOPIC_PREFILL, 7)])
+    task = asyncio.create_task(w9.run())
+    try:
+        await asyncio.sleep(0.05)  # its first report (a full one) is out
+        await t["redis"].hdel(t["keys"].kv_owners(TOPIC_PREFILL), "7")
+        t0 = time.monotonic()
+        with load.track(64):
+            while (await t["redis"].hget(t["keys"].kv_load("w9"), "inflight")) != b"1":
+                assert time.monotonic() - t0 < 0.3, "a change of load was not reported at once"
+                await asyncio.sleep(0.01)
+            assert await t["redis"].hget(t["keys"].kv_owners(TOPIC_PREFILL), "7") is None  # the load alone
+            while await t["redis"].hget(t["keys"].kv_owners(TOPIC_PREFILL), "7") != b"w9":
+                assert time.monotonic() - t0 < 2.0, "the full report did not come within its interval"
+                await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert not await t["redis"].exists(t["keys"].kv_load("w9"))  # withdrawn on the way out
