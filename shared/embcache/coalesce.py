@@ -107,20 +107,20 @@ class EncodeCache:
         give_up = min(time.monotonic() + self._wait_s,
                       time.monotonic() + max(0.0, deadline_unix_ms / 1000 - time.time()))
         while True:
-            while True:
-                await asyncio.sleep(self._poll_s)
-                entry = await self._index.lookup(key)
-                if entry is not None:
-                    COALESCED.labels(scope="fleet", result="hit").inc()
-                    return entry, None
-                if time.monotonic() > give_up:
-                    COALESCED.labels(scope="fleet", result="timeout").inc()
-                    return None, None
-                if not await self._index.lease_held(key):
-                    break  # the holder failed or died (lease expired): try to take over
-            if await self._index.try_lease(key, holder):
+            await asyncio.sleep(self._poll_s)
+            # the entry, or the lease taken over, in one atomic read: a lookup and a lease check
+            # apart let the holder publish and release between them, and this worker would then
+            # take the free lease and encode the item a second time
+            entry, leased = await self._index.lookup_or_lease(key, holder)
+            if entry is not None:
+                COALESCED.labels(scope="fleet", result="hit").inc()
+                return entry, None
+            if leased:  # the holder failed or died (lease released or expired) with no entry
                 COALESCED.labels(scope="fleet", result="took_over").inc()
                 return None, holder
+            if time.monotonic() > give_up:
+                COALESCED.labels(scope="fleet", result="timeout").inc()
+                return None, None
 
     async def _encode_and_cache(self, item: protocol.PixelItem, encode, holder: str | None
                                 ) -> tuple[Owned, Cached | None]:

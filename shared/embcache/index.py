@@ -107,10 +107,11 @@ class EmbeddingIndex:
 
     async def lookup_or_lease(self, key: str, holder: str) -> tuple[protocol.EmbeddingIndexEntry | None, bool]:
         """One round trip for the miss path: (the entry if one is there, whether ``holder``
-        now holds the lease). A found entry's owner is checked for liveness as in
+        now holds the lease), read and leased atomically (MULTI: no holder's publish and
+        release can fall between the two). A found entry's owner is checked for liveness as in
         ``lookup_live`` (an entry of a dead owner is dropped and reported as none)."""
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
+            async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.hget(self._keys.embedding_index(key), "v")
                 pipe.set(self._keys.embedding_lease(key), holder, nx=True, px=self.lease_ms)
                 raw, leased = await pipe.execute()
@@ -132,19 +133,6 @@ class EmbeddingIndex:
         return entry, False
 
     # ---------------------------------------------------------------- coalescing lease
-    async def try_lease(self, key: str, holder: str) -> bool:
-        try:
-            return bool(await self._redis.set(self._keys.embedding_lease(key), holder, nx=True, px=self.lease_ms))
-        except _ERRORS as exc:
-            log.warning("embedding index: lease of %s failed (%s); encoding uncoordinated", key, exc)
-            return True
-
-    async def lease_held(self, key: str) -> bool:
-        try:
-            return bool(await self._redis.exists(self._keys.embedding_lease(key)))
-        except _ERRORS:
-            return False
-
     async def release_lease(self, key: str, holder: str) -> None:
         try:
             await self._del_if_owner(keys=[self._keys.embedding_lease(key)], args=[holder])

@@ -109,11 +109,39 @@ async def test_forty_concurrent_requests_over_two_workers_encode_once(env) -> No
         assert torch.equal(got, emb(7))
 
 
+async def test_a_holder_finishing_right_after_a_poll_is_a_hit_not_a_second_encode(env) -> None:
+    """The waiter reads the entry and takes a free lease in one atomic step: a holder that
+    publishes and releases just after a poll is seen as its entry at the next poll, never as a
+    lease free for the taking (which would encode the item a second time)."""
+    _, _, index, (a, b, _) = env
+    key = cache_key("fp", "race")
+    assert (await index.lookup_or_lease(key, "enc0#1"))[1]  # worker a holds the lease, encoding
+    entry = protocol.EmbeddingIndexEntry(owner=a.ref(), embeds=a.put(emb(9)), grid_thw=(1, 4, 4), n_tokens=EMB[0],
+                                         gen=1, created_unix_ms=1)
+    reads = 0
+    read = index.lookup_or_lease
+
+    async def holder_finishes_after_the_first_poll(k: str, holder: str):
+        nonlocal reads
+        got = await read(k, holder)
+        reads += 1
+        if reads == 2:  # b's miss, then its first poll: a publishes and releases right behind it
+            await index.finish_encode(key, entry, "enc0#1", 1)
+        return got
+
+    index.lookup_or_lease = holder_finishes_after_the_first_poll
+    cache, _ = make_cache(index, b)
+    enc = CountingEncoder(b, delay_s=0)
+    owner, item = await cache.embed(pixel_item(key), enc(9), fleet_ok=True, deadline_unix_ms=2**62)
+    assert enc.calls == 0 and reads == 3
+    assert owner.name == a.name and item.embeds == entry.embeds
+
+
 async def test_a_dead_lease_holder_is_taken_over_after_expiry(env) -> None:
     _, _, index, (a, _, _) = env
     cache, _ = make_cache(index, a)
     key = cache_key("fp", "orphan")
-    assert await index.try_lease(key, "ghost-worker")  # a holder that will never publish
+    assert (await index.lookup_or_lease(key, "ghost-worker"))[1]  # a holder that will never publish
     enc = CountingEncoder(a, delay_s=0)
     owner, item = await cache.embed(pixel_item(key), enc(3), fleet_ok=True, deadline_unix_ms=2**62)
     assert enc.calls == 1 and owner.name == a.name and item.embeds.lease != 0
@@ -189,16 +217,16 @@ async def test_finish_encode_publishes_then_releases_only_its_own_lease_then_cou
     key = cache_key("fp", "finish")
     entry = protocol.EmbeddingIndexEntry(owner=a.ref(), embeds=a.put(emb(5)), grid_thw=(1, 4, 4), n_tokens=EMB[0],
                                          gen=7, created_unix_ms=1)
-    assert await index.try_lease(key, "other#1")
+    assert (await index.lookup_or_lease(key, "other#1"))[1]
     assert await index.finish_encode(key, entry, "mine#1", 1)  # a lease that is not ours stays
-    assert await index.lease_held(key)
+    assert await redis.exists(keys.embedding_lease(key))
     assert (await index.lookup(key)) == entry and await index.still_valid(key, 7)
     assert 0 < await redis.ttl(keys.embedding_index(key)) <= index.ttl_s
     assert int(await redis.get(keys.encoder_items())) == 1
     await redis.delete(keys.embedding_lease(key))
-    assert await index.try_lease(key, "mine#2")
+    assert await redis.set(keys.embedding_lease(key), "mine#2", nx=True, px=index.lease_ms)  # beside the entry
     assert not await index.finish_encode(key, None, "mine#2", 0)  # only the release: no entry written
-    assert not await index.lease_held(key)
+    assert not await redis.exists(keys.embedding_lease(key))
     assert int(await redis.get(keys.encoder_items())) == 1
     await redis.script_flush()  # a Redis that lost its scripts (restart, SCRIPT FLUSH): loaded again
     assert await index.finish_encode(key, entry, None, 2)
