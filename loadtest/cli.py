@@ -75,6 +75,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     from loadtest import inproc_server, media_server
     from loadtest.workloads import KINDS
+    from services.modes import MODES
 
     p = argparse.ArgumentParser(prog="loadtest", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -83,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="one benchmark")
     run.add_argument("--target", action="append", default=[],
-                     help="fleet:<epd|e-pd|e-p-d|ep-d>, inproc, vllm-serve, url:<base> (repeatable)")
+                     help=f"fleet:<{'|'.join(MODES)}>, inproc, vllm-serve, url:<base> (repeatable)")
     run.add_argument("--url", help="an already running server (same as --target url:<URL>)")
     run.add_argument("--redis-url", help="Redis of the --url fleet, for the per-stage breakdown")
     run.add_argument("--redis-prefix", default="mm", help="its redis_prefix setting (default mm)")
@@ -147,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--max-workers", type=int, default=2,
                       help="per stage: the fixed fleet's size, the autoscaler's bound")
     step.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    step.add_argument("--mode", default="e-pd", choices=["epd", "e-pd", "e-p-d", "ep-d"])
+    step.add_argument("--mode", default="e-pd", choices=list(MODES))
     _common(step)
     reuse = sub.add_parser("reuse", help="embedding cache on vs off over image reuse ratios")
     reuse.add_argument("--target", action="append", default=[],

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest import procs
+from services.modes import MODES
 
-FLEET_MODES = ("epd", "e-pd", "e-p-d", "ep-d")
+FLEET_MODES = tuple(MODES)
 
 
 class TargetSkipped(Exception):

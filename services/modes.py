@@ -1,10 +1,12 @@
 """Deployment modes are configuration: which stages run together in one worker process.
 
-- ``epd``   one worker does everything (media-fetch, encode, prefill, decode);
-- ``e-pd``  media-fetch + encode apart; prefill + decode together;
-- ``e-p-d`` every stage its own worker;
-- ``ep-d``  media-fetch + encode + prefill together; decode apart (models whose engine takes no
-  embedding input).
+- ``epd``     one worker does everything (media-fetch, encode, prefill, decode);
+- ``e-pd``    media-fetch + encode apart; prefill + decode together;
+- ``e-p-d``   media-fetch + encode, prefill, decode: three workers (the encode worker fetches its
+  media, as Dynamo's E/P/D does: no Kafka hop between fetching and encoding);
+- ``ep-d``    media-fetch + encode + prefill together; decode apart (models whose engine takes no
+  embedding input);
+- ``m-e-p-d`` every stage its own worker (media-fetch scaled apart from encode).
 
 The stages, their order and their part of a mode's name come from the registry
 (``services.stages``). Inside one worker, a stage's output addressed to another local stage is
@@ -27,13 +29,13 @@ from shared.engines.base import Capabilities
 
 def _layout(mode: str) -> list[tuple[str, ...]]:
     """The worker groups of ``mode``: one group per ``-``-separated part of its name, holding the
-    stages whose ``StageSpec.part`` letter is in it; ``e-p-d`` gives every stage its own worker."""
-    if mode == "e-p-d":
+    stages whose ``StageSpec.part`` letter is in it; ``m-e-p-d`` gives every stage its own worker."""
+    if mode == "m-e-p-d":
         return [(s.name,) for s in SPECS]
     return [tuple(s.name for s in SPECS if s.part in group) for group in mode.split("-")]
 
 
-MODES: dict[str, list[tuple[str, ...]]] = {m: _layout(m) for m in ("epd", "e-pd", "e-p-d", "ep-d")}
+MODES: dict[str, list[tuple[str, ...]]] = {m: _layout(m) for m in ("epd", "e-pd", "e-p-d", "ep-d", "m-e-p-d")}
 
 
 class UnsupportedLayout(SystemExit):

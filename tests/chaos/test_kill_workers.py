@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from services.modes import MODES
 from tests import procs
 from tests.chaos.load import PROMPTS, TIMEOUT_MS, load_with_fault, reference_texts
 
@@ -34,11 +35,15 @@ def _stage_pids(supervisor_pid: int) -> dict[str, int]:
     return out
 
 
+# each worker of the default layout by its --stages, downstream first: a stage is killed while
+# work streams through it (killing the entry first would stall everything behind it, and the
+# later kills would find idle workers)
+KILL_ORDER = [",".join(group) for group in reversed(MODES["e-p-d"])]
+
+
 async def _kill_each_stage(supervisor_pid: int) -> list[str]:
     killed = []
-    # downstream first: a stage is killed while work streams through it (killing media-fetch
-    # first would stall everything behind it, and the later kills would find idle workers)
-    for stage in ("decode", "prefill", "encode", "media-fetch"):
+    for stage in KILL_ORDER:
         await asyncio.sleep(3)
         pid = _stage_pids(supervisor_pid).get(stage)
         if pid is not None:
@@ -71,7 +76,7 @@ def test_kill_each_stage_worker_under_load(kafka_bootstrap, redis_url, model_dir
     restarted = sum(p.read_text().count("restarting it from its source") for p in log_dir.glob("*.log"))
     print(f"\nchaos: {REQUESTS} requests in {elapsed:.1f} s, killed {killed}, outcomes {dict(outcomes)}, "
           f"decodes resumed from the token log {resumed}, restarts from the source {restarted}")
-    assert killed == ["decode", "prefill", "encode", "media-fetch"]
+    assert killed == KILL_ORDER
     assert all(pids_after[s] != before[s] for s in killed), "every killed worker was restarted"
     assert len(results) == REQUESTS  # none hung past its deadline
     assert not wrong, f"{len(wrong)} completed streams differ from the reference: {wrong[:3]}"

@@ -4,8 +4,8 @@ two-image prompt, streamed and whole; an engine lacking what a layout needs is r
 start-up with a message saying why.
 
 Each pair is a real fleet (``mmfleet up --mode M`` with ``MMFLEET_ENGINE``) on the session's
-broker and Redis, one fleet per pair with every prompt against it; the e-p-d transformers
-fleet is covered by test_skeleton.py. The e-p-d vLLM fleet then has its decode and prefill
+broker and Redis, one fleet per pair with every prompt against it; the m-e-p-d transformers
+fleet (every stage apart) is covered by test_skeleton.py. The e-p-d vLLM fleet then has its decode and prefill
 workers killed under load (``tests.chaos.test_kill_workers.check_vllm_kills``): nothing lost
 or duplicated. vLLM in e-p-d and ep-d moves the KV prefill engine →
 decode engine (NixlConnector); equal tokens there mean the KV really moved (decode's engine
@@ -34,7 +34,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 KILLED = ("e-p-d", "vllm")  # the pair whose fleet also runs the vLLM chaos check (tests/chaos)
 
 PAIRS = [
-    ("epd", "transformers"), ("e-pd", "transformers"), ("ep-d", "transformers"),
+    ("epd", "transformers"), ("e-pd", "transformers"), ("e-p-d", "transformers"), ("ep-d", "transformers"),
     pytest.param("epd", "vllm", marks=pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")),
     *(pytest.param(mode, "vllm", marks=pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed"))
       for mode in ("e-pd", "e-p-d", "ep-d")),

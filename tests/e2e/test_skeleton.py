@@ -1,5 +1,6 @@
 """The walking skeleton, end to end: real broker, real Redis, real NIXL, four worker processes
-and the gateway (started by the same ``mmfleet up`` the README uses), driven by the official
+(``m-e-p-d``: every stage apart, so every topic and every hop's NIXL transfer is exercised) and
+the gateway (started by the same ``mmfleet up`` the README uses), driven by the official
 ``openai`` client. The reference is the same model's ``generate()`` in this process."""
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def fleet(kafka_bootstrap, redis_url, model_dir, logs_dir, media_server):
     env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
            "MMFLEET_MEDIA_ALLOW_HOSTS": "127.0.0.1", "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024),
            "MMFLEET_MAX_INFLIGHT_REQUESTS": str(ADMISSION_BOUND)}
-    with procs.fleet(env, logs_dir) as (base, _proc):
+    with procs.fleet(env, logs_dir, mode="m-e-p-d") as (base, _proc):
         yield base
 
 

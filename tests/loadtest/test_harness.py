@@ -22,6 +22,7 @@ from loadtest.loadgen import LoadShape, drive, poisson_gaps
 from loadtest.media_server import ThreadedMediaServer
 from loadtest.report import write_all
 from loadtest.targets import TargetOptions
+from services.modes import MODES
 from tests import procs
 
 FIRST_DELAY_S, GAP_S, N_CHUNKS = 0.050, 0.010, 6  # first content chunk after 50 ms, then 5 more 10 ms apart
@@ -246,8 +247,7 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
     log_dir.mkdir()
     with procs.fleet(env, log_dir) as (base, proc):
         roles = {cpu.process_role(p) for p in cpu.target_processes(proc.pid, with_infra=False)}
-        assert {"supervisor", "gateway", *(f"worker {s}" for s in ("media-fetch", "encode", "prefill", "decode"))} \
-            <= roles, roles
+        assert {"supervisor", "gateway", *(f"worker {','.join(g)}" for g in MODES["e-p-d"])} <= roles, roles
         cfg = _config(tmp_path, [f"url:{base}", "inproc"], n=4, idle_cpu_s=1.0)  # a CPU sample, not a figure
         result = run_bench(cfg, TargetOptions(model_dir=model_dir, log_dir=tmp_path, redis_url=redis_url,
                                               redis_prefix=prefix))

@@ -85,7 +85,7 @@ def test_up_gives_each_worker_its_own_metrics_port():
     from services.supervisor import worker_settings
 
     fixed = Settings(metrics_port=9100)
-    ports = [worker_settings(fixed, i).metrics_port for i in range(len(MODES["e-p-d"]))]
+    ports = [worker_settings(fixed, i).metrics_port for i in range(len(MODES["m-e-p-d"]))]
     assert ports == [9100, 9101, 9102, 9103]
     assert {worker_settings(Settings(), i).metrics_port for i in range(4)} == {0}  # each binds a free port
     assert worker_settings(fixed, 2).gateway_port == fixed.gateway_port  # nothing else changes

@@ -7,12 +7,13 @@ from shared.keys import INFRA_TOPICS
 from shared.settings import Settings
 
 
-def test_modes_derive_the_layouts_the_fleet_always_had():
+def test_modes_derive_their_layouts_from_the_part_letters():
     assert MODES == {
         "epd": [("media-fetch", "encode", "prefill", "decode")],
         "e-pd": [("media-fetch", "encode"), ("prefill", "decode")],
-        "e-p-d": [("media-fetch",), ("encode",), ("prefill",), ("decode",)],
+        "e-p-d": [("media-fetch", "encode"), ("prefill",), ("decode",)],  # the encode worker fetches its media
         "ep-d": [("media-fetch", "encode", "prefill"), ("decode",)],
+        "m-e-p-d": [("media-fetch",), ("encode",), ("prefill",), ("decode",)],
     }
 
 
