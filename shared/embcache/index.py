@@ -109,7 +109,9 @@ class EmbeddingIndex:
         """One round trip for the miss path: (the entry if one is there, whether ``holder``
         now holds the lease), read and leased atomically (MULTI: no holder's publish and
         release can fall between the two). A found entry's owner is checked for liveness as in
-        ``lookup_live`` (an entry of a dead owner is dropped and reported as none)."""
+        ``lookup_live`` (an entry of a dead owner is dropped and reported as none). Redis
+        failing answers (None, True): encode now, uncoordinated, rather than wait for a lease
+        nobody can see (releasing it later is a no-op)."""
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.hget(self._keys.embedding_index(key), "v")
@@ -117,7 +119,7 @@ class EmbeddingIndex:
                 raw, leased = await pipe.execute()
         except _ERRORS as exc:
             log.warning("embedding index: lookup/lease of %s failed (%s); encoding uncoordinated", key, exc)
-            return None, False
+            return None, True
         if raw is None:
             return None, bool(leased)
         entry = self._dec.decode(raw)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 
 import pytest
@@ -135,6 +136,24 @@ async def test_a_holder_finishing_right_after_a_poll_is_a_hit_not_a_second_encod
     owner, item = await cache.embed(pixel_item(key), enc(9), fleet_ok=True, deadline_unix_ms=2**62)
     assert enc.calls == 0 and reads == 3
     assert owner.name == a.name and item.embeds == entry.embeds
+
+
+async def test_redis_away_means_encoding_at_once_not_waiting(env) -> None:
+    """With Redis unreachable nobody's lease can be seen: the item is encoded at once
+    (uncoordinated), not after the coalescing wait (15 s by default; a minute here)."""
+    _, keys, _, (a, _, _) = env
+    away = aioredis.from_url("redis://127.0.0.1:1", socket_connect_timeout=0.5)  # nothing listens there
+    try:
+        index = EmbeddingIndex(away, keys, ttl_s=60, lease_ms=400)
+        cache, _ = make_cache(index, a, wait_ms=60_000)
+        enc = CountingEncoder(a, delay_s=0)
+        t0 = time.monotonic()
+        owner, item = await cache.embed(pixel_item(cache_key("fp", "no-redis")), enc(4), fleet_ok=True,
+                                        deadline_unix_ms=2**62)
+        await cache.drain()
+        assert enc.calls == 1 and owner.name == a.name and time.monotonic() - t0 < 10
+    finally:
+        await away.aclose()
 
 
 async def test_a_dead_lease_holder_is_taken_over_after_expiry(env) -> None:
