@@ -53,7 +53,8 @@ STAGE_COMPUTE = Histogram("mmfleet_stage_compute_seconds",
                           "time a stage's handler spent on one record apart from transfers",
                           ["stage"], buckets=LATENCY_BUCKETS_S)
 STAGE_RECORDS = Counter("mmfleet_stage_records_total",
-                        "records a stage runner finished, by outcome (" + " / ".join(OUTCOMES) + ")",
+                        "records a stage finished, by outcome (" + " / ".join(OUTCOMES) + "); a stage "
+                        "handed its message in memory by another in its worker counts its ok ones",
                         ["stage", "outcome"])
 CONSUMER_LAG = Gauge("mmfleet_consumer_lag_records",
                      "records behind the partition's high watermark (highwater - position)",

@@ -187,6 +187,9 @@ class StageRunner:
                 produce.append(Produce(p.topic, p.key, value, p.partition))
                 continue
             sub = await self._run_stage(route[0], value, route[1], 0.0)
+            # a stage handed its message in memory finished one too (its failures end the
+            # whole chain and count under the stage that consumed the record)
+            metrics.STAGE_RECORDS.labels(route[1].stage, "ok").inc()
             produce.extend(sub.produce)
             releases.extend(sub.releases)
         return Outcome(produce, releases)

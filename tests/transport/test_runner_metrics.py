@@ -67,3 +67,37 @@ async def test_outcomes_histograms_lag_and_log_context(env):  # noqa: F811 - the
     assert REGISTRY.get_sample_value("mmfleet_consumer_lag_records", {"stage": stage, "partition": "0"}) is None
     assert {rid for rid, _ in handler.seen} == {f"ok-{tag}-1", f"ok-{tag}-2", f"bad-{tag}", f"poison-{tag}"}
     assert {s for _, s in handler.seen} == {stage}
+
+
+class _ToLocal:
+    """Hands every record to a stage of the same worker (its topic is in the runner's local routes)."""
+
+    def __init__(self, local_topic: str) -> None:
+        self.local_topic = local_topic
+
+    async def handle(self, msg, ctx):
+        return Outcome([Produce(self.local_topic, msg.meta.request_id, msg)])
+
+
+async def test_a_stage_handed_its_message_in_memory_counts_its_records(env):  # noqa: F811 - the fixture
+    """e-p-d's encode runs in the media-fetch worker and is never consumed from Kafka: its
+    records are counted all the same (``mmfleet top`` and /fleet read them)."""
+    from shared.runner import StageRunner
+    from shared.stage import Context
+
+    tag = env["tag"]
+    entry, local = f"entry-{tag}", f"local-{tag}"
+    local_topic = f"t.local.{tag}"  # never produced to: the runner calls the local handler instead
+    local_route = (ByName(env["out"]), Context(stage=local, worker_id="w", events=env["streams"]))
+    runner = StageRunner(stage=entry, topic=env["in"], union=protocol.PrefillRequest, handler=_ToLocal(local_topic),
+                         ctx=Context(stage=entry, worker_id="w", events=env["streams"]), producer=env["producer"],
+                         settings=env["settings"], local_routes={local_topic: local_route})
+    task = await _start(runner)
+    for i in (1, 2):
+        await _send(env, protocol.PrefillRequest(meta=_meta(f"ok-{tag}-{i}")))
+    await _until(lambda: runner.processed >= 2, timeout_s=30)
+    runner.stop()
+    await task
+    assert sample("mmfleet_stage_records_total", stage=entry, outcome="ok") == 2
+    assert sample("mmfleet_stage_records_total", stage=local, outcome="ok") == 2
+    assert sample("mmfleet_stage_compute_seconds_count", stage=local) == 2
