@@ -18,6 +18,7 @@ import openai
 import pytest
 from PIL import Image
 
+from services.modes import MODES
 from shared.models.reference import reference_generate
 from tests import procs
 from tests.hubcache import REPO_ID, build_hub_cache
@@ -69,7 +70,8 @@ def test_served_by_id_equal_to_generate(served, hub):
 
 def test_encode_worker_holds_no_lm_weights(served):
     _, logs = served
-    lines = [ln for ln in (logs / "encode.log").read_text().splitlines() if "model loaded:" in ln]
+    encode_worker = "+".join(next(g for g in MODES["e-p-d"] if "encode" in g))  # its log: the supervisor's name
+    lines = [ln for ln in (logs / f"{encode_worker}.log").read_text().splitlines() if "model loaded:" in ln]
     assert lines and all("bfloat16 weights" in ln and "LM 0.0 MiB" in ln for ln in lines), lines
     prefill = [ln for ln in (logs / "prefill.log").read_text().splitlines() if "model loaded:" in ln]
     assert prefill and all("encoder 0.0 MiB" in ln for ln in prefill), prefill

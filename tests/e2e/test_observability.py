@@ -1,4 +1,5 @@
-"""Operator readiness, end to end: one ``mmfleet up`` fleet (e-p-d, JSON logs) serves a few
+"""Operator readiness, end to end: one ``mmfleet up`` fleet (m-e-p-d: every stage a process of
+its own, so each is found and scraped apart; JSON logs) serves a few
 requests (text and image, streamed and whole, one bad image); then every process is found the
 way an operator would find it (the gateway and each worker through their liveness records in
 Redis), its ``/metrics`` is scraped, and the series the traffic must have moved are checked.
@@ -45,7 +46,7 @@ def fleet(kafka_bootstrap, redis_url, model_dir, obs_logs):
     env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
            "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024), "MMFLEET_REDIS_PREFIX": PREFIX,
            "MMFLEET_LOG_FORMAT": "json"}
-    with procs.fleet(env, obs_logs) as (base, _proc):
+    with procs.fleet(env, obs_logs, mode="m-e-p-d") as (base, _proc):
         yield base
 
 
