@@ -26,8 +26,12 @@ MAX_NEW = 10
 
 async def _run_concurrently(engine: TransformersEngine, requests: list[tuple[list[dict], list]]) -> list[list[int]]:
     """Each request: encode its images, then generate; request i starts i steps' worth later,
-    so sequences join a running batch, and stop at different lengths (max_tokens differ)."""
+    so sequences join a running batch, and stop at different lengths (max_tokens differ). The
+    first two requests each wait after their first token (prefill's) until both have it, so they
+    enter decode in the same loop turn and share its first step: left to timing, a loaded
+    machine let the first finish before the second came, and no step was shared."""
     compute = engine.compute
+    prefilled = [asyncio.Event() for _ in requests[:2]]
 
     async def one(i: int, messages, images) -> list[int]:
         await asyncio.sleep(0.01 * i)
@@ -37,7 +41,13 @@ async def _run_concurrently(engine: TransformersEngine, requests: list[tuple[lis
             emb = await engine.encode(px.pixel_values, px.grid_thw, px.n_tokens)
             items.append(MediaEmbeds(emb, px.grid_thw))
         sampling = protocol.Sampling(max_tokens=MAX_NEW - i % 3, temperature=0.0)
-        return [t async for t in engine.generate(f"r{i}", compute.render_prompt_ids(messages), items, sampling)]
+        out = []
+        async for t in engine.generate(f"r{i}", compute.render_prompt_ids(messages), items, sampling):
+            out.append(t)
+            if len(out) == 1 and i < len(prefilled):
+                prefilled[i].set()
+                await asyncio.gather(*(e.wait() for e in prefilled))
+        return out
 
     return await asyncio.gather(*(one(i, m, imgs) for i, (m, imgs) in enumerate(requests)))
 
