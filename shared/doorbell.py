@@ -20,8 +20,8 @@ Contract:
   ``expect_ms`` after a ring: the record may still be on its way, so an empty fetch that began
   in that window is repeated at once (each holds ``fetch_max_wait_ms`` at the broker) until one
   returns records. The window is judged by when a fetch began, not when it came back: a fetch
-  sent just before the record landed can come back empty after the window closed (seen: ~1 in 50
-  hops at c=1 waited the whole idle interval that way), and the one after it finds the record.
+  sent just before the record landed can come back empty after the window closed (seen: ~1 request
+  in 40 at c=1 waited the whole idle interval at one hop that way), and the one after it finds the record.
   (A fetch that brings records ends the window even when a ring came during it: keeping the
   window open then kept every consumer fetching without pause under load, measured.)
 """
