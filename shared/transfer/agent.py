@@ -19,7 +19,9 @@ Contracts:
   staging word, :mod:`shared.transfer.staging`) and, with ``cuda_ipc``, copies it into the
   GPU pool that same-GPU consumers open. A GPU consumer on the same host copies from its
   mapping of the pinned pool; any other pulls over NIXL DRAM. A ref marked ``on_device``
-  arrives on the consumer's GPU, or in host memory where it has none.
+  arrives on the consumer's GPU, or in host memory where it has none; a leased one taken by
+  CUDA IPC or from a mapped pool may still be copying (ordered on the caller's stream), and
+  ``release`` waits for that copy before the slot goes back.
 - Any failure to pull (peer SIGKILLed, unreachable, timeout, NIXL error state) raises
   :class:`OwnerGoneError`: "recompute from the source". A READ of an expired CPU lease is NOT
   detectable by the puller (one-sided), so TTLs must exceed the worst consumer delay.
@@ -279,6 +281,7 @@ class TransferAgent:
             for lease in leases:
                 self.free_local(lease)
             return
+        await self._dev.reads_done(name, leases)  # our device copies out of those slots first
         try:
             self._check_open()
             if isinstance(owner, AgentRef):

@@ -9,7 +9,8 @@ Contracts:
   for its life (the transfer agent's GPU pool).
 - ``can_open(h)`` is True only on the exporter's host with the exporter's GPU visible here.
 - ``IpcPeers(max_open).copy(owner, h, nbytes, ...)`` copies the slot into a NEW tensor on this
-  process's copy of that GPU (synchronous: the bytes are ours when it returns). At most
+  process's copy of that GPU (synchronous unless told not to: then the caller keeps the slot's lease
+  until the copy is done). At most
   ``max_open`` pools stay open (least recently used is closed first). Any CUDA failure raises
   ``IpcError``; callers fall back to the host paths. The slot's bytes must be complete: the
   caller checks the owner's staging word first (:mod:`shared.transfer.staging`).
@@ -54,8 +55,10 @@ class IpcPeers:
         self._open: collections.OrderedDict[str, torch.UntypedStorage] = collections.OrderedDict()
 
     def copy(self, owner: str, h: CudaIpcHandle, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
-             device: torch.device | None = None) -> torch.Tensor:
-        """A new tensor with the slot's bytes, on ``device`` (default: the exporter's GPU here)."""
+             device: torch.device | None = None, sync: bool = True) -> torch.Tensor:
+        """A new tensor with the slot's bytes, on ``device`` (default: the exporter's GPU here).
+        ``sync=False``: return with the copy queued on the current stream (the caller must not
+        let the slot go before it is done)."""
         index = local_index(h.device_uuid)
         if h.host != host_id() or index is None:
             raise IpcError(f"handle of {h.host} GPU {h.device_uuid} cannot be opened here")
@@ -76,8 +79,9 @@ class IpcPeers:
                 src = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(
                     storage, h.slot_offset, (nbytes,), (1,))
                 out = torch.empty(nbytes, dtype=torch.uint8, device=device or torch.device("cuda", index))
-                out.copy_(src)
-                torch.cuda.current_stream().synchronize()  # ours before the lease goes back
+                out.copy_(src, non_blocking=True)
+                if sync:
+                    torch.cuda.current_stream().synchronize()
         except (RuntimeError, TypeError) as exc:
             self._open.pop(key, None)
             raise IpcError(f"CUDA IPC open/copy failed: {exc}") from exc

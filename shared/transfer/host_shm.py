@@ -89,20 +89,23 @@ class PeerPools:
         return shm is not None and shm.host == host_id()
 
     def copy_to(self, owner: str, shm: HostShm, nbytes: int, device: torch.device, stamp: int = 0,
-                chunk: int = 0, wait_s: float = 1.0) -> torch.Tensor:
+                chunk: int = 0, wait_s: float = 1.0, sync: bool = True) -> torch.Tensor:
         """The slot's bytes in a new tensor on ``device``. ``stamp`` / ``chunk``: the slot may
         still be being staged; each chunk is copied as soon as the staging word says it landed
-        (:mod:`shared.transfer.staging`), waiting at most ``wait_s`` in all."""
+        (:mod:`shared.transfer.staging`), waiting at most ``wait_s`` in all. ``sync=False``:
+        return with the copy queued on the current stream (the caller must not let the slot
+        go before it is done)."""
         m = self._mapping(owner, shm, slot_bytes(nbytes) if stamp else nbytes)
         src = m.tensor[shm.offset: shm.offset + nbytes]
         out = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if not stamp:
-            return out.copy_(src)
+            return out.copy_(src, non_blocking=not sync)
         word, deadline = shm.offset + word_offset(nbytes), time.monotonic() + wait_s
         for i, (dst, part) in enumerate(zip(out.split(chunk), src.split(chunk))):
             wait_chunks(lambda: read_word(m.mm, word), stamp, i + 1, deadline)
             dst.copy_(part, non_blocking=True)  # overlaps the owner's copy of the next chunk
-        torch.cuda.current_stream(device).synchronize()  # ours before the lease goes back
+        if sync:
+            torch.cuda.current_stream(device).synchronize()
         return out
 
     def wait(self, owner: str, shm: HostShm, nbytes: int, stamp: int, need: int, wait_s: float = 1.0) -> None:

@@ -18,6 +18,7 @@ The paths, fastest first where the host offers them:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgspec
@@ -82,6 +83,7 @@ class DevicePaths:
         self._gpu_pool = torch.empty(pool_bytes, dtype=torch.uint8, device=device) if self.ipc else None
         self._pool_ipc = cuda_ipc.export(self._gpu_pool) if self.ipc else None
         self._ipc_peers = cuda_ipc.IpcPeers() if self.ipc else None
+        self._reads: dict[tuple[str, int], torch.cuda.Event] = {}  # (owner, lease): our copy out of its slot
         self._c = counters
         counters.update(dict.fromkeys(("ipc_gets", "ipc_failures", "shm_gets", "shm_failures"), 0))
         log.info("%s: %s", name, describe_paths(device, pool_bytes, self.ipc))
@@ -102,26 +104,45 @@ class DevicePaths:
     def pull(self, ref: TensorRef, dtype: torch.dtype) -> torch.Tensor | None:
         """The tensor by CUDA IPC or from the owner's shared pinned pool; ``None``: use NIXL."""
         shm_ok = ref.on_device and self._peer_pools is not None and self._peer_pools.usable(ref.host_shm)
+        # a leased slot stays the owner's until we release it, so the copy need not be waited
+        # for here (``reads_done`` waits before the release); a lease-free ref (a pinned cache
+        # slot) could go at any time: that copy is waited for
+        sync = ref.lease == 0
         if ref.cuda_ipc is not None and self.ipc and shm_ok and cuda_ipc.can_open(ref.cuda_ipc):
             try:
                 if ref.stamp:  # a staged chunk proves the owner's device copy into its GPU pool is done
                     self._peer_pools.wait(ref.agent, ref.host_shm, ref.nbytes, ref.stamp, 1)
-                out = self._ipc_peers.copy(ref.agent, ref.cuda_ipc, ref.nbytes, dtype, ref.shape, self.device)
+                out = self._ipc_peers.copy(ref.agent, ref.cuda_ipc, ref.nbytes, dtype, ref.shape, self.device, sync)
                 self._c["ipc_gets"] += 1
-                return out
+                return self._reading(ref, out, sync)
             except (cuda_ipc.IpcError, OSError, RuntimeError) as exc:
                 self._c["ipc_failures"] += 1
                 log.warning("%s: CUDA IPC from %s failed, trying the next path: %s", self.name, ref.agent, exc)
         if shm_ok:
             try:
                 out = self._peer_pools.copy_to(ref.agent, ref.host_shm, ref.nbytes, self.device, ref.stamp,
-                                               ref.chunk_bytes)
+                                               ref.chunk_bytes, sync=sync)
                 self._c["shm_gets"] += 1
-                return out.view(dtype).reshape(ref.shape)
+                return self._reading(ref, out.view(dtype).reshape(ref.shape), sync)
             except (OSError, RuntimeError) as exc:
                 self._c["shm_failures"] += 1
                 log.warning("%s: pool of %s not mapped, pulling over NIXL: %s", self.name, ref.agent, exc)
         return None
+
+    def _reading(self, ref: TensorRef, out: torch.Tensor, sync: bool) -> torch.Tensor:
+        """Remember the copy out of ``ref``'s slot still in flight (stream-ordered for the caller)."""
+        if not sync:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self._reads[(ref.agent, ref.lease)] = done
+        return out
+
+    async def reads_done(self, owner: str, leases: list[int]) -> None:
+        """Wait until no copy out of these leases' slots is in flight (before they go back)."""
+        for lease in leases:
+            done = self._reads.pop((owner, lease), None)
+            while done is not None and not done.query():
+                await asyncio.sleep(0.0005)
 
     def from_pool(self, off: int, ref: TensorRef, local: bool = False) -> torch.Tensor:
         """A new uint8 tensor with the slot's bytes: on this GPU if the ref's tensor was on a GPU
@@ -143,10 +164,15 @@ class DevicePaths:
     def settle(self) -> None:
         if self._stager is not None:
             self._stager.settle()
+        for key in [k for k, done in self._reads.items() if done.query()]:
+            del self._reads[key]
 
     def close(self) -> None:
         if self._stager is not None:
             self._stager.close()
+        if self._reads:  # copies out of peers' pools must end before those are unmapped
+            torch.cuda.synchronize(self.device)
+            self._reads.clear()
         if self._ipc_peers is not None:
             self._ipc_peers.close()
         self._gpu_pool = None

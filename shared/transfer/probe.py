@@ -255,19 +255,21 @@ async def _stream(agent, hello: Hello, fresh: _Fresh, size: int, path: str, expe
     """Bandwidth as throughput: the peer puts ``_STREAM_MIB`` worth of fresh tensors back to
     back and this side pulls each as its ref arrives, so one transfer's fixed costs (the put's
     launches, the hand-off, the pull's set-up) overlap the others' copies. Timed from the first
-    put's call to the last tensor on this GPU."""
+    put's call to the last tensor on this GPU; every tensor is checked after the clock stops
+    (a check is a kernel and a wait: inside the loop it would keep each pull from overlapping
+    the next one's set-up)."""
     count = max(2, _STREAM_MIB // size)
     times, ok = [], True
     for _ in range(repeats + 1):  # the first warms up
         await fresh.ask(size, count)
-        t_start = None
+        t_start, got = None, []
         for _ in range(count):
             done = await fresh.next()
             t_start = done.t_start if t_start is None else t_start
-            got = await agent.get(hello.agent, msgspec.structs.replace(done.ref, **_STRIP[path]))
-            ok = ok and bool(torch.equal(got, expect))
+            got.append(await agent.get(hello.agent, msgspec.structs.replace(done.ref, **_STRIP[path])))
         _sync(expect.device)
         times.append(time.perf_counter() - t_start)
+        ok = ok and all(torch.equal(g, expect) for g in got)
     t = statistics.median(times[1:]) / count
     return Row(f"{path} stream ({count} x put -> get)", size, size * MIB / t / 1e9, ok,
                f"{t_h2d / t:.0%} of pinned H2D")

@@ -3,6 +3,7 @@ where torch sees no CUDA GPU (every CI machine), so the CPU suite stays green.""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -51,3 +52,27 @@ async def test_put_returns_before_its_copy_lands_and_every_reader_gets_the_put_b
         assert ref.stamp and ref.chunk_bytes and ref.cuda_ipc is None and ref.host_shm is not None
         back = await agent.get(agent.ref(), ref)
         assert back.device.type == "cuda" and torch.equal(back, want)
+
+
+async def test_a_shared_pool_pull_is_queued_on_the_stream_and_release_waits_for_it() -> None:
+    """A pull from a mapped pinned pool returns with its copy queued on the caller's stream;
+    ``release`` waits for that copy, so the owner may overwrite the slot at once after it.
+    (CUDA IPC takes the same way in the GPU check: a process cannot open its own handles.)"""
+    from shared.transfer import TransferAgent
+
+    async with TransferAgent("gpu-owner", 160 << 20, device="cuda", cuda_ipc=False) as owner, \
+            TransferAgent("gpu-reader", 8 << 20, device="cuda", cuda_ipc=False) as reader:
+        t = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
+        want = t.clone()
+        ref = owner.put(t)
+        got = await reader.get(owner.ref(), ref)
+        assert reader.stats()["shm_gets"] == 1
+        await reader.release(owner.ref(), [ref.lease])
+        for _ in range(500):  # the release notification frees the slot at the owner
+            if owner.stats()["released_leases"]:
+                break
+            await asyncio.sleep(0.01)
+        again = owner.put(torch.zeros_like(t))  # the freed slot, overwritten
+        assert again.addr == ref.addr
+        owner.free_local(again.lease)
+        assert torch.equal(got, want)
