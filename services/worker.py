@@ -84,8 +84,10 @@ def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...
     host = settings.vllm_kv_host
     if host == "auto":
         host = socket.gethostbyname(socket.gethostname())
+    placement = resolve_placement(settings.device, settings.dtype)
     return cls(model_dir, kv_role=role, kv_host=host, kv_lease_s=max(1, settings.lease_ttl_ms // 1000),
-               kv_block_size=settings.kv_block_size)
+               kv_block_size=settings.kv_block_size, device=str(placement.device),
+               dtype=str(placement.dtype).removeprefix("torch."), kv_buffer_device=settings.vllm_kv_buffer_device)
 
 
 def engine_capabilities(name: str):

@@ -149,6 +149,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     vllm_kv_host: Annotated[str, _d(
         "address other workers reach this worker's vLLM KV side channel at (engine vllm, prefill apart from "
         "decode); auto: this host's address")] = "127.0.0.1"
+    vllm_kv_buffer_device: Annotated[str, _d(
+        "where a vLLM engine's NixlConnector keeps the KV blocks it moves (engine vllm, prefill apart from decode): "
+        "auto (the worker's device) | cuda (NIXL reads GPU memory: fast only where UCX has a GPU transport, see "
+        "`mmfleet doctor`) | cpu (vLLM stages the blocks through host memory)")] = "auto"
     torch_threads: Annotated[int, _d("torch intra-op threads per worker")] = 1
     device: Annotated[str, _d("where this worker's encoder, prefill and decode compute: cpu | cuda | cuda:N "
                               "(a GPU asked for and not visible is a start-up error)")] = "cpu"
@@ -315,6 +319,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"log_format must be text or json, not {self.log_format!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
+        if self.vllm_kv_buffer_device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"vllm_kv_buffer_device must be auto, cuda or cpu, not {self.vllm_kv_buffer_device!r}")
 
     def with_overrides(self, **changes: Any) -> Settings:
         return msgspec.structs.replace(self, **{k: v for k, v in changes.items() if v is not None})

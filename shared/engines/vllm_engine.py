@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -63,6 +64,8 @@ class VllmEngine:
         kv_lease_s: int = 30,
         kv_block_size: int = 16,
         kv_event_wait_s: float = 1.0,
+        device: str = "cpu",
+        kv_buffer_device: str = "auto",
     ) -> None:
         """``kv_role``: None (generate only), ``vllm_pd.PRODUCER`` (prefill apart) or
         ``vllm_pd.CONSUMER`` (decode apart); ``kv_host``: the address consumers reach this
@@ -70,13 +73,16 @@ class VllmEngine:
         ``kv_block_size``: the fleet's KV block (hashing, routing): vLLM's block is the
         smallest multiple of it and 32 (:mod:`shared.engines.vllm_kv_events`), and a producer
         reports its prefix cache's changes in those keys, waiting up to ``kv_event_wait_s``
-        for a prefill's own block events."""
+        for a prefill's own block events. ``device``: cpu | cuda | cuda:N (the vLLM build must
+        run there); ``kv_buffer_device``: where the connector's blocks live (vllm_pd)."""
         from transformers import AutoTokenizer, GenerationConfig
 
         self._model_dir = Path(model_dir)
         # None: a fixed 512 MiB on CPU (vLLM would otherwise reserve gpu_memory_utilization of
         # ALL host memory), vLLM's own sizing from gpu_memory_utilization on a GPU.
-        if kv_cache_bytes is None and not torch.cuda.is_available():
+        self._device = str(device)
+        self._kv_buffer_device = vllm_pd.kv_buffer_device(kv_buffer_device, self._device)
+        if kv_cache_bytes is None and self._device == "cpu":
             kv_cache_bytes = CPU_KV_CACHE_BYTES
         self._kv_cache_bytes = kv_cache_bytes
         self._gpu_memory_utilization = gpu_memory_utilization
@@ -145,12 +151,17 @@ class VllmEngine:
                  self._model_dir, self.max_model_len)
 
     def _build(self):
+        from vllm.platforms import current_platform
+
+        vllm_pd.check_platform(self._device, current_platform.device_type)
         env = {"OMP_NUM_THREADS": str(self._num_threads), **vllm_process.watchdog_env()}
+        if (visible := vllm_pd.visible_devices(self._device, dict(os.environ))) is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
         # vLLM's own prefix cache (ours is not used with vLLM), but not in a decode consumer
         kv: dict = {"enable_prefix_caching": self._kv_role != vllm_pd.CONSUMER}
         if self._kv_role is not None:
             env.update(vllm_pd.side_channel_env(self._kv_host, vllm_pd.free_port(self._kv_host)))
-            kv["kv_transfer_config"] = vllm_pd.transfer_config(self._kv_role, self._kv_lease_s)
+            kv["kv_transfer_config"] = vllm_pd.transfer_config(self._kv_role, self._kv_lease_s, self._kv_buffer_device)
         if self._events is not None:
             kv["kv_events_config"] = vllm_kv_events.events_config(self._events.endpoint)
         return vllm_process.build_async_llm(env, dict(

