@@ -32,6 +32,7 @@ CONFIG_ENV = "MMFLEET_CONFIG"  # path of a TOML config file; not a setting itsel
 _ALIASES = {"KAFKA_BOOTSTRAP": "kafka_bootstrap", "REDIS_URL": "redis_url"}
 _OLD_NAMES = {"model_path": "model"}  # old setting name -> its name now (the new name wins when both are set)
 _MiB = 1024 * 1024
+VLLM_KV_BUFFER_DEVICES = ("auto", "cuda", "cpu")  # vllm_kv_buffer_device (shared.engines.vllm_pd)
 
 
 def _default_cache_dir() -> str:
@@ -319,8 +320,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"log_format must be text or json, not {self.log_format!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
-        if self.vllm_kv_buffer_device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"vllm_kv_buffer_device must be auto, cuda or cpu, not {self.vllm_kv_buffer_device!r}")
+        if self.vllm_kv_buffer_device not in VLLM_KV_BUFFER_DEVICES:
+            raise ValueError(f"vllm_kv_buffer_device must be one of {', '.join(VLLM_KV_BUFFER_DEVICES)}; "
+                             f"got {self.vllm_kv_buffer_device!r}")
 
     def with_overrides(self, **changes: Any) -> Settings:
         return msgspec.structs.replace(self, **{k: v for k, v in changes.items() if v is not None})

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from shared import protocol
+from shared.settings import VLLM_KV_BUFFER_DEVICES
 
 PRODUCER = "kv_producer"
 CONSUMER = "kv_consumer"
@@ -66,14 +67,12 @@ def _ephemeral_low() -> int:
 _EPHEMERAL_LOW = _ephemeral_low()
 
 
-KV_BUFFER_DEVICES = ("auto", "cuda", "cpu")
-
-
 def kv_buffer_device(setting: str, device: str) -> str:
     """Where the connector's KV blocks live: ``auto`` is the engine's device type; a CPU
     engine has no other choice (ValueError for "cuda" there)."""
-    if setting not in KV_BUFFER_DEVICES:
-        raise ValueError(f"vllm_kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}; got {setting!r}")
+    if setting not in VLLM_KV_BUFFER_DEVICES:
+        raise ValueError(f"vllm_kv_buffer_device must be one of {', '.join(VLLM_KV_BUFFER_DEVICES)}; "
+                         f"got {setting!r}")
     kind = device.split(":")[0]
     if setting == "auto":
         return kind
