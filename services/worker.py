@@ -112,6 +112,10 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
             if why:
                 raise ValueError(why)
         placement = resolve_placement(settings.device, settings.dtype)
+        if settings.engine == "vllm":  # KV blocks asked on a GPU by a CPU worker: refuse here, not mid-start
+            from shared.engines.vllm_pd import kv_buffer_device
+
+            kv_buffer_device(settings.vllm_kv_buffer_device, str(placement.device))
     except ValueError as exc:
         raise SystemExit(f"cannot start worker: {exc}") from None
     async with AsyncExitStack() as stack:

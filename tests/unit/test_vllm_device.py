@@ -50,3 +50,13 @@ def test_the_connector_config_carries_the_buffer_device() -> None:
     assert vllm_pd.transfer_config(vllm_pd.PRODUCER, 30).kv_buffer_device == "cpu"
     cfg = vllm_pd.transfer_config(vllm_pd.CONSUMER, 30, "cuda")
     assert cfg.kv_buffer_device == "cuda" and cfg.kv_role == vllm_pd.CONSUMER
+
+
+def test_a_worker_told_to_keep_vllm_blocks_on_a_gpu_it_has_not_refuses_to_start(model_dir) -> None:
+    import asyncio
+
+    from services.worker import run_worker
+
+    s = Settings(model=str(model_dir), engine="vllm", vllm_kv_buffer_device="cuda")  # device cpu
+    with pytest.raises(SystemExit, match="cannot start worker: vllm_kv_buffer_device cuda needs a GPU engine"):
+        asyncio.run(run_worker(s, ["decode"]))
