@@ -131,7 +131,7 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         os.environ.update(hostaddr.ucx_env(settings))
         transfer = TransferAgent(worker_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms,
                                  host=hostaddr.advertise_host(settings), device=placement.device,
-                                 cuda_ipc=settings.transfer_cuda_ipc,
+                                 cuda_ipc=settings.transfer_cuda_ipc, shared_pool=settings.transfer_host_shm,
                                  progress_wake_ms=settings.nixl_progress_wake_ms)
         await stack.enter_async_context(transfer)
         metrics.watch_pool(transfer)

@@ -168,6 +168,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         "a GPU worker also offers each tensor it ships in its GPU pool (the size of `MMFLEET_POOL_BYTES`, "
         "exported by CUDA IPC once), which a consumer on the same host and GPU copies from instead of the "
         "pinned-host copy")] = True
+    transfer_host_shm: Annotated[bool, _d(
+        "a CPU process's tensor pool is a shared memory file that consumers on the same host map and copy "
+        "from instead of a NIXL READ (a GPU process's pool always is); false: NIXL only")] = True
     encode_max_batch_items: Annotated[int, _d("media items per vision-encoder batch at most")] = 16
     encode_batch_wait_ms: Annotated[int, _d("how long encode waits to fill a batch")] = 2
     decode_max_batch: Annotated[int, _d("transformers engine: decode steps of up to this many sequences run as "

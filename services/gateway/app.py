@@ -75,6 +75,7 @@ async def _lifecycle(app: web.Application):
     gateway_id = app[GATEWAY_ID]
     transfer = TransferAgent(gateway_id, settings.pool_bytes, lease_ttl_ms=settings.lease_ttl_ms,
                              host=hostaddr.advertise_host(settings, settings.gateway_host),
+                             shared_pool=settings.transfer_host_shm,
                              progress_wake_ms=settings.nixl_progress_wake_ms)
     await producer.start()
     await transfer.start()

@@ -80,7 +80,7 @@ class TransferAgent:
         fast_poll_ms: float = 1.0, idle_poll_ms: float = 20.0, fast_window_ms: float = 1_000,
         xfer_timeout_ms: int = 10_000, progress_wake_ms: int = 100,
         align_bytes: int = 64, nixl_log_level: int | None = logging.WARNING, host: str = "",
-        device: str | torch.device = "cpu", cuda_ipc: bool = True,
+        device: str | torch.device = "cpu", cuda_ipc: bool = True, shared_pool: bool = True,
     ) -> None:
         """``name`` must be unique across the fleet (e.g. stage-host-pid-random).
         ``xfer_timeout_ms`` bounds a ``get`` (staging wait + transfer) unless overridden.
@@ -92,7 +92,10 @@ class TransferAgent:
         ``nixl_log_level``: nixl's Python logger prints INFO lines to *stdout*; this sets
         the ``nixl`` logger's level (``None`` leaves it alone). ``host``: this process's
         advertised host, carried in :meth:`ref`; READs from a peer with another host are
-        counted in ``mmfleet_nixl_cross_host_bytes_total``."""
+        counted in ``mmfleet_nixl_cross_host_bytes_total``. ``shared_pool`` (CPU agents; a GPU
+        agent's pool is always shared): the pool is a memfd that consumers on this host map and
+        copy from instead of a NIXL READ (:mod:`shared.transfer.host_shm`); False: NIXL only,
+        both ways."""
         if pool_bytes <= 0:
             raise ValueError("pool_bytes must be > 0")
         if nixl_log_level is not None:
@@ -105,7 +108,7 @@ class TransferAgent:
         self._last_put = float("-inf")
         self._xfer_timeout_ms = xfer_timeout_ms
         self._c = dict.fromkeys(_COUNTERS, 0)
-        self._dev = DevicePaths(name, pool_bytes, torch.device(device), cuda_ipc, self._c)
+        self._dev = DevicePaths(name, pool_bytes, torch.device(device), cuda_ipc, self._c, shared_pool)
         self._tbuf = self._dev.pool  # uint8, page aligned; pinned and shared on a GPU
         self._base = int(self._tbuf.data_ptr())
         self._alloc = SlotAllocator(pool_bytes, align_bytes)
@@ -216,7 +219,7 @@ class TransferAgent:
         if ref.agent == self.name:
             return self._get_local(ref, dtype)
         self._check_open()
-        if (fast := self._dev.pull(ref, dtype)) is not None:  # CUDA IPC / shared pinned pool
+        if (fast := self._dev.pull(ref, dtype)) is not None:  # CUDA IPC / a shared pool of this host
             return fast
         tmo = self._xfer_timeout_ms if timeout_ms is None else timeout_ms
         deadline = time.monotonic() + tmo / 1000.0
@@ -325,7 +328,7 @@ class TransferAgent:
             gpu_fields = self._dev.stage(off, src)
         else:
             self._tbuf[off : off + n].copy_(src)
-            gpu_fields = {}
+            gpu_fields = self._dev.host_fields(off)
         self._last_put = time.monotonic()
         lease = self._leases.lease(off, self._last_put)
         self._c["puts"] += 1

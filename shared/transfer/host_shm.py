@@ -1,19 +1,20 @@
-"""Pinned host pools that processes of one host share: the staging path's fast lane.
+"""Host pools that processes of one host share: the fast lane between them.
 
-A GPU agent's pool is a memfd mapping, page-locked with ``cudaHostRegister`` (so device copies
-into it run at pinned-copy speed) and registered with NIXL as DRAM like any pool. Its refs name
-the memfd as ``/proc/<pid>/fd/<fd>`` plus the slot's offset (:class:`~shared.protocol.HostShm`).
-A GPU consumer on the same host maps that file once (and page-locks its mapping), then copies
-slot→its device directly: one pinned copy instead of a NIXL DRAM READ (UCX's CMA ran at 5–10 GB/s
-on the H100 host, ~10–20 % of a pinned copy) plus a copy. Consumers on another host, or without
-a GPU, take the NIXL path; so does any consumer whose open or mapping fails.
+An agent's pool is a memfd mapping registered with NIXL as DRAM like any pool; on a GPU agent
+it is also page-locked with ``cudaHostRegister`` (device copies into it run at pinned speed).
+Its refs name the memfd as ``/proc/<pid>/fd/<fd>`` plus the slot's offset
+(:class:`~shared.protocol.HostShm`). A consumer on the same host maps that file once, then
+copies slot→its own tensor directly: one copy instead of a NIXL DRAM READ (UCX's CMA, plus a
+copy out of the consumer's staging slot and the polling that waits for it). A GPU consumer
+page-locks its mapping and copies to its device. Consumers on another host take the NIXL path;
+so does any consumer whose open or mapping fails, or whose owner has exited (its fd is gone).
 
-Contracts: ``SharedPool(nbytes)`` owns the memfd, the mapping and the registration until
-``close``. ``PeerPools(max_peers)`` keeps at most ``max_peers`` mappings (least recently used is
-unregistered and unmapped first); ``copy_to(...)`` returns a new device tensor (following the
-owner's staging copy chunk by chunk) or raises ``OSError`` / ``RuntimeError`` (callers fall
-back). Slot lifetimes are the leases' business, as with NIXL: a consumer reads a slot only while
-it holds the lease that names it.
+Contracts: ``SharedPool(nbytes, pinned)`` owns the memfd, the mapping and the registration
+until ``close``. ``PeerPools(max_peers, pinned)`` keeps at most ``max_peers`` mappings (least
+recently used is unmapped first); ``copy_to(...)`` returns a new tensor on the device asked for
+(following a GPU owner's staging copy chunk by chunk) or raises ``OSError`` / ``RuntimeError``
+(callers fall back). Slot lifetimes are the leases' business, as with NIXL: a consumer reads a
+slot only while it holds the lease that names it.
 """
 
 from __future__ import annotations
@@ -43,14 +44,18 @@ def _unregister(t: torch.Tensor) -> None:
 
 
 class _Mapping:
-    def __init__(self, fd: int, nbytes: int) -> None:
+    def __init__(self, fd: int, nbytes: int, pinned: bool) -> None:
         self.fd = fd
+        self.inode = os.fstat(fd).st_ino  # the pool's identity: a reused pid and fd number name another
         self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)  # page aligned: mmap
-        _register(self.tensor)
+        self.pinned = pinned
+        if pinned:
+            _register(self.tensor)
 
     def close(self) -> None:
-        _unregister(self.tensor)
+        if self.pinned:
+            _unregister(self.tensor)
         del self.tensor
         try:
             self.mm.close()
@@ -60,12 +65,12 @@ class _Mapping:
 
 
 class SharedPool:
-    """The owner's pool: ``tensor`` (uint8, page-locked) and ``ref(offset)`` for its slots."""
+    """The owner's pool: ``tensor`` (uint8; page-locked if ``pinned``) and ``ref(offset)`` for its slots."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, pinned: bool = True) -> None:
         fd = os.memfd_create("mmfleet-pool", os.MFD_CLOEXEC)
         os.ftruncate(fd, nbytes)
-        self._map = _Mapping(fd, nbytes)
+        self._map = _Mapping(fd, nbytes, pinned)
         self.tensor = self._map.tensor
         self._path = f"/proc/{os.getpid()}/fd/{fd}"
 
@@ -80,8 +85,9 @@ class SharedPool:
 class PeerPools:
     """A consumer's mappings of other processes' pools, LRU-bounded."""
 
-    def __init__(self, max_peers: int = 16) -> None:
+    def __init__(self, max_peers: int = 16, pinned: bool = True) -> None:
         self._max = max_peers
+        self._pinned = pinned  # page-lock each mapping (a GPU consumer copies from it to its device)
         self._maps: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
 
     @staticmethod
@@ -117,17 +123,27 @@ class PeerPools:
 
     def _mapping(self, owner: str, shm: HostShm, slot: int) -> _Mapping:
         """``owner``: the agent's name, part of the cache key (a later process may reuse a dead
-        owner's pid and fd number, so the path alone does not name one pool)."""
+        owner's pid and fd number, so the path alone does not name one pool). A mapping is used
+        only while its owner still holds the file (one ``stat``): the mapping would outlive an
+        exited owner, whose slots nobody vouches for, and keep its memory."""
         if shm.offset + slot > shm.pool_bytes:
             raise RuntimeError(f"slot {shm.offset}+{slot} outside a {shm.pool_bytes} B pool")
         key = f"{owner}\n{shm.path}"
         m = self._maps.get(key)
-        if m is None or m.tensor.numel() != shm.pool_bytes:
-            if m is not None:
+        if m is not None:
+            try:
+                alive = os.stat(shm.path).st_ino == m.inode
+            except OSError:
+                alive = False
+            if not alive or m.tensor.numel() != shm.pool_bytes:
                 self._drop(key)
+                if not alive:
+                    raise OSError(f"{owner} no longer holds {shm.path}")
+                m = None
+        if m is None:
             fd = os.open(shm.path, os.O_RDWR | os.O_CLOEXEC)
             try:
-                m = _Mapping(fd, shm.pool_bytes)
+                m = _Mapping(fd, shm.pool_bytes, self._pinned)
             except BaseException:
                 os.close(fd)
                 raise

@@ -12,8 +12,10 @@ The paths, fastest first where the host offers them:
   maps (:mod:`shared.transfer.host_shm`): one pinned copy each side, no NIXL hop; the owner's
   copy runs in chunks behind ``put`` and the consumer's follows it chunk by chunk
   (:mod:`shared.transfer.staging`).
+- ``host-shm``: a CPU tensor between processes of one host: the owner's pool is a memfd the
+  consumer maps, one copy slot→its tensor, no NIXL hop (``shared_pool``, on by default).
 - ``staging``: device→pinned host pool→NIXL DRAM READ→pinned pool→device; always works, also
-  across hosts; the only path for CPU-only workers (plain host pool, no pinning).
+  across hosts (CPU tensors: a NIXL DRAM READ, then a copy out of the staging slot).
 """
 
 from __future__ import annotations
@@ -36,25 +38,29 @@ log = logging.getLogger(__name__)
 _PAGE = 4096
 
 
-def pool_buffer(pool_bytes: int, device: torch.device):
-    """The agent's uint8 pool, page aligned, and its :class:`SharedPool` (``None`` on a CPU
-    agent): a page-locked memfd mapping when the agent's device is a GPU (device copies run at
-    pinned speed, and GPU consumers on this host map it), plain memory otherwise."""
-    if device.type == "cuda":
+def pool_buffer(pool_bytes: int, device: torch.device, shared: bool = True):
+    """The agent's uint8 pool, page aligned, and its :class:`SharedPool` (``None`` when not
+    shared): a memfd mapping that consumers on this host map, page-locked when the agent's
+    device is a GPU (device copies run at pinned speed; always shared there); plain memory on a
+    CPU agent with ``shared`` off."""
+    if device.type == "cuda" or shared:
         from shared.transfer.host_shm import SharedPool
 
-        shared = SharedPool(pool_bytes)
-        return shared.tensor, shared
+        pool = SharedPool(pool_bytes, pinned=device.type == "cuda")
+        return pool.tensor, pool
     raw = np.empty(pool_bytes + _PAGE, dtype=np.uint8)  # over-allocate a page, slice to align
     skew = (-raw.ctypes.data) % _PAGE
     return torch.from_numpy(raw[skew: skew + pool_bytes]), None
 
 
-def describe_paths(device: torch.device, pool_bytes: int, ipc: bool) -> str:
+def describe_paths(device: torch.device, pool_bytes: int, ipc: bool, shared: bool = True) -> str:
     """One log line: which paths this agent offers and uses."""
     mib = pool_bytes >> 20
     if device.type != "cuda":
-        return f"transfer paths: staging over NIXL DRAM (host pool {mib} MiB, CPU tensors)"
+        if not shared:
+            return f"transfer paths: staging over NIXL DRAM (host pool {mib} MiB, CPU tensors; transfer_host_shm off)"
+        return (f"transfer paths: host-shm (shared host pool {mib} MiB, mapped by consumers on this host); "
+                f"NIXL DRAM READ for consumers on other hosts")
     from shared.device import device_uuid
 
     ipc_part = (f"cuda-ipc (GPU pool {mib} MiB, exported once) for consumers on this host and GPU "
@@ -70,14 +76,16 @@ class DevicePaths:
     shared on a GPU), the GPU copies it offers by CUDA IPC, the peers' pools it maps, and the
     fast pulls (CUDA IPC, then the shared pinned pool) tried before the NIXL path."""
 
-    def __init__(self, name: str, pool_bytes: int, device: torch.device, ipc: bool, counters: dict[str, int]) -> None:
+    def __init__(self, name: str, pool_bytes: int, device: torch.device, ipc: bool, counters: dict[str, int],
+                 shared: bool = True) -> None:
         from shared.transfer.host_shm import PeerPools
 
         self.name, self.device = name, device
         self.ipc = ipc and device.type == "cuda"
-        self.pool, self._shm = pool_buffer(pool_bytes, device)
-        self._stager = Stager(self.pool, device) if self._shm is not None else None
-        self._peer_pools = PeerPools() if self._shm is not None else None
+        gpu = device.type == "cuda"
+        self.pool, self._shm = pool_buffer(pool_bytes, device, shared)
+        self._stager = Stager(self.pool, device) if gpu else None
+        self._peer_pools = PeerPools(pinned=gpu) if self._shm is not None else None
         # the GPU twin of the pool (same slot offsets), exported once: a put is a device copy
         # into it, and a consumer on this GPU keeps it open (no export or open per tensor)
         self._gpu_pool = torch.empty(pool_bytes, dtype=torch.uint8, device=device) if self.ipc else None
@@ -86,7 +94,11 @@ class DevicePaths:
         self._reads: dict[tuple[str, int], torch.cuda.Event] = {}  # (owner, lease): our copy out of its slot
         self._c = counters
         counters.update(dict.fromkeys(("ipc_gets", "ipc_failures", "shm_gets", "shm_failures"), 0))
-        log.info("%s: %s", name, describe_paths(device, pool_bytes, self.ipc))
+        log.info("%s: %s", name, describe_paths(device, pool_bytes, self.ipc, self._shm is not None))
+
+    def host_fields(self, off: int) -> dict:
+        """The ref fields of a CPU tensor put into slot ``off`` (copied before the ref leaves)."""
+        return {"host_shm": self._shm.ref(off)} if self._shm is not None else {}
 
     def stage(self, off: int, src: torch.Tensor) -> dict:
         """Start the device→pinned copy of a CUDA tensor into slot ``off`` (not waited for: see
@@ -102,8 +114,12 @@ class DevicePaths:
                 "chunk_bytes": chunk}
 
     def pull(self, ref: TensorRef, dtype: torch.dtype) -> torch.Tensor | None:
-        """The tensor by CUDA IPC or from the owner's shared pinned pool; ``None``: use NIXL."""
-        shm_ok = ref.on_device and self._peer_pools is not None and self._peer_pools.usable(ref.host_shm)
+        """The tensor by CUDA IPC or from the owner's shared pool; ``None``: use NIXL."""
+        if not (self._peer_pools is not None and self._peer_pools.usable(ref.host_shm)):
+            return None
+        if not (ref.on_device and self.device.type == "cuda"):
+            return self._pull_host(ref, dtype) if not ref.stamp else None
+        shm_ok = True
         # a leased slot stays the owner's until we release it, so the copy need not be waited
         # for here (``reads_done`` waits before the release); a lease-free ref (a pinned cache
         # slot) could go at any time: that copy is waited for
@@ -118,16 +134,27 @@ class DevicePaths:
             except (cuda_ipc.IpcError, OSError, RuntimeError) as exc:
                 self._c["ipc_failures"] += 1
                 log.warning("%s: CUDA IPC from %s failed, trying the next path: %s", self.name, ref.agent, exc)
-        if shm_ok:
-            try:
-                out = self._peer_pools.copy_to(ref.agent, ref.host_shm, ref.nbytes, self.device, ref.stamp,
-                                               ref.chunk_bytes, sync=sync)
-                self._c["shm_gets"] += 1
-                return self._reading(ref, out.view(dtype).reshape(ref.shape), sync)
-            except (OSError, RuntimeError) as exc:
-                self._c["shm_failures"] += 1
-                log.warning("%s: pool of %s not mapped, pulling over NIXL: %s", self.name, ref.agent, exc)
+        try:
+            out = self._peer_pools.copy_to(ref.agent, ref.host_shm, ref.nbytes, self.device, ref.stamp,
+                                           ref.chunk_bytes, sync=sync)
+            self._c["shm_gets"] += 1
+            return self._reading(ref, out.view(dtype).reshape(ref.shape), sync)
+        except (OSError, RuntimeError) as exc:
+            self._c["shm_failures"] += 1
+            log.warning("%s: pool of %s not mapped, pulling over NIXL: %s", self.name, ref.agent, exc)
         return None
+
+    def _pull_host(self, ref: TensorRef, dtype: torch.dtype) -> torch.Tensor | None:
+        """A host tensor copied out of the owner's mapped pool (the slot's bytes are all there:
+        no staging word), as a NIXL pull would return it."""
+        try:
+            out = self._peer_pools.copy_to(ref.agent, ref.host_shm, ref.nbytes, torch.device("cpu"))
+        except (OSError, RuntimeError) as exc:
+            self._c["shm_failures"] += 1
+            log.debug("%s: pool of %s not mapped, pulling over NIXL: %s", self.name, ref.agent, exc)
+            return None
+        self._c["shm_gets"] += 1
+        return out.view(dtype).reshape(ref.shape)
 
     def _reading(self, ref: TensorRef, out: torch.Tensor, sync: bool) -> torch.Tensor:
         """Remember the copy out of ``ref``'s slot still in flight (stream-ordered for the caller)."""

@@ -1,7 +1,9 @@
 """TransferAgent against real NIXL (UCX, DRAM) across two processes.
 
 Each test that needs an owner spawns ``tests.transport.owner_proc`` and always kills and
-reaps it (try/finally). Timings are printed (run with ``-s`` to see them).
+reaps it (try/finally). Timings are printed (run with ``-s`` to see them). The consumers here
+turn their shared pool off (``shared_pool=False``), so they pull over NIXL even though their
+owner is on this host (test_host_shm.py covers that path).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ async def timed_get(xa: TransferAgent, hello: Hello, i: int) -> tuple[torch.Tens
 @pytest.mark.asyncio
 async def test_remote_get_exact_bytes_then_release() -> None:
     async with owner_process([KIB4, MIB4, KIB4]) as (owner, hello):
-        async with TransferAgent(uniq("consumer"), 16 << 20) as xa:
+        async with TransferAgent(uniq("consumer"), 16 << 20, shared_pool=False) as xa:
             small, first_ms = await timed_get(xa, hello, 0)  # includes lazy connect
             big, _ = await timed_get(xa, hello, 1)
             assert small.dtype == torch.float32 and small.shape == (1024,)
@@ -124,13 +126,13 @@ async def test_progress_thread_serves_reads_while_owner_python_sleeps() -> None:
     """NIXL's event-driven progress thread answers peers' READs with nothing polling from the
     owner's Python; without the thread the same quiet owner never serves one (the control)."""
     async with owner_process([KIB4, MIB4], wake_ms=100) as (_owner, hello):
-        async with TransferAgent(uniq("consumer"), 8 << 20) as xa:
+        async with TransferAgent(uniq("consumer"), 8 << 20, shared_pool=False) as xa:
             for _ in range(5):
                 for i, n in enumerate((KIB4, MIB4)):
                     t = await xa.get(hello.agent, hello.refs[i], timeout_ms=5_000)
                     assert torch.equal(t, expected_tensor(n, i))
     async with owner_process([KIB4], wake_ms=0) as (_owner, hello):
-        async with TransferAgent(uniq("consumer"), 1 << 20) as xa:
+        async with TransferAgent(uniq("consumer"), 1 << 20, shared_pool=False) as xa:
             with pytest.raises(OwnerGoneError):
                 await xa.get(hello.agent, hello.refs[0], timeout_ms=1_500)
 
@@ -144,7 +146,7 @@ async def test_lease_ttl_expiry_frees_owner_slot() -> None:
         # A release for an expired lease is ignored, not an error.
         # (the consumer stays up until the owner heard it: the first notification to a new peer
         # waits for the connection, and closing the agent earlier cancels the send)
-        async with TransferAgent(uniq("consumer"), 1 << 20) as xa:
+        async with TransferAgent(uniq("consumer"), 1 << 20, shared_pool=False) as xa:
             await xa.release(hello.agent, [hello.refs[0].lease])
             st = await owner.wait_stats(lambda s: s["release_notifs_received"] == 1, timeout=10.0)
         assert st["released_leases"] == 0 and st["release_notifs_received"] == 1
@@ -153,7 +155,7 @@ async def test_lease_ttl_expiry_frees_owner_slot() -> None:
 @pytest.mark.asyncio
 async def test_stopped_then_sigkilled_owner_raises_owner_gone() -> None:
     async with owner_process([KIB4, KIB4]) as (owner, hello):
-        async with TransferAgent(uniq("consumer"), 1 << 20) as xa:
+        async with TransferAgent(uniq("consumer"), 1 << 20, shared_pool=False) as xa:
             # A frozen owner cannot finish the connection handshake: bounded by the timeout.
             owner.proc.send_signal(signal.SIGSTOP)
             t0 = time.monotonic()
@@ -171,7 +173,7 @@ async def test_stopped_then_sigkilled_owner_raises_owner_gone() -> None:
                 await xa.get(hello.agent, hello.refs[1], timeout_ms=3000)
             connected_s = time.monotonic() - t0
             # A consumer that never connected to the dead owner.
-            async with TransferAgent(uniq("late"), 1 << 20) as late:
+            async with TransferAgent(uniq("late"), 1 << 20, shared_pool=False) as late:
                 t0 = time.monotonic()
                 with pytest.raises(OwnerGoneError):
                     await late.get(hello.agent, hello.refs[1], timeout_ms=3000)
