@@ -36,7 +36,7 @@ from services.gateway import schema
 from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.responses import Shaper, error_response, event_error_response, sse_response, whole_response
 from services.worker import make_engine
-from shared import aio, protocol
+from shared import protocol
 from shared.settings import Settings
 from shared.stage import RequestFailed
 
@@ -260,7 +260,5 @@ def serve_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
     torch.set_num_threads(settings.torch_threads)
-    # the same event loop as the fleet's processes, so the comparison is of the split, not the loop
-    web.run_app(create_app(settings), host=args.host, port=args.port, access_log=None, print=None,
-                loop=aio.loop_factory(settings.event_loop)())
+    web.run_app(create_app(settings), host=args.host, port=args.port, access_log=None, print=None)
     return 0

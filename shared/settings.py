@@ -33,7 +33,6 @@ _ALIASES = {"KAFKA_BOOTSTRAP": "kafka_bootstrap", "REDIS_URL": "redis_url"}
 _OLD_NAMES = {"model_path": "model"}  # old setting name -> its name now (the new name wins when both are set)
 _MiB = 1024 * 1024
 VLLM_KV_BUFFER_DEVICES = ("auto", "cuda", "cpu")  # vllm_kv_buffer_device (shared.engines.vllm_pd)
-EVENT_LOOPS = ("uvloop", "asyncio")  # event_loop (shared.aio.run)
 
 
 def _default_cache_dir() -> str:
@@ -109,10 +108,6 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     idle_fetch_interval_ms: Annotated[int, _d("with the doorbell: how often an idle stage consumer fetches "
                                               "anyway (the most a lost ring costs)")] = 100
     max_poll_records: Annotated[int, _d("records fetched per poll at most")] = 16
-    # Each process's event loop spends more CPU per request than its compute does (README, "Fleet
-    # overhead"): uvloop (libuv) runs the same asyncio code with less of it.
-    event_loop: Annotated[str, _d("the event loop every fleet process runs on: uvloop | asyncio (the standard "
-                                  "library's)")] = "uvloop"
     # tansu holds a new consumer group's first join for half the session: this bounds start-up too
     kafka_session_timeout_ms: Annotated[int, _d("a consumer not heard from this long loses its partitions to "
                                                 "its group (heartbeats every third of it)")] = 6_000
@@ -328,8 +323,6 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"log_format must be text or json, not {self.log_format!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
-        if self.event_loop not in EVENT_LOOPS:
-            raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}; got {self.event_loop!r}")
         if self.vllm_kv_buffer_device not in VLLM_KV_BUFFER_DEVICES:
             raise ValueError(f"vllm_kv_buffer_device must be one of {', '.join(VLLM_KV_BUFFER_DEVICES)}; "
                              f"got {self.vllm_kv_buffer_device!r}")
