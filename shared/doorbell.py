@@ -199,7 +199,12 @@ class Doorbell:
             if got:
                 bell.expect_until = 0.0  # what the ring announced has come
             elif started >= bell.expect_until:  # nothing on its way: sleep until a ring
-                await bell.wait(seen, idle_s)  # (or the idle interval), not broker-side
+                try:
+                    await bell.wait(seen, idle_s)  # (or the idle interval), not broker-side
+                except asyncio.CancelledError:
+                    # consumer.stop() or an unassignment cancels this task and then awaits it: as
+                    # aiokafka's own fetch does, end quietly (raising here escaped consumer.stop())
+                    return got
             # else the fetch began inside the window: one that ends after it (the broker held it while
             # the record landed) is followed by one more, which the record, if acked in time, is in
             return got

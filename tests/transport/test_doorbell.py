@@ -271,3 +271,21 @@ async def test_a_server_that_keeps_replying_gets_plain_publishes(bell_env, redis
         await pub.close()
         await restricted.aclose()
         await redis.execute_command("ACL", "DELUSER", user)
+
+
+async def test_a_consumer_asleep_on_the_bell_stops_cleanly(bell_env):
+    """``consumer.stop()`` cancels the fetch task and awaits it: a fetch asleep on the bell
+    must end quietly, or the cancellation escapes ``stop()`` (and the runner's drain)."""
+    settings, topic, producer, redis = bell_env
+    bell = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=None,
+                                auto_offset_reset="earliest", fetch_max_wait_ms=1)
+    consumer.assign([TopicPartition(topic, 0)])
+    await consumer.start()
+    bell.attach(consumer, topic)
+    try:
+        await _until(lambda: bool(consumer._fetcher._pending_tasks), 30)  # a fetch is out, then asleep
+        await asyncio.sleep(0.3)
+        await asyncio.wait_for(consumer.stop(), 10)  # raised CancelledError before the fix
+    finally:
+        await bell.close()
