@@ -17,7 +17,8 @@ times, per size, the median of ``repeats`` pulls of each path and checks every b
   (bandwidth with one transfer's fixed costs overlapping the others' copies);
 - ``cuda-ipc get``: the agent opening the peer's IPC handle, device→device;
 - ``nixl-vram``: a raw NIXL READ of GPU memory the peer registered as VRAM (what UCX offers).
-On a CPU-only host only ``staging get`` (host pool to host pool) is measured. Frames between
+On a CPU-only host ``staging get`` (a NIXL READ, host pool to host pool) and ``host-shm get``
+(a copy out of this process's mapping of the peer's pool) are measured. Frames between
 the two processes are msgpack (msgspec), length-prefixed, on the peer's stdin/stdout.
 """
 
@@ -319,9 +320,12 @@ async def _probe_size(agent, hello: Hello, fresh: _Fresh, ref: TensorRef, size: 
         used = agent.stats()["shm_gets"] > before
         ok = used and bool(torch.equal(got[0], expect))
         note = "" if used else "pool not mapped: fell back to NIXL"
-        rows += [Row("shm-staging get (shared pinned pool->device)", size, n / t_shm / 1e9, ok, note),
-                 await _end_to_end(agent, hello, fresh, size, "shm-staging", expect, repeats, t_h2d),
-                 await _stream(agent, hello, fresh, size, "shm-staging", expect, repeats, t_h2d)]
+        if dev.type != "cuda":  # a CPU peer's pool, mapped here: one host copy
+            rows.append(Row("host-shm get (mapped pool)", size, n / t_shm / 1e9, ok, note))
+        else:
+            rows += [Row("shm-staging get (shared pinned pool->device)", size, n / t_shm / 1e9, ok, note),
+                     await _end_to_end(agent, hello, fresh, size, "shm-staging", expect, repeats, t_h2d),
+                     await _stream(agent, hello, fresh, size, "shm-staging", expect, repeats, t_h2d)]
     if ref.cuda_ipc is not None:
         before = agent.stats()["ipc_gets"]
 
