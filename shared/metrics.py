@@ -73,14 +73,16 @@ PREFILL_BATCH = Histogram("mmfleet_prefill_batch_sequences", "prompts computed b
 
 # ------------------------------------------------------------------------------- NIXL
 NIXL_BYTES = Counter("mmfleet_nixl_bytes_total",
-                     "tensor bytes: in = READ from a peer's pool over NIXL, out = leased in this pool "
-                     "for peers to read", ["direction"])
+                     "tensor bytes: in = pulled from a peer's pool (a NIXL READ, or a copy out of its "
+                     "mapped pool on this host), out = leased in this pool for peers to read", ["direction"])
 NIXL_CROSS_HOST_BYTES = Counter("mmfleet_nixl_cross_host_bytes_total",
                                 "tensor bytes READ over NIXL from a peer whose advertised host is not this "
                                 "process's (a subset of mmfleet_nixl_bytes_total{direction=in})", ["peer_host"])
 NIXL_POOL_USED = Gauge("mmfleet_nixl_pool_used_bytes",
                        "bytes of this process's NIXL pool in use (leased or staging); see pool_bytes")
-NIXL_TRANSFER = Histogram("mmfleet_nixl_transfer_seconds", "one NIXL READ of a peer's tensor, end to end",
+NIXL_TRANSFER = Histogram("mmfleet_nixl_transfer_seconds",
+                          "one pull of a peer's tensor, end to end (a NIXL READ, or a copy out of its pool "
+                          "mapped on this host)",
                           buckets=LATENCY_BUCKETS_S)
 
 # ------------------------------------------------------------------------------- media

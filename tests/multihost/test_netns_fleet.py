@@ -50,7 +50,10 @@ def _env(host: netns.Host, infra: netns.Host, model_dir) -> dict[str, str]:
         # each process binds (and so advertises) its own host's address: nothing says 127.0.0.1
         "MMFLEET_METRICS_HOST": host.addr, "MMFLEET_GATEWAY_HOST": infra.addr, "MMFLEET_GATEWAY_PORT": "8000",
         "MMFLEET_REQUEST_TIMEOUT_MS": str(TIMEOUT_MS), "MMFLEET_POOL_BYTES": str(64 << 20),
-        "MMFLEET_STAGE_LEASE_MS": "6000"})
+        "MMFLEET_STAGE_LEASE_MS": "6000",
+        # the namespaces share one kernel, host name and /proc, so a consumer could map its owner's
+        # pool (host-shm) as on one host; these "hosts" are about the network path: NIXL over TCP
+        "MMFLEET_TRANSFER_HOST_SHM": "false"})
     return env
 
 
