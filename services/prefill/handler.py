@@ -87,8 +87,6 @@ class PrefillHandler:
         if self._engine_cache is not None:
             return await self._handle_engine_cache(msg, ctx, total, media)
         lookup = self._prefix.lookup(msg, total) if self._prefix is not None else Lookup([], None, 0, 0)
-        if self._audit is not None:  # why this request did (not) reuse KV, beside the request
-            self._audit.prefilled(msg, ctx.worker_id, lookup.hit_blocks)
         with self._load.track(total - lookup.prefix_len):
             if lookup.prefix_kv is None:  # engines without prefix_kv take no such argument
                 out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling)
@@ -96,6 +94,10 @@ class PrefillHandler:
                 out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling,
                                                  prefix_kv=lookup.prefix_kv)
         await self._first_delta(ctx, meta, out)  # the client's first token before the cache bookkeeping
+        # why this request did (not) reuse KV, beside the request: written after the first token, as
+        # its Python on this loop would otherwise compete with the forward's thread for the GIL
+        if self._audit is not None:
+            self._audit.prefilled(msg, ctx.worker_id, lookup.hit_blocks)
         events = self._prefix.keep(lookup, out.kv, ctx.worker_id) if self._prefix is not None else []
         return await self._outcome(msg, ctx, out, lookup.prefix_len, events)
 
