@@ -79,13 +79,16 @@ class CudaIpcHandle(Struct, frozen=True):
 
 
 class HostShm(Struct, frozen=True):
-    """The owner's pinned pool as a file another process of the same host maps (a memfd under
-    ``/proc/<pid>/fd``), and the slot's offset in it (see :mod:`shared.transfer.host_shm`)."""
+    """The owner's pool as a file another process of the same host maps (a memfd under
+    ``/proc/<pid>/fd``), and the slot's offset in it (see :mod:`shared.transfer.host_shm`).
+    ``inode``: the memfd's, so a consumer that opens the path in another pid namespace (same host
+    name and kernel, another process behind that pid) does not map some other file."""
 
     host: str  # shared.device.host_id() of the owner
     path: str
     pool_bytes: int
     offset: int
+    inode: int = 0
 
 
 class TensorRef(Struct, frozen=True):

@@ -75,7 +75,8 @@ class SharedPool:
         self._path = f"/proc/{os.getpid()}/fd/{fd}"
 
     def ref(self, offset: int) -> HostShm:
-        return HostShm(host=host_id(), path=self._path, pool_bytes=self.tensor.numel(), offset=offset)
+        return HostShm(host=host_id(), path=self._path, pool_bytes=self.tensor.numel(), offset=offset,
+                       inode=self._map.inode)
 
     def close(self) -> None:
         self.tensor = None  # type: ignore[assignment]
@@ -143,6 +144,8 @@ class PeerPools:
         if m is None:
             fd = os.open(shm.path, os.O_RDWR | os.O_CLOEXEC)
             try:
+                if shm.inode and os.fstat(fd).st_ino != shm.inode:
+                    raise OSError(f"{shm.path} is not {owner}'s pool here (another pid namespace?)")
                 m = _Mapping(fd, shm.pool_bytes, self._pinned)
             except BaseException:
                 os.close(fd)

@@ -102,3 +102,22 @@ async def test_a_pool_closed_in_process_is_not_read_through_a_reused_fd() -> Non
     finally:
         await a.stop()
         await b.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_path_naming_another_file_is_not_mapped() -> None:
+    """The owner's /proc path opened where another process sits behind that pid (another pid
+    namespace, same host name): the file's inode is not the pool's, so NIXL carries the pull."""
+    async with owner_process([KIB4]) as (_owner, hello):
+        ref = hello.refs[0]
+        other = os.memfd_create("someone-else")
+        try:
+            os.ftruncate(other, ref.host_shm.pool_bytes)
+            elsewhere = msgspec.structs.replace(ref, host_shm=msgspec.structs.replace(
+                ref.host_shm, path=f"/proc/{os.getpid()}/fd/{other}"))
+            async with TransferAgent(uniq("consumer"), 1 << 20) as xa:
+                assert torch.equal(await xa.get(hello.agent, elsewhere), expected_tensor(KIB4, 0))
+                st = xa.stats()
+                assert st["shm_failures"] == 1 and st["shm_gets"] == 0 and st["transfers"] == 1
+        finally:
+            os.close(other)
