@@ -119,12 +119,11 @@ class DevicePaths:
             return None
         if not (ref.on_device and self.device.type == "cuda"):
             return self._pull_host(ref, dtype) if not ref.stamp else None
-        shm_ok = True
         # a leased slot stays the owner's until we release it, so the copy need not be waited
         # for here (``reads_done`` waits before the release); a lease-free ref (a pinned cache
         # slot) could go at any time: that copy is waited for
         sync = ref.lease == 0
-        if ref.cuda_ipc is not None and self.ipc and shm_ok and cuda_ipc.can_open(ref.cuda_ipc):
+        if ref.cuda_ipc is not None and self.ipc and cuda_ipc.can_open(ref.cuda_ipc):
             try:
                 if ref.stamp:  # a staged chunk proves the owner's device copy into its GPU pool is done
                     self._peer_pools.wait(ref.agent, ref.host_shm, ref.nbytes, ref.stamp, 1)
