@@ -10,8 +10,10 @@ page-locks its mapping and copies to its device. Consumers on another host take 
 so does any consumer whose open or mapping fails, or whose owner has exited (its fd is gone).
 
 Contracts: ``SharedPool(nbytes, pinned)`` owns the memfd, the mapping and the registration
-until ``close``. ``PeerPools(max_peers, pinned)`` keeps at most ``max_peers`` mappings (least
-recently used is unmapped first); ``copy_to(...)`` returns a new tensor on the device asked for
+until ``close``. ``PeerPools(max_peers)`` keeps at most ``max_peers`` mappings (least recently
+used is unmapped first), each page-locked only once a copy to a GPU reads it (locking a CPU
+owner's whole pool for host copies would commit all of its memory); ``copy_to(...)`` returns a
+new tensor on the device asked for
 (following a GPU owner's staging copy chunk by chunk) or raises ``OSError`` / ``RuntimeError``
 (callers fall back). Slot lifetimes are the leases' business, as with NIXL: a consumer reads a
 slot only while it holds the lease that names it.
@@ -49,9 +51,14 @@ class _Mapping:
         self.inode = os.fstat(fd).st_ino  # the pool's identity: a reused pid and fd number name another
         self.mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)  # page aligned: mmap
-        self.pinned = pinned
+        self.pinned = False
         if pinned:
+            self.pin()
+
+    def pin(self) -> None:
+        if not self.pinned:
             _register(self.tensor)
+            self.pinned = True
 
     def close(self) -> None:
         if self.pinned:
@@ -86,9 +93,8 @@ class SharedPool:
 class PeerPools:
     """A consumer's mappings of other processes' pools, LRU-bounded."""
 
-    def __init__(self, max_peers: int = 16, pinned: bool = True) -> None:
+    def __init__(self, max_peers: int = 16) -> None:
         self._max = max_peers
-        self._pinned = pinned  # page-lock each mapping (a GPU consumer copies from it to its device)
         self._maps: collections.OrderedDict[str, _Mapping] = collections.OrderedDict()
 
     @staticmethod
@@ -103,6 +109,8 @@ class PeerPools:
         return with the copy queued on the current stream (the caller must not let the slot
         go before it is done)."""
         m = self._mapping(owner, shm, slot_bytes(nbytes) if stamp else nbytes)
+        if device.type == "cuda":
+            m.pin()  # device copies from it run at pinned speed (and may be asynchronous)
         src = m.tensor[shm.offset: shm.offset + nbytes]
         out = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if not stamp:
@@ -146,7 +154,7 @@ class PeerPools:
             try:
                 if shm.inode and os.fstat(fd).st_ino != shm.inode:
                     raise OSError(f"{shm.path} is not {owner}'s pool here (another pid namespace?)")
-                m = _Mapping(fd, shm.pool_bytes, self._pinned)
+                m = _Mapping(fd, shm.pool_bytes, pinned=False)
             except BaseException:
                 os.close(fd)
                 raise

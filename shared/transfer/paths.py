@@ -85,7 +85,7 @@ class DevicePaths:
         gpu = device.type == "cuda"
         self.pool, self._shm = pool_buffer(pool_bytes, device, shared)
         self._stager = Stager(self.pool, device) if gpu else None
-        self._peer_pools = PeerPools(pinned=gpu) if self._shm is not None else None
+        self._peer_pools = PeerPools() if self._shm is not None else None
         # the GPU twin of the pool (same slot offsets), exported once: a put is a device copy
         # into it, and a consumer on this GPU keeps it open (no export or open per tensor)
         self._gpu_pool = torch.empty(pool_bytes, dtype=torch.uint8, device=device) if self.ipc else None
