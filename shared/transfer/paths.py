@@ -117,13 +117,14 @@ class DevicePaths:
         """The tensor by CUDA IPC or from the owner's shared pool; ``None``: use NIXL."""
         if not (self._peer_pools is not None and self._peer_pools.usable(ref.host_shm)):
             return None
-        if not (ref.on_device and self.device.type == "cuda"):
-            return self._pull_host(ref, dtype) if not ref.stamp else None
-        # a leased slot stays the owner's until we release it, so the copy need not be waited
-        # for here (``reads_done`` waits before the release); a lease-free ref (a pinned cache
-        # slot) could go at any time: that copy is waited for
-        sync = ref.lease == 0
-        if ref.cuda_ipc is not None and self.ipc and cuda_ipc.can_open(ref.cuda_ipc):
+        to_gpu = ref.on_device and self.device.type == "cuda"
+        if not to_gpu and ref.stamp:  # a GPU owner's copy into the slot may still run: NIXL reads its word
+            return None
+        # a host tensor is copied out at once; to a GPU, a leased slot stays the owner's until we
+        # release it, so the copy need not be waited for here (``reads_done`` waits before the
+        # release); a lease-free ref (a pinned cache slot) could go at any time: that copy is waited for
+        sync = not to_gpu or ref.lease == 0
+        if to_gpu and ref.cuda_ipc is not None and self.ipc and cuda_ipc.can_open(ref.cuda_ipc):
             try:
                 if ref.stamp:  # a staged chunk proves the owner's device copy into its GPU pool is done
                     self._peer_pools.wait(ref.agent, ref.host_shm, ref.nbytes, ref.stamp, 1)
@@ -134,26 +135,17 @@ class DevicePaths:
                 self._c["ipc_failures"] += 1
                 log.warning("%s: CUDA IPC from %s failed, trying the next path: %s", self.name, ref.agent, exc)
         try:
-            out = self._peer_pools.copy_to(ref.agent, ref.host_shm, ref.nbytes, self.device, ref.stamp,
+            out = self._peer_pools.copy_to(ref.agent, ref.host_shm, ref.nbytes,
+                                           self.device if to_gpu else torch.device("cpu"), ref.stamp,
                                            ref.chunk_bytes, sync=sync)
             self._c["shm_gets"] += 1
             return self._reading(ref, out.view(dtype).reshape(ref.shape), sync)
         except (OSError, RuntimeError) as exc:
             self._c["shm_failures"] += 1
-            log.warning("%s: pool of %s not mapped, pulling over NIXL: %s", self.name, ref.agent, exc)
+            # a host pull's usual failure is an owner that exited (the NIXL path reports it gone)
+            log.log(logging.WARNING if to_gpu else logging.DEBUG, "%s: pool of %s not mapped, pulling over NIXL: %s",
+                    self.name, ref.agent, exc)
         return None
-
-    def _pull_host(self, ref: TensorRef, dtype: torch.dtype) -> torch.Tensor | None:
-        """A host tensor copied out of the owner's mapped pool (the slot's bytes are all there:
-        no staging word), as a NIXL pull would return it."""
-        try:
-            out = self._peer_pools.copy_to(ref.agent, ref.host_shm, ref.nbytes, torch.device("cpu"))
-        except (OSError, RuntimeError) as exc:
-            self._c["shm_failures"] += 1
-            log.debug("%s: pool of %s not mapped, pulling over NIXL: %s", self.name, ref.agent, exc)
-            return None
-        self._c["shm_gets"] += 1
-        return out.view(dtype).reshape(ref.shape)
 
     def _reading(self, ref: TensorRef, out: torch.Tensor, sync: bool) -> torch.Tensor:
         """Remember the copy out of ``ref``'s slot still in flight (stream-ordered for the caller)."""

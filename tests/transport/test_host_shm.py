@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 
 import msgspec
 import pytest
@@ -17,11 +16,7 @@ import torch
 from shared.protocol import HostShm
 from shared.transfer import OwnerGoneError, TransferAgent
 from tests.transport.owner_proc import expected_tensor
-from tests.transport.test_nixl_transfer import KIB4, MIB4, owner_process
-
-
-def uniq(stage: str) -> str:
-    return f"{stage}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+from tests.transport.test_nixl_transfer import KIB4, MIB4, owner_process, uniq
 
 
 @pytest.mark.asyncio
