@@ -5,7 +5,8 @@ In: ``PrefillRequest`` (text-only requests come straight from the gateway with n
 Out: ``DecodeRequest`` on ``mm.decode``; releases encode's embedding slots once produced.
 The first token goes into the request's stream here, before the hand-off (``write_first_delta``:
 decode resumes after it), so TTFT does not wait for the decode hop and the KV pull, nor for the
-prefix cache keeping the prompt's blocks.
+prefix cache keeping the prompt's blocks; while its text is held back (part of a character, the
+start of a stop string) the next few tokens too, decoded here from the same KV.
 Needs an engine that exports KV (``capabilities.kv_export``): as a packed tensor put in this
 worker's pool, or (``capabilities.remote_kv``, vLLM) left in the engine with its descriptor in
 ``DecodeRequest.engine_kv``.
@@ -116,8 +117,13 @@ class PrefillHandler:
         return await self._outcome(msg, ctx, out, out.cached_tokens, events)
 
     async def _first_delta(self, ctx: Context, meta: protocol.RequestMeta, out: PrefillOutput) -> None:
+        more = None
+        if out.engine_kv is None:  # a first token without text yet: its next ones from the same KV (copied)
+            def more():
+                return self._engine.decode(meta.request_id, out.kv, out.rope_delta, out.prompt_len, out.first_token,
+                                           meta.sampling, prompt_ids=meta.prompt_token_ids)
         await write_first_delta(ctx.events, meta, out.first_token, tokenizer=self._engine.tokenizer,
-                                eos_token_ids=self._engine.eos_token_ids)
+                                eos_token_ids=self._engine.eos_token_ids, more=more)
 
     async def _outcome(self, msg: protocol.PrefillRequest, ctx: Context, out: PrefillOutput, cached_tokens: int,
                        events: list[Produce]) -> Outcome:

@@ -58,3 +58,58 @@ async def test_prefill_first_delta_then_decode_equals_decode_alone(model_dir, ca
     assert split.events["r"] == alone.events["r"]
     # a second prefill attempt finds delta 0 written and writes nothing
     assert not await write_first_delta(split, meta, first, tokenizer=tok, eos_token_ids=frozenset({EOS}))
+
+
+def _more(tokens):
+    """The engine's decode from prefill's KV, as ``more`` gets it: tokens 2.. of the completion."""
+    closed = []
+
+    def more():
+        async def gen():
+            try:
+                for t in tokens:
+                    yield t
+            finally:
+                closed.append(True)
+        return gen()
+    return more, closed
+
+
+@pytest.mark.parametrize("case", ["emoji", "emoji capped", "emoji then eos", "stop held back", "max_tokens 2", "plain"])
+async def test_prefill_writes_until_text_shows_then_decode_equals_decode_alone(model_dir, case):
+    """A first token whose text is held back (part of a character, the start of a stop string):
+    prefill appends the next tokens too until one shows text, and the log decode finishes is
+    the one decode alone writes."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok.encode(" 🙂 the sea is calm", add_special_tokens=False)  # the emoji: 3 byte tokens, text on the 3rd
+    assert tok.decode(ids[:1]).strip("\ufffd ") == "" and "🙂" in tok.decode(ids[:3])
+    kw, cap, expect_deltas = {"max_tokens": 16}, 8, 3
+    if case == "emoji capped":
+        cap, expect_deltas = 2, 2
+    elif case == "emoji then eos":
+        ids = ids[:1] + [EOS]
+        expect_deltas = 1  # the stop token is decode's to sample again: it ends the request
+    elif case == "stop held back":
+        ids = tok.encode(" the sea is calm", add_special_tokens=False)
+        kw["stop"] = (tok.decode(ids[:2]) + "zz",)  # held until the third token shows it is not one
+        expect_deltas = 3
+    elif case == "max_tokens 2":
+        kw["max_tokens"], expect_deltas = 2, 2
+    elif case == "plain":
+        ids = tok.encode(" the sea is calm", add_special_tokens=False)
+        expect_deltas = 1
+    first, rest = ids[0], ids[1:]
+    meta = _meta(**kw)
+    alone, split = ListSink(), ListSink()
+    await _decode(alone, meta, tok, first, rest)
+    more, closed = _more(rest)
+    assert await write_first_delta(split, meta, first, tokenizer=tok, eos_token_ids=frozenset({EOS}), more=more,
+                                   max_tokens=cap)
+    log = await read_log(split, "r")
+    assert log.deltas == expect_deltas
+    assert closed == ([True] if expect_deltas > 1 or case == "emoji then eos" else [])  # the engine's decode ends
+    if case in ("emoji", "stop held back"):
+        assert split.events["r"][-1].text  # the last one prefill wrote shows text
+        assert not any(e.text for e in split.events["r"][:-1])
+    await _decode(split, meta, tok, first, rest)
+    assert split.events["r"] == alone.events["r"]

@@ -171,6 +171,32 @@ async def test_stop_string_and_max_tokens(pipeline, compute):
     assert pipeline["sink"].events["cut"][-1].reason == "stop"
 
 
+async def test_first_text_held_back_is_written_by_prefill(pipeline, compute):
+    """A stop string the first tokens' text starts (never completed) holds that text back: prefill
+    (split) writes deltas until one shows text, decode resumes after them; the text is the same."""
+    prompt_ids = compute.render_prompt_ids([{"role": "user", "content": "Tell me about the sea."}])
+    await _run(pipeline, protocol.PrefillRequest(meta=_meta("full", prompt_ids, max_tokens=10)))
+    full = [e for e in pipeline["sink"].events["full"] if isinstance(e, protocol.TokenDelta)]
+    held = compute.tokenizer.decode([t for e in full[:2] for t in e.token_ids])
+    if not held or len(full) < 4:
+        pytest.skip("the random model's first tokens show no text to hold back")
+    stop = (held + "\x00zz",)  # starts like the first two tokens' text, never completes
+    prefill, pctx = pipeline["stages"]["prefill"]
+    meta = _meta("held", prompt_ids, max_tokens=10, stop=stop)
+    if isinstance(prefill, PrefillHandler):
+        out = await prefill.handle(protocol.PrefillRequest(meta=meta), pctx)
+        written = pipeline["sink"].events["held"]
+        assert len(written) >= 3 and not any(e.text for e in written[:2])
+        decode, dctx = pipeline["stages"]["decode"]
+        for owner, leases in (await decode.handle(out.produce[0].value, dctx)).releases:
+            await dctx.transfer.release(owner, leases)
+    else:
+        await _run(pipeline, protocol.PrefillRequest(meta=meta))
+    assert pipeline["sink"].text("held") == pipeline["sink"].text("full")
+    assert [e.token_ids for e in pipeline["sink"].events["held"] if isinstance(e, protocol.TokenDelta)] == \
+        [e.token_ids for e in full]
+
+
 async def test_seeded_sampling_is_reproducible(pipeline, compute):
     prompt_ids = compute.render_prompt_ids([{"role": "user", "content": "Sing."}])
     for rid in ("s1", "s2"):
