@@ -118,7 +118,7 @@ class PrefillHandler:
 
     async def _first_delta(self, ctx: Context, meta: protocol.RequestMeta, out: PrefillOutput) -> None:
         more = None
-        if out.engine_kv is None:  # a first token without text yet: its next ones from the same KV (copied)
+        if out.kv is not None:  # a packed KV: a first token without text yet gets its next ones from it (copied)
             def more():
                 return self._engine.decode(meta.request_id, out.kv, out.rope_delta, out.prompt_len, out.first_token,
                                            meta.sampling, prompt_ids=meta.prompt_token_ids)
