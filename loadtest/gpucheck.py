@@ -206,10 +206,14 @@ async def _parity(model_dir: Path, device: str, dtype: str, max_tokens: int) -> 
                              f"{len(got)} tokens {got[:6]}...; TTFT cold {ttfts[0] * 1e3:.1f} ms, "
                              f"warm median {statistics.median(ttfts[1:]) * 1e3:.1f} ms")
             after = {s: (await p.call(Stats())).stats for s, p in procs.items()}
-            n = {k: sum(after[s][c] - before[s][c] for s in procs) for k, c in _COUNTER.items()}
-            lines.append(f"  pulls by the stage processes: {n['cuda-ipc']} CUDA IPC, {n['shm']} shared pinned pool, "
-                         f"{n['nixl']} NIXL")
-            # pixels come from the driver (a CPU agent): those always go over NIXL
+            n = {k: sum(after[s][c] - before[s][c] for s in ("prefill", "decode")) for k, c in _COUNTER.items()}
+            px = {k: after["encode"][c] - before["encode"][c] for k, c in _COUNTER.items()}
+            lines.append(f"  pulls by prefill and decode: {n['cuda-ipc']} CUDA IPC, {n['shm']} shared pinned pool, "
+                         f"{n['nixl']} NIXL; the pixels (driver -> encode): {px['shm']} mapped host pool, "
+                         f"{px['nixl']} NIXL")
+            # the pixels come from the driver, a CPU agent: whatever path the stages are offered,
+            # they take the owner's mapped pool (host-shm) on one host, so only the stages' own
+            # tensors (embeddings, KV) show which path was named
             assert all((n[k] > 0) == (k == path) for k in ("cuda-ipc", "shm")), f"{path}: pulls {n}"
     finally:
         for p in procs.values():
