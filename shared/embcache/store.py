@@ -51,7 +51,8 @@ class EmbeddingStore:
         self.max_item_bytes = int(capacity_bytes * max_item_fraction)
         self._lru: collections.OrderedDict[str, Cached] = collections.OrderedDict()
         self._stuck: list[Cached] = []  # evicted, index delete failed: still pinned
-        self.bytes = 0
+        self.bytes = 0  # pinned: the LRU's items, victims being retired, stuck ones
+        self._lru_bytes = 0  # the LRU's items alone (what eviction can free), kept as they come and go
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -89,16 +90,19 @@ class EmbeddingStore:
         if n > self.max_item_bytes:
             return None
         await self._retry_stuck()
-        evictable = sum(c.ref.nbytes for c in self._lru.values())
-        if self.bytes - evictable + n > self.capacity_bytes:
+        # a running total, not a sum over the LRU: that took 0.13 ms an insert at 2000 items (a
+        # full 64 MiB cache of the tiny model's embeddings), 0.55 ms at 8000, on the encode loop
+        if self.bytes - self._lru_bytes + n > self.capacity_bytes:
             return None  # the bytes of failed evictions block it; never go over the bound
         victims, leaving = [], 0
         while self.bytes - leaving + n > self.capacity_bytes:
             victims.append(self._lru.popitem(last=False)[1])
             leaving += victims[-1].ref.nbytes
+        self._lru_bytes -= leaving
         self._agent.pin(ref)
         c = Cached(key, msgspec.structs.replace(ref, lease=0), grid_thw, n_tokens, secrets.randbits(62) + 1)
         self._lru[key] = c
+        self._lru_bytes += n
         self.bytes += n
         for v in victims:
             await self._retire(v)
@@ -125,7 +129,7 @@ class EmbeddingStore:
             self._agent.unpin(c.ref)
         self._lru.clear()
         self._stuck.clear()
-        self.bytes = 0
+        self.bytes = self._lru_bytes = 0
         self._gauge()
 
     async def _retire(self, c: Cached) -> None:

@@ -92,6 +92,55 @@ async def test_store_is_bounded_in_bytes_and_evicts_index_entry_before_the_slot(
     assert await index.lookup("k3") is None and a.stats()["pinned_slots"] == 0
 
 
+async def test_evictions_in_flight_or_stuck_keep_the_store_within_its_bytes(env) -> None:
+    """The bytes an eviction can free are the LRU's own: victims whose index delete is still on
+    its way (another insert runs meanwhile) or failed (Redis away: the slot stays pinned) stay
+    counted as pinned and are not freed twice, so an insert that cannot fit is refused, never
+    over the bound, and once the deletes succeed again the stuck slots are freed."""
+    _, _, index, (a, _, _) = env
+    store = EmbeddingStore(a, index, capacity_bytes=3 * 512, max_item_fraction=0.4)
+    real_delete, gate, failing = index.delete, asyncio.Event(), False
+
+    async def delete(key, gen):
+        await gate.wait()
+        return False if failing else await real_delete(key, gen)
+
+    def lru_bytes() -> int:
+        assert store._lru_bytes == sum(c.ref.nbytes for c in store._lru.values())
+        return store._lru_bytes
+
+    async def insert(key: str, i: int):
+        return await store.insert(key, a.put(emb(i)), (1, 4, 4), 4)
+
+    index.delete = delete
+    try:
+        for i in range(3):
+            assert await insert(f"k{i}", i) is not None
+        # two inserts at once while the deletes are held: the second finds the first's victim
+        # still pinned and evicts two more to stay within the bound
+        inserts = [asyncio.create_task(insert(f"n{i}", 10 + i)) for i in range(2)]
+        await asyncio.sleep(0.05)
+        assert len(store) == 2 and lru_bytes() == 2 * 512 and store.bytes == 5 * 512
+        gate.set()
+        assert all(c is not None for c in await asyncio.gather(*inserts))
+        assert store.bytes == 2 * 512 == lru_bytes()
+        # deletes fail (Redis away): victims stay pinned and counted
+        failing = True
+        assert await insert("m0", 20) is not None and store.bytes == 3 * 512  # fits, no eviction
+        assert await insert("m1", 21) is not None  # evicts n0: stuck
+        assert store.bytes == 4 * 512 and lru_bytes() == 3 * 512 and len(store._stuck) == 1
+        assert await insert("m2", 22) is not None  # evicts n1 and m0: stuck too
+        assert store.bytes == 5 * 512 and lru_bytes() == 2 * 512 and len(store._stuck) == 3
+        assert await insert("m3", 23) is None  # 3 stuck + 2 cached: the bound refuses it
+        assert store.bytes == 5 * 512
+        failing = False  # Redis back: the next insert retires the stuck ones first
+        assert await insert("m4", 24) is not None
+        assert store.bytes == 3 * 512 == lru_bytes() and not store._stuck and len(store) == 3
+    finally:
+        index.delete = real_delete
+        await store.close()
+
+
 async def test_forty_concurrent_requests_over_two_workers_encode_once(env) -> None:
     _, _, index, (a, b, _) = env
     (ca, _), (cb, _) = make_cache(index, a), make_cache(index, b)
