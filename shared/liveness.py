@@ -1,8 +1,8 @@
 """Liveness records in Redis: who serves what right now, and where to scrape it.
 
 A worker writes its ``WorkerInfo`` under ``keys.worker(id)`` with a TTL while every runner of
-it holds partitions, refreshing it every ``interval_s``; a gateway writes its ``GatewayInfo``
-(its URL) under ``keys.gateway(id)`` while it listens. A record is deleted on a clean stop,
+it holds partitions (at once when that changes, then every ``interval_s``); a gateway writes
+its ``GatewayInfo`` (its URL) under ``keys.gateway(id)`` while it listens. A record is deleted on a clean stop,
 and a crashed process's record expires after ``ttl_s``. Readers (the supervisor's readiness
 check, operators, tests finding every ``/metrics``) list them with :func:`live_workers` and
 :func:`live_gateways`.
@@ -24,19 +24,27 @@ log = logging.getLogger(__name__)
 
 
 async def keep_record(redis: aioredis.Redis, key: str, value: bytes, serving: Callable[[], bool], *,
-                      interval_s: float = 2.0, ttl_s: float = 6.0) -> None:
+                      interval_s: float = 2.0, ttl_s: float = 6.0, check_s: float = 0.1) -> None:
     """Hold ``key`` = ``value`` (TTL ``ttl_s``) while ``serving()``; run until cancelled; always
-    removes the record on the way out."""
+    removes the record on the way out. ``serving()`` is looked at every ``check_s`` and a change
+    is written at once (a worker shows up as soon as it holds partitions, not at the next
+    refresh, and drops out as soon as it loses them); Redis is written every ``interval_s``."""
+    loop = asyncio.get_running_loop()
+    written: bool | None = None  # the state last sent to Redis (None: nothing yet)
+    written_at = -float("inf")
     try:
         while True:
-            try:
-                if serving():
-                    await redis.set(key, value, px=int(ttl_s * 1000))
-                else:
-                    await redis.delete(key)
-            except (aioredis.RedisError, OSError) as exc:  # Redis restarting: keep trying
-                log.warning("could not refresh liveness record %s: %r", key, exc)
-            await asyncio.sleep(interval_s)
+            now_serving = serving()
+            if now_serving != written or loop.time() - written_at >= interval_s:
+                written, written_at = now_serving, loop.time()
+                try:
+                    if now_serving:
+                        await redis.set(key, value, px=int(ttl_s * 1000))
+                    else:
+                        await redis.delete(key)
+                except (aioredis.RedisError, OSError) as exc:  # Redis restarting: again after interval_s
+                    log.warning("could not refresh liveness record %s: %r", key, exc)
+            await asyncio.sleep(check_s)
     finally:
         try:
             await asyncio.shield(redis.delete(key))

@@ -1,0 +1,55 @@
+"""Liveness records against a real redis-server: a change of ``serving()`` reaches Redis at once,
+not at the next refresh (the supervisor's readiness and the autoscaler wait on it), a record
+lives on its TTL between refreshes, and a stopped holder leaves none behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared import settings as settings_mod
+from shared.liveness import keep_record
+from shared.redis_conn import make_redis
+
+LONG_INTERVAL_S = 60.0  # no refresh tick falls inside the test: what shows, the change wrote
+
+
+async def _until(check, timeout_s: float) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        if await check():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def test_a_change_of_serving_is_written_at_once_and_the_record_goes_with_its_holder(redis_url):
+    async def go():
+        redis = make_redis(settings_mod.from_env({}, redis_url=redis_url))
+        key = "liveness-test:worker:w1"
+        state = {"serving": False}
+        await redis.delete(key)
+        task = asyncio.create_task(keep_record(redis, key, b"info", lambda: state["serving"],
+                                               interval_s=LONG_INTERVAL_S, ttl_s=LONG_INTERVAL_S * 3))
+        try:
+            await asyncio.sleep(0.3)
+            assert await redis.get(key) is None  # not serving yet: no record
+            state["serving"] = True  # partitions assigned
+            assert await _until(lambda: redis.exists(key), 10), "record not written after serving began"
+            assert await redis.get(key) == b"info"
+            assert 0 < await redis.pttl(key) <= LONG_INTERVAL_S * 3 * 1000
+            state["serving"] = False  # partitions revoked
+            assert await _until(lambda: _absent(redis, key), 10), "record kept after serving ended"
+            state["serving"] = True
+            assert await _until(lambda: redis.exists(key), 10)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert await redis.get(key) is None  # a clean stop removes it
+        await redis.aclose()
+
+    asyncio.run(go())
+
+
+async def _absent(redis, key: str) -> bool:
+    return not await redis.exists(key)
