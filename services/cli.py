@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             print(settings_doc.markdown_table() if args.markdown else settings_doc.help_table())
         return 0
     logs.setup(settings, process=args.command)
+    if args.command in ("up", "worker", "gateway"):  # long-lived fleet processes: shared/gcpolicy.py
+        from shared import gcpolicy
+
+        gcpolicy.starting()
     if args.command == "up":
         from services.supervisor import run_up
 

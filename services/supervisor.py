@@ -36,6 +36,7 @@ import aiohttp
 
 from services.modes import MODES, check_engine, group_replicas, parse_replicas
 from services.stages import fleet_topics
+from shared import gcpolicy
 from shared import settings as settings_mod
 from shared.aio import wait_event
 from shared.bus import ensure_topics
@@ -384,6 +385,7 @@ async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_f
             except CannotStart as exc:
                 print(f"mmfleet up: cannot start: {exc}", file=sys.stderr)
                 return 2
+            gcpolicy.serving()
             if ready_file is not None:  # for scripts and tests: the whole fleet serves now
                 ready_file.write_text(f"http://{fleet.settings.gateway_host}:{fleet.settings.gateway_port}\n")
             if autoscale:  # services/autoscale.py: workers per stage group from lag and TTFT

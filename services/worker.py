@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 
 from services.modes import check_engine, entry_stages, normalise
 from services.stages import BY_NAME, SPECS
-from shared import hostaddr, logs, metrics, protocol
+from shared import gcpolicy, hostaddr, logs, metrics, protocol
 from shared.bus import make_producer
 from shared.device import resolve_placement
 from shared.doorbell import Doorbell
@@ -168,6 +168,7 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
             loop.add_signal_handler(sig, lambda: [c.stop() for c in consumers])
         log.info("worker %s running stages %s (engine %s, model %s, device %s, dtype %s)", worker_id, stages,
                  settings.engine, model_dir, placement.device, str(placement.dtype).removeprefix("torch."))
+        gcpolicy.serving()  # engines built: the collector back on, start-up's heap frozen
         tasks = [asyncio.create_task(c.run(), name=getattr(c, "stage", type(c).__name__)) for c in consumers]
         background = [asyncio.create_task(run()) for b in built.values() for run in b.background]
         info = protocol.WorkerInfo(worker_id=worker_id, stages=stages, pid=os.getpid(),

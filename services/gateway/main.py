@@ -17,7 +17,7 @@ import uuid
 from aiohttp import web
 
 from services.gateway.app import create_app
-from shared import hostaddr, logs, protocol
+from shared import gcpolicy, hostaddr, logs, protocol
 from shared.keys import RedisKeys
 from shared.liveness import keep_record
 from shared.models.registry import resolve_model_path
@@ -49,6 +49,7 @@ async def run_gateway(settings: Settings) -> int:
     port = runner.addresses[0][1]  # the bound one, when gateway_port is 0
     url = advertised_url(settings, port)
     log.info("gateway listening on %s (metrics on %s/metrics)", url, url)
+    gcpolicy.serving()  # the app started: the collector back on, start-up's heap frozen
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
