@@ -1,11 +1,11 @@
 """Liveness records in Redis: who serves what right now, and where to scrape it.
 
-A worker writes its ``WorkerInfo`` under ``keys.worker(id)`` with a TTL while every runner of
-it holds partitions (at once when that changes, then every ``interval_s``); a gateway writes
-its ``GatewayInfo`` (its URL) under ``keys.gateway(id)`` while it listens. A record is deleted on a clean stop,
-and a crashed process's record expires after ``ttl_s``. Readers (the supervisor's readiness
-check, operators, tests finding every ``/metrics``) list them with :func:`live_workers` and
-:func:`live_gateways`.
+A worker writes its ``WorkerInfo`` under ``keys.worker(id)`` with a TTL while every runner of it
+holds partitions (at once when that changes, then every ``interval_s``); a gateway writes its
+``GatewayInfo`` (its URL) under ``keys.gateway(id)`` while it listens. A record is deleted on a
+clean stop, and a crashed process's record expires after ``ttl_s``. Readers (the supervisor's
+readiness check, operators, tests finding every ``/metrics``) list them with
+:func:`live_workers` and :func:`live_gateways`.
 """
 
 from __future__ import annotations
