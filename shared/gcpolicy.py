@@ -20,7 +20,14 @@ import gc
 
 def starting() -> None:
     gc.disable()
-    atexit.register(gc.freeze)  # runs before the interpreter's final collection
+    freeze_at_exit()
+
+
+def freeze_at_exit() -> None:
+    """The heap frozen before the interpreter's final collection (atexit runs first), so that
+    collection does not scan it; the OS reclaims the memory. Also vLLM's engine-core process
+    (``shared/engines/vllm_process.py``)."""
+    atexit.register(gc.freeze)
 
 
 def serving() -> None:

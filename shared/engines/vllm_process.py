@@ -168,10 +168,9 @@ class EngineProcessExtension:
       the OS reclaims the memory."""
 
     def mmfleet_setup_engine_process(self) -> bool:
-        import atexit
-        import gc
+        from shared import gcpolicy
 
-        atexit.register(gc.freeze)
+        gcpolicy.freeze_at_exit()
         return arm_parent_watchdog()
 
 

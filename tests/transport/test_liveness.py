@@ -1,5 +1,5 @@
 """Liveness records against a real redis-server: a change of ``serving()`` reaches Redis at once,
-not at the next refresh (the supervisor's readiness and the autoscaler wait on it), a record
+not at the next refresh (the supervisor's readiness and the fleet view read it), a record
 lives on its TTL between refreshes, and a stopped holder leaves none behind."""
 
 from __future__ import annotations
