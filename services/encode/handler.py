@@ -28,9 +28,10 @@ Owned = tuple[protocol.AgentRef, protocol.EmbeddingItem]
 
 
 class EncodeHandler:
-    def __init__(self, engine: Engine, cache: EncodeCache | None = None) -> None:
+    def __init__(self, engine: Engine, cache: EncodeCache | None = None, router=None) -> None:
         self._engine = engine  # concurrent encode() calls are batched by the engine
         self._cache = cache
+        self._router = router  # shared.kv.router.Router: reads the routing table beside the encoder
 
     async def _encode(self, pixels, item: protocol.PixelItem):
         if item.kind.endswith("_embeds"):  # precomputed by the client (checked at the gateway): no encoder
@@ -39,6 +40,8 @@ class EncodeHandler:
 
     async def handle(self, msg: protocol.EncodeRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
+        if self._router is not None:  # the PrefillRequest's route, read while the items encode
+            self._router.read_ahead(msg.meta.request_id, msg.meta.prompt_token_ids, [*msg.items, *msg.cached])
         results = await asyncio.gather(*(self._item(msg, it, ctx) for it in msg.items), return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:

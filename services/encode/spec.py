@@ -31,7 +31,9 @@ async def build(parts: StageParts) -> StageBuild:
         cache = EncodeCache(store, parts.index, parts.transfer, parts.worker_id,
                             wait_ms=settings.embedding_coalesce_wait_ms)
         parts.stack.push_async_callback(cache.drain)  # runs before store.close
-    return StageBuild(EncodeHandler(await parts.engine("transformers"), cache))  # the vision encoder
+    # the PrefillRequest is routed where it goes to Kafka, i.e. unless this worker runs prefill too
+    router = None if "prefill" in parts.stages else parts.router
+    return StageBuild(EncodeHandler(await parts.engine("transformers"), cache, router=router))  # the vision encoder
 
 
 # only media-fetch feeds it: a worker running both hands items over in memory, never via mm.encode

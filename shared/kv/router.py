@@ -14,14 +14,21 @@ produce point. Contract:
 - No table (Redis empty or unreachable, no live worker yet): ``None``, i.e. Kafka's own key
   hashing. Routing never fails a request: after a rebalance the partition's new owner serves
   the record; only the cache hit is lost.
+- Read-ahead: a stage that knows a request's prompt and media before it produces the request
+  (encode, while its encoder runs) calls :meth:`Router.read_ahead`; the table is then read beside
+  that work and :meth:`Router.decide` uses what was read if it is at most ``READ_AHEAD_MAX_AGE_S``
+  old and for the same blocks, instead of a round trip at the produce point.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import random
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -41,6 +48,8 @@ ROUTING_DECISIONS = Counter("mmfleet_routing_decisions_total",
                             "no_table: no live prefill worker known; error: the table was unreadable)",
                             ["policy", "reason"])
 POLICIES = ("kv", "round_robin")
+READ_AHEAD_MAX_AGE_S = 0.25  # older: read again at the produce point (loads move within seconds)
+_READ_AHEAD_MAX = 256  # read-aheads kept at most (one per request in flight; the oldest go first)
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,8 @@ class Router:
         self._rng = rng or random.Random()
         self._turn = itertools.count()
         self._owner_ids: list[str] = []  # the workers the owners map named last time (see workers())
+        # request id -> (block hashes, when the read began, the read): see read_ahead()
+        self._ahead: OrderedDict[str, tuple[list[int], float, asyncio.Task]] = OrderedDict()
 
     async def route(self, msg: protocol.PrefillRequest) -> tuple[int | None, protocol.PrefillRequest]:
         """The partition to produce ``msg`` to (None: key hashing) and ``msg`` carrying the
@@ -103,10 +114,42 @@ class Router:
                                   t_ms=int(time.time() * 1000))
         return decision.partition, msgspec.structs.replace(msg, route=note)
 
+    def _hashes(self, prompt_ids: Sequence[int], items) -> list[int]:
+        return block_hashes(prompt_ids, items, placeholder_id=self._placeholder,
+                            block_size=self._block_size) if self.policy == "kv" else []
+
+    def read_ahead(self, request_id: str, prompt_ids: Sequence[int], items) -> None:
+        """Start reading the table for the ``PrefillRequest`` that ``request_id`` will produce
+        (``items``: its media, anything with ``index``, ``mm_hash`` and ``n_tokens``). Never raises;
+        a failed read is only a lost read-ahead."""
+        hashes = self._hashes(prompt_ids, items)
+        task = asyncio.create_task(self.workers(hashes), name="route-read-ahead")
+        task.add_done_callback(_consume_error)
+        old = self._ahead.pop(request_id, None)
+        if old is not None:
+            old[2].cancel()
+        self._ahead[request_id] = (hashes, time.monotonic(), task)
+        while len(self._ahead) > _READ_AHEAD_MAX:
+            self._ahead.popitem(last=False)[1][2].cancel()
+
+    async def _read_ahead_result(self, request_id: str, hashes: list[int]) -> list[WorkerView] | None:
+        ahead = self._ahead.pop(request_id, None)
+        if ahead is None:
+            return None
+        read_hashes, began, task = ahead
+        if read_hashes != hashes or time.monotonic() - began > READ_AHEAD_MAX_AGE_S:
+            task.cancel()
+            return None
+        try:  # (only an eviction cancels a read-ahead, and that removed it from _ahead)
+            return await task
+        except (aioredis.RedisError, OSError):
+            return None  # read again, now
+
     async def decide(self, msg: protocol.PrefillRequest) -> Decision:
-        hashes = block_hashes(msg.meta.prompt_token_ids, msg.items, placeholder_id=self._placeholder,
-                              block_size=self._block_size) if self.policy == "kv" else []
-        workers = await self.workers(hashes)
+        hashes = self._hashes(msg.meta.prompt_token_ids, msg.items)
+        workers = await self._read_ahead_result(msg.meta.request_id, hashes)
+        if workers is None:
+            workers = await self.workers(hashes)
         if not workers:
             return Decision(None, None, "no_table")
         if self.policy == "round_robin":
@@ -167,3 +210,10 @@ class Router:
             out.append(WorkerView(wid, parts, int(load.get(b"inflight", 0)), int(load.get(b"queued_tokens", 0)),
                                   overlap, held=int(replies[i * step + 1]) if held else 0))
         return out
+
+
+def _consume_error(task: asyncio.Task) -> None:
+    """A read-ahead nobody awaits (its request failed before producing) must not log
+    "exception never retrieved"."""
+    if not task.cancelled():
+        task.exception()

@@ -236,3 +236,66 @@ async def test_a_change_of_load_writes_the_load_alone_and_the_interval_writes_ev
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert not await t["redis"].exists(t["keys"].kv_load("w9"))  # withdrawn on the way out
+
+
+async def test_a_read_ahead_moves_the_round_trip_off_the_produce_point(table, monkeypatch):
+    """encode reads the table while its encoder runs: the decision at the produce point then
+    makes no round trip and is the one a read made there would give. A read-ahead for other
+    blocks, or older than READ_AHEAD_MAX_AGE_S, is not used (the table is read again)."""
+    t, r = table, router(table)
+    prompt = list(range(700, 720))  # 5 blocks, 3 of them held by w2
+    await stored(t, "w2", block_hashes(prompt, [], placeholder_id=PH, block_size=BLOCK)[:3])
+    await r.decide(request(prompt))  # learns who owns what
+    sent = count_round_trips(monkeypatch, t["redis"])
+    msg = request(prompt)
+    r.read_ahead(msg.meta.request_id, msg.meta.prompt_token_ids, msg.items)
+    await asyncio.sleep(0.05)  # the encoder's time: the read is back by the produce point
+    assert len(sent) == 1
+    sent.clear()
+    d = await r.decide(msg)
+    assert sent == [] and (d.worker_id, d.overlap, d.reason) == ("w2", 3, "kv_hit")
+    # the read-ahead is used once: a second decision for the same request reads again
+    assert (await r.decide(msg)).worker_id == "w2" and len(sent) == 1
+    sent.clear()
+    # read ahead for other blocks (the request's items changed): read again at the produce point
+    other = request(list(range(800, 820)))
+    r.read_ahead(other.meta.request_id, prompt, ())
+    d = await r.decide(other)
+    assert d.overlap == 0 and sent, sent  # other's own blocks (the read-ahead's would overlap w2's 3)
+    sent.clear()
+    # too old: read again
+    monkeypatch.setattr("shared.kv.router.READ_AHEAD_MAX_AGE_S", 0.01)
+    msg = request(prompt)
+    r.read_ahead(msg.meta.request_id, msg.meta.prompt_token_ids, msg.items)
+    await asyncio.sleep(0.05)
+    sent.clear()
+    assert (await r.decide(msg)).worker_id == "w2" and len(sent) == 1
+
+
+async def test_read_aheads_that_are_never_used_are_bounded(table, monkeypatch):
+    """Requests that fail before producing leave their read-ahead behind: at most
+    _READ_AHEAD_MAX are kept (the oldest go), and none of them logs an unretrieved error."""
+    r = router(table)
+    monkeypatch.setattr("shared.kv.router._READ_AHEAD_MAX", 4)
+    for i in range(10):
+        r.read_ahead(f"gone-{i}", [1, 2, 3, 4, 5], ())
+    assert list(r._ahead) == [f"gone-{i}" for i in range(6, 10)]
+    await asyncio.sleep(0.05)
+
+
+async def test_a_read_ahead_that_failed_is_read_again(redis_url):
+    """Redis away during the read-ahead and back for the decision: the decision reads again."""
+    s = Settings(redis_url=redis_url, redis_prefix=f"kv{uuid.uuid4().hex[:8]}", kv_block_size=BLOCK)
+    gone = aioredis.from_url("redis://127.0.0.1:1", socket_connect_timeout=0.2)
+    r = Router(gone, RedisKeys(s.redis_prefix), s, PH)
+    msg = request([1, 2, 3, 4, 5])
+    r.read_ahead(msg.meta.request_id, msg.meta.prompt_token_ids, msg.items)
+    await asyncio.sleep(0.3)
+    live = aioredis.from_url(redis_url)
+    try:
+        r._redis = live
+        d = await r.decide(msg)
+        assert (d.worker_id, d.reason) == (None, "no_table")  # read, found nothing: no error
+    finally:
+        await live.aclose()
+        await gone.aclose()

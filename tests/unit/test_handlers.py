@@ -22,7 +22,8 @@ from shared import protocol
 from shared.compute import ComputeLane
 from shared.engines.qwen2_vl import ImagePreprocessor
 from shared.engines.transformers_engine import TransformersEngine
-from shared.keys import TOPIC_DECODE, TOPIC_ENCODE, TOPIC_PREFILL
+from shared.keys import TOPIC_DECODE, TOPIC_ENCODE, TOPIC_PREFILL, RedisKeys
+from shared.kv.router import Router
 from shared.media.fetch import MediaFetcher
 from shared.models.reference import reference_generate
 from shared.settings import Settings
@@ -308,6 +309,41 @@ async def test_encode_passes_index_hits_on_in_prompt_order(pipeline, compute):
     assert out.value.items[0] == hit and out.value.items[2] == later
     assert {o.name for o in out.value.owners} == {"enc-peer", "encode"}
     for owner, leases in outcome.releases:  # media-fetch's pixels, as the runner would
+        await enc_ctx.transfer.release(owner, leases)
+    enc_ctx.transfer.free_local(out.value.items[1].embeds.lease)
+
+
+async def test_encode_reads_the_route_ahead_for_the_blocks_it_produces(pipeline, compute):
+    """encode starts the routing-table read for its PrefillRequest before the encoder runs, with
+    what gives exactly that request's block hashes (its fresh and cached items), so the decision
+    at the produce point uses it instead of a round trip of its own."""
+    mf, mf_ctx = pipeline["stages"]["media-fetch"]
+    enc, enc_ctx = pipeline["stages"]["encode"]
+    ph = compute.placeholder_token_id
+    prompt = [5, ph, 6, 7, ph, *range(20, 40)]
+    msg = protocol.MediaFetchRequest(meta=_meta("ahead", prompt), items=_inline(pipeline, [_png(4)]),
+                                     owner=pipeline["gateway"].transfer.ref())
+    (produced,) = (await mf.handle(msg, mf_ctx)).produce
+    fresh = msgspec.structs.replace(produced.value.items[0], index=1)
+    hit = protocol.EmbeddingItem(index=0, mm_hash="h0", grid_thw=fresh.grid_thw, n_tokens=fresh.n_tokens,
+                                 embeds=protocol.TensorRef(agent="enc-peer", addr=0, nbytes=4, device_id=0, lease=0,
+                                                           dtype="float32", shape=(1,)), cache_key="k0")
+    req = msgspec.structs.replace(produced.value, items=(fresh,), cached=(hit,),
+                                  cached_owners=(protocol.AgentRef(name="enc-peer", metadata=b""),))
+    seen = []
+
+    class Recording(Router):
+        def read_ahead(self, request_id, prompt_ids, items):
+            seen.append((request_id, enc_engine.encode_stats[1], self._hashes(prompt_ids, items)))
+
+    router = Recording(None, RedisKeys("t"), Settings(kv_block_size=4), ph)
+    enc_engine = pipeline["engine"]
+    items_before = enc_engine.encode_stats[1]
+    outcome = await EncodeHandler(enc_engine, router=router).handle(req, enc_ctx)
+    (out,) = outcome.produce
+    want = router._hashes(out.value.meta.prompt_token_ids, out.value.items)
+    assert len(want) > 3 and seen == [("ahead", items_before, want)]  # before the encoder, the same blocks
+    for owner, leases in outcome.releases:
         await enc_ctx.transfer.release(owner, leases)
     enc_ctx.transfer.free_local(out.value.items[1].embeds.lease)
 
