@@ -34,7 +34,8 @@ class MemoryTransfer:
                                   device_id=0, lease=lease, dtype=str(tensor.dtype).removeprefix("torch."),
                                   shape=tuple(tensor.shape))
 
-    async def put_wait(self, tensor: torch.Tensor, timeout_ms: float) -> protocol.TensorRef:
+    async def put_wait(self, tensor: torch.Tensor, timeout_ms: float, *, keep_source: bool = False
+                       ) -> protocol.TensorRef:
         return self.put(tensor)
 
     async def get(self, owner: protocol.AgentRef, ref: protocol.TensorRef) -> torch.Tensor:

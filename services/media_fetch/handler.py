@@ -63,8 +63,12 @@ class MediaFetchHandler:
     def __init__(self, settings: Settings, fetcher: MediaFetcher, preprocess: Preprocess | None, lane: ComputeLane, *,
                  preprocess_video: Preprocess | None = None, preprocess_audio: Preprocess | None = None,
                  embeds_hidden_size: int = 0, index: EmbeddingIndex | None = None, fingerprint: str = "",
-                 index_shortcut_kinds: frozenset[str] = frozenset({"image", "video"})) -> None:
+                 index_shortcut_kinds: frozenset[str] = frozenset({"image", "video"}),
+                 encode_here: bool = False) -> None:
         self._s = settings
+        # encode runs in this process (its message handed over in memory): it may read the
+        # pixels put here as they are, without copying them out of the pool
+        self._encode_here = encode_here
         # kinds whose whole geometry an index entry holds: a request of only such items, all
         # cached, skips encode (Qwen2.5-VL's video time step is not in the entry: not its videos)
         self._shortcut_kinds = index_shortcut_kinds
@@ -119,7 +123,8 @@ class MediaFetchHandler:
                 _, decode = self._kind(src)
                 px = await self._lane.run(decode, raw, src)
                 with timed_transfer():
-                    ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000)
+                    ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000,
+                                                      keep_source=self._encode_here)
                 items.append(protocol.PixelItem(index=index, mm_hash=hashes[index], grid_thw=px.grid_thw,
                                                 n_tokens=px.n_tokens, pixels=ref, cache_key=keys[index],
                                                 kind=src.kind, meta=tuple(getattr(px, "meta", ())),

@@ -72,7 +72,8 @@ async def build(parts: StageParts) -> StageBuild:
                                         # Qwen2.5-VL's video time step is not in an index entry
                                         index_shortcut_kinds=frozenset({"image"})
                                         if family_of(model_dir).name == "qwen2_5_vl"
-                                        else frozenset({"image", "video"})))
+                                        else frozenset({"image", "video"}),
+                                        encode_here="encode" in parts.stages))
 
 
 SPEC = StageSpec(name="media-fetch", topic=TOPIC_MEDIA_FETCH, message=protocol.MediaFetchRequest,

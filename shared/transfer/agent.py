@@ -13,7 +13,9 @@ Contracts:
   A ref with ``lease == 0`` names a pinned slot without holding it: a local ``get`` of it
   checks the pin; a remote reader must validate it some other way (the embedding index).
 - ``get`` pulls a peer's slot into a private staging slot of this pool (one-sided READ), then
-  copies it into a NEW tensor the caller owns.
+  copies it into a NEW tensor the caller owns. Exception: a CPU tensor put with
+  ``keep_source=True`` (nobody writes it again) is handed as it is to this process's own
+  ``get`` of that slot, no copy, while the slot is held.
 - GPUs (:class:`~shared.transfer.paths.DevicePaths`): the pool is pinned host memory; ``put``
   of a CUDA tensor starts its device→pinned copy without waiting (consumers wait on the slot's
   staging word, :mod:`shared.transfer.staging`) and, with ``cuda_ipc``, copies it into the
@@ -127,6 +129,7 @@ class TransferAgent:
         self._progress = Progress(name, self._poll, self._busy, fast_s=fast_poll_ms / 1000.0,
                                   idle_s=idle_poll_ms / 1000.0)
         self._quarantine: set[int] = set()  # staging offsets NIXL may still write
+        self._sources: dict[int, torch.Tensor] = {}  # slot -> the bytes put with keep_source
         self._closed = False
 
     # ------------------------------------------------------------ lifecycle
@@ -170,11 +173,17 @@ class TransferAgent:
             raise self._full(_slot_bytes(src))
         return self._lease(off, src, dtype_name, tuple(tensor.shape))
 
-    async def put_wait(self, tensor: torch.Tensor, timeout_ms: float) -> TensorRef:
-        """``put``, waiting up to ``timeout_ms`` for room; then raises :class:`PoolFullError`."""
+    async def put_wait(self, tensor: torch.Tensor, timeout_ms: float, *, keep_source: bool = False) -> TensorRef:
+        """``put``, waiting up to ``timeout_ms`` for room; then raises :class:`PoolFullError`.
+        ``keep_source``: the caller will not write ``tensor`` again, and a local ``get`` of the
+        slot may return it instead of a copy (a stage handing its output to a stage of this
+        process: a copy of the slot, and its fresh pages, saved per get)."""
         src, dtype_name = as_bytes(tensor)
         off = await self._alloc_wait(_slot_bytes(src), time.monotonic() + timeout_ms / 1000.0)
-        return self._lease(off, src, dtype_name, tuple(tensor.shape))
+        ref = self._lease(off, src, dtype_name, tuple(tensor.shape))
+        if keep_source and not src.is_cuda:
+            self._sources[off] = src
+        return ref
 
     def free_local(self, lease: int) -> bool:
         """End a lease held by this agent; returns False if it was unknown/expired."""
@@ -345,7 +354,9 @@ class TransferAgent:
         if not held:
             raise OwnerGoneError(f"{self.name}: local lease {ref.lease} expired or unknown (or unpinned)")
         self._c["local_gets"] += 1
-        return self._dev.from_pool(off, ref, local=True).view(dtype).reshape(ref.shape)
+        src = self._sources.get(off)  # put with keep_source: read-only on both sides
+        out = src if src is not None else self._dev.from_pool(off, ref, local=True)
+        return out.view(dtype).reshape(ref.shape)
 
     async def _alloc_wait(self, nbytes: int, deadline: float) -> int:
         if self._alloc.reserved_size(nbytes) > self.pool_bytes:
@@ -366,6 +377,7 @@ class TransferAgent:
         )
 
     def _free_slot(self, off: int) -> None:
+        self._sources.pop(off, None)
         self._alloc.free(off)
         self._dev.drop(off)
         ev, self._space_event = self._space_event, None

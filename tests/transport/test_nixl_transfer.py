@@ -236,6 +236,33 @@ async def test_local_get_put_wait_and_pool_full() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_local_get_of_a_kept_source_is_the_put_tensor_itself() -> None:
+    """``put_wait(keep_source=True)``: this process's get of the slot is the tensor put (no copy
+    out of the pool, e.g. pixels media-fetch hands to encode in the same worker); the pool still
+    holds the bytes for other readers; once the slot is freed the tensor is let go, and a slot
+    reused by a plain put is copied out as before. Without keep_source a get is a copy."""
+    async with TransferAgent(uniq("keep"), 1 << 20, lease_ttl_ms=60_000) as xa:
+        pixels = torch.randn(6, 1176)
+        kept = await xa.put_wait(pixels, timeout_ms=1000, keep_source=True)
+        out = await xa.get(xa.ref(), kept)
+        assert out.data_ptr() == pixels.data_ptr() and torch.equal(out, pixels) and out.shape == (6, 1176)
+        off = kept.addr - xa._base
+        assert torch.equal(xa._tbuf[off: off + kept.nbytes].view(torch.float32).reshape(6, 1176), pixels)
+        plain = await xa.put_wait(pixels, timeout_ms=1000)
+        assert (await xa.get(xa.ref(), plain)).data_ptr() != pixels.data_ptr()
+        assert xa.free_local(kept.lease) and xa.free_local(plain.lease)
+        assert xa._sources == {}  # nothing kept alive past its slot
+        again = await xa.put_wait(torch.ones(6, 1176), timeout_ms=1000)  # the first slot, reused
+        assert again.addr == kept.addr
+        assert torch.equal(await xa.get(xa.ref(), again), torch.ones(6, 1176))
+        expiring = await xa.put_wait(pixels, timeout_ms=1000, keep_source=True)
+        xa._expire(time.monotonic() + 120)  # its lease's TTL passes
+        assert xa._sources == {} and xa.stats()["leases_outstanding"] == 0
+        with pytest.raises(OwnerGoneError):
+            await xa.get(xa.ref(), expiring)
+
+
+@pytest.mark.asyncio
 async def test_pinned_slot_outlives_releases_and_is_freed_after_unpin() -> None:
     """A cache pins a slot: consumers' leases (``share``) end without freeing it, a ``lease == 0``
     ref reads it locally while pinned, and unpinning frees it once no lease is left."""
