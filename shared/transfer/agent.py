@@ -219,7 +219,8 @@ class TransferAgent:
     ) -> torch.Tensor:
         """Pull ``ref`` into a new caller-owned CPU tensor (``ref.dtype`` / ``ref.shape``).
 
-        Local refs are copied without NIXL. Raises :class:`OwnerGoneError` if the owner
+        Local refs are copied without NIXL (a slot put with ``keep_source``: that very tensor,
+        read-only). Raises :class:`OwnerGoneError` if the owner
         cannot serve it within ``timeout_ms`` (default ``xfer_timeout_ms``), and
         :class:`PoolFullError` if no staging slot frees up in time."""
         dtype = check_ref(ref)
