@@ -151,25 +151,50 @@ async def routed(router, p: Produce) -> tuple[int | None, object]:
     return p.partition, p.value
 
 
+# A ring carries a copy of a stage record up to this size (a prompt of ~10k tokens); a bigger
+# record rings bare and its stage starts when Kafka delivers it.
+CARRY_MAX_BYTES = 64 * 1024
+
+
+def _carried(producer: AIOKafkaProducer, topic: str, partition: int | None, key: bytes, value: bytes,
+             sent_unix_ms: int) -> bytes:
+    """The ring payload for a record just queued (``protocol.CarriedRecord``), or b"" when it is
+    too big or its partition is not known yet (the producer's own choice for a keyed record)."""
+    if len(value) > CARRY_MAX_BYTES:
+        return b""
+    if partition is None:
+        try:  # aiokafka 0.14: the partitioner call send() just made, with the metadata it loaded
+            partition = producer._partition(topic, None, None, None, key, value)
+        except Exception:  # noqa: BLE001 - no metadata: the ring goes bare
+            return b""
+    return protocol.encode(protocol.CarriedRecord(partition=partition, sent_unix_ms=sent_unix_ms, value=value))
+
+
 async def produce_all(producer: AIOKafkaProducer, produces: list[Produce], *, deadline_unix_ms: int, router=None,
-                      doorbell=None) -> None:
+                      doorbell=None, carry: bool = False) -> None:
     """Send every record at once (to the partition :func:`routed` picks) and wait for
     every broker ack (:func:`send_retrying` until ``deadline_unix_ms``). ``doorbell`` is rung
-    for the topics as the records go out, and again when an ack came late or a record was not
-    even queued at first (see :mod:`shared.doorbell`)."""
-    sent_at = time.monotonic()
-    sends = []
+    for each record as it goes out, the ring carrying a copy of a stage record (one with a
+    ``meta``) when ``carry``; and again, bare, when an ack came late or a record was not even
+    queued at first (see :mod:`shared.doorbell`, :mod:`shared.early`)."""
+    sent_at, sent_unix_ms = time.monotonic(), int(time.time() * 1000)
+    sends, rings = [], {}
     for p in produces:
         partition, value = await routed(router, p)
+        stage_record = hasattr(value, "meta")
         value, key = protocol.encode(value), p.key.encode()
         try:
             fut = await producer.send(p.topic, value, key=key, partition=partition)
         except KafkaError:
             fut = None  # not even queued (e.g. no metadata for the topic yet): retried below
         sends.append((p.topic, value, key, partition, fut))
-    if doorbell is not None:  # on their way: the next stage fetches while the broker acks
-        for topic in {topic for topic, *_, fut in sends if fut is not None}:
-            doorbell.ring(topic)
+        if fut is not None and doorbell is not None:
+            payload = _carried(producer, p.topic, partition, key, value, sent_unix_ms) \
+                if carry and stage_record else b""
+            rings.setdefault(p.topic, []).append(payload)
+    for topic, payloads in rings.items():  # on their way: the next stage fetches while the broker acks
+        for payload in [x for x in payloads if x] or [b""]:  # one ring per topic unless records ride on it
+            doorbell.ring(topic, payload)
     for topic, value, key, partition, fut in sends:
         await send_retrying(producer, topic, value, key, deadline_unix_ms=deadline_unix_ms, first_try=fut,
                             partition=partition)
@@ -179,7 +204,8 @@ async def produce_all(producer: AIOKafkaProducer, produces: list[Produce], *, de
 
 
 async def produce_entry(producer: AIOKafkaProducer, entry: Produce, *, deadline_unix_ms: int, router=None,
-                        doorbell=None) -> None:
+                        doorbell=None, carry: bool = False) -> None:
     """Produce a request's entry message (``shared.stage.entry_message``: from the gateway, or
     again after a broker restart) routed like every other record: :func:`produce_all`."""
-    await produce_all(producer, [entry], deadline_unix_ms=deadline_unix_ms, router=router, doorbell=doorbell)
+    await produce_all(producer, [entry], deadline_unix_ms=deadline_unix_ms, router=router, doorbell=doorbell,
+                      carry=carry)

@@ -114,6 +114,15 @@ class ConsumeLoop:
         self._lag_partitions: set[int] = set()
         self.processed = 0  # records finished, for stats and tests
         self.assigned = asyncio.Event()  # set while the group gives this consumer partitions
+        self.on_revoked: Callable[[set[int]], None] | None = None  # partitions taken away (before they go)
+
+    def owns(self, partition: int) -> bool:
+        """Whether this consumer has ``partition`` of its topic and is not pausing it."""
+        return not self._paused and any(tp.partition == partition for tp in self._consumer.assignment())
+
+    def free(self) -> int:
+        """Records it may still take on under ``concurrency``."""
+        return self._concurrency - len(self._tasks)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -289,6 +298,8 @@ class _Rebalance(ConsumerRebalanceListener):
         self._also = also  # the consumer's own listener (prefill: partition ownership for routing)
 
     async def on_partitions_revoked(self, revoked) -> None:
+        if self._loop.on_revoked is not None:
+            self._loop.on_revoked({tp.partition for tp in revoked})
         await self._loop._commit()
         for tp in revoked:
             self._loop._trackers.pop(tp, None)

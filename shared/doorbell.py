@@ -14,6 +14,9 @@ Contract:
   longer than ``Doorbell.late`` allows; it never raises and never blocks the caller. Rings
   are written on a connection of their own with replies off (:class:`_RingWire`): a ring is
   one socket write, not a pooled command whose reply is parsed.
+- A ring may carry a copy of the stage record produced with it (``ring(topic, carried)``,
+  a ``protocol.CarriedRecord``); ``on_carried(topic, callback)`` hands those to the topic's
+  runner, which may start the work early (``shared.early``). A ring is heard as a ring either way.
 - ``Doorbell.attach(consumer, topic)`` is called after ``consumer.start()``: it wraps the
   consumer's fetcher so that an empty fetch waits for the doorbell (the ring counter is read
   before the fetch is sent, so a ring landing during the fetch is never missed), except for
@@ -57,6 +60,7 @@ class _Bell:
         self.event = asyncio.Event()
         self.expect_s = expect_s
         self.expect_until = 0.0  # time.monotonic(): till then an empty fetch is repeated at once
+        self.on_carried = None  # callback(bytes) for a ring's carried record (shared.early)
 
     def ring(self) -> None:
         self.rings += 1
@@ -82,17 +86,17 @@ class _RingWire:
     def __init__(self, redis) -> None:
         self._redis = redis
         self._conn = None
-        self._queue: list[str] = []
+        self._queue: list[tuple[str, bytes]] = []  # (channel, payload)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._check_at = 0.0
         self.pooled = False  # replies could not be turned off: rings are plain PUBLISH commands
         self.sent = 0
 
-    def send(self, channel: str) -> None:
+    def send(self, channel: str, payload: bytes = b"") -> None:
         if len(self._queue) >= _MAX_PENDING_RINGS:
             return
-        self._queue.append(channel)
+        self._queue.append((channel, payload))
         self._wake.set()
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="doorbell-rings")
@@ -101,20 +105,20 @@ class _RingWire:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            channels, self._queue = self._queue, []
+            rings, self._queue = self._queue, []
             try:
                 if self.pooled:
-                    for channel in channels:
-                        await self._redis.publish(channel, b"")
+                    for channel, payload in rings:
+                        await self._redis.publish(channel, payload)
                 else:
-                    await self._write(channels)
-                self.sent += len(channels)
+                    await self._write(rings)
+                self.sent += len(rings)
             except Exception as exc:  # noqa: BLE001 - a ring is a hint; the idle interval covers its loss
-                log.debug("doorbell rings %s lost: %r", channels, exc)
+                log.debug("doorbell rings %s lost: %r", [c for c, _ in rings], exc)
                 await self._drop()
                 await asyncio.sleep(_RECONNECT_S)  # Redis away: not a connect attempt per ring
 
-    async def _write(self, channels: list[str]) -> None:
+    async def _write(self, rings: list[tuple[str, bytes]]) -> None:
         loop = asyncio.get_running_loop()
         if self._conn is None:
             pool = self._redis.connection_pool
@@ -124,7 +128,7 @@ class _RingWire:
                                                                ("CLIENT", "SETNAME", RING_CLIENT_NAME)]),
                                            check_health=False)
             self._conn, self._check_at = conn, loop.time() + _FIRST_REPLY_CHECK_S
-        await self._conn.send_packed_command(self._conn.pack_commands([("PUBLISH", c, b"") for c in channels]),
+        await self._conn.send_packed_command(self._conn.pack_commands([("PUBLISH", c, p) for c, p in rings]),
                                              check_health=False)
         if loop.time() >= self._check_at:
             self._check_at = loop.time() + _REPLY_CHECK_S
@@ -176,14 +180,20 @@ class Doorbell:
         return time.monotonic() - sent_monotonic > self._expect_s / 2
 
     # ------------------------------------------------------------------ publisher
-    def ring(self, topic: str) -> None:
-        self._wire.send(self.channel(topic))
+    def ring(self, topic: str, carried: bytes = b"") -> None:
+        """``carried``: an encoded ``protocol.CarriedRecord`` of the record just sent, or nothing."""
+        self._wire.send(self.channel(topic), carried)
 
     @property
     def rings_sent(self) -> int:  # for tests and stats
         return self._wire.sent
 
     # ------------------------------------------------------------------ subscriber
+    def on_carried(self, topic: str, callback) -> None:
+        """Hand the records rings on ``topic`` carry to ``callback(payload: bytes)`` (called on the
+        listener's task: it must not block); :meth:`attach` is still what makes a ring a wake-up."""
+        self._bells.setdefault(topic, _Bell(self._expect_s)).on_carried = callback
+
     def attach(self, consumer, topic: str) -> None:
         """Make ``consumer`` (started, fetch_max_wait_ms=1) wait for rings on ``topic`` after
         an empty fetch. Wraps aiokafka's fetcher method that sends one fetch request: its
@@ -227,6 +237,11 @@ class Doorbell:
                     if msg.get("type") == "message" and (bell := by_channel.get(msg["channel"])) is not None:
                         self.rings_heard += 1
                         bell.ring()
+                        if msg["data"] and bell.on_carried is not None:
+                            try:
+                                bell.on_carried(msg["data"])
+                            except Exception:  # noqa: BLE001 - a carried copy is a hint: the record still comes
+                                log.exception("doorbell: a carried record's handler failed")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - Redis away: consumers poll at the idle interval

@@ -369,6 +369,16 @@ class DeadLetter(Struct, frozen=True, tag="dead_letter"):
     value: bytes
 
 
+class CarriedRecord(Struct, frozen=True, tag="doorbell.carried"):
+    """A doorbell ring's payload: a copy of the stage record produced with it (``value``, the
+    record's bytes, bound for ``partition``), so the stage can start before Kafka delivers it
+    (``shared.early``). ``sent_unix_ms``: when the producer sent it (the record's queue start)."""
+
+    partition: int
+    sent_unix_ms: int
+    value: bytes
+
+
 class KvEvent(Struct, frozen=True, tag="kv.event"):
     """prefill → ``mm.kv-events`` (key: worker id, so one worker's events stay in order): KV
     blocks (u64 hashes, shared.kv.blocks) its prefix cache stored and removed."""

@@ -4,13 +4,14 @@ Every stage gets the same semantics: at-least-once (commit after the outputs are
 bounded (``concurrency`` in flight, partitions paused beyond), deadlines (504 without work),
 idempotent under a ``StageLedger`` claim, restarts from the source on a lost tensor owner,
 retries then dead-letter on faults, a bounded drain on ``stop()``, and (with a doorbell)
-client-side idle waits that an upstream produce cuts short. Each rule, and why:
-docs/runner.md.
+client-side idle waits that an upstream produce cuts short, and early starts on the record a ring
+carries (``shared.early``: effects wait for Kafka's delivery). Each rule, and why: docs/runner.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -21,8 +22,9 @@ from aiokafka.errors import KafkaError
 from shared import logs, metrics, protocol, tracing
 from shared.bus import produce_all
 from shared.consume import ConsumeLoop
+from shared.early import EarlyRun, EarlyStarts, Unconfirmed
 from shared.keys import TOPIC_DEAD_LETTER, consumer_group
-from shared.ledger import ABORTED, DONE, EpochWatch
+from shared.ledger import ABORTED, CLAIMED, DONE, EpochWatch
 from shared.settings import Settings
 from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entry_message
 from shared.transfer import OwnerGoneError
@@ -57,6 +59,12 @@ class StageRunner:
                                  listener=rebalance_listener, doorbell=doorbell, lag_label=stage,
                                  epoch=EpochWatch(ctx.ledger.broker_epoch) if ctx.ledger is not None else None)
         self.assigned = self._loop.assigned  # set once the group gave this runner partitions
+        self.early: EarlyStarts | None = None
+        if doorbell is not None and settings.early_start and ctx.ledger is not None:  # the claim makes it safe
+            self.early = EarlyStarts(decoder=self._decoder, start=self._early_run, owns=self._loop.owns,
+                                     free=self._loop.free, confirm_ms=settings.early_start_confirm_ms)
+            doorbell.on_carried(topic, self.early.offer)
+            self._loop.on_revoked = self.early.drop_partitions
 
     @property
     def processed(self) -> int:
@@ -65,13 +73,22 @@ class StageRunner:
 
     async def run(self) -> None:
         """Consume until ``stop()``; then drain and close. Raises on a fatal consumer error."""
-        await self._loop.run()
+        try:
+            await self._loop.run()
+        finally:
+            if self.early is not None:
+                await self.early.close()
 
     def stop(self) -> None:
         self._loop.stop()
 
     # ------------------------------------------------------------------ one record
     async def _handle_record(self, tp: TopicPartition, rec) -> None:
+        run = self.early.adopt(tp, rec) if self.early is not None else None
+        if run is not None:
+            await run.task
+            if run.handled:
+                return
         try:
             msg = self._decoder.decode(rec.value)
         except msgspec.DecodeError as exc:
@@ -87,17 +104,27 @@ class StageRunner:
     def _count(self, outcome: str) -> None:
         metrics.STAGE_RECORDS.labels(self.stage, outcome).inc()
 
-    async def _handle_decoded(self, tp: TopicPartition, rec, msg) -> None:
+    async def _early_run(self, run: EarlyRun) -> None:
+        with logs.bind(request_id=run.msg.meta.request_id, stage=self.stage):
+            await self._handle_decoded(None, None, run.msg, run)
+
+    async def _handle_decoded(self, tp: TopicPartition | None, rec, msg, run: EarlyRun | None = None) -> None:
+        """``run``: an early start (``tp``/``rec`` None until Kafka delivers the record)."""
         meta: protocol.RequestMeta = msg.meta
-        queue_ms = now_ms() - rec.timestamp  # producer CreateTime → picked up here
+        queue_ms = now_ms() - (rec.timestamp if run is None else run.sent_unix_ms)  # produced → picked up here
         ledger = self._ctx.ledger
         if ledger is None:
             await self._attempts(tp, rec, msg, meta, queue_ms)
             return
         t_claim = time.perf_counter()
-        # past the deadline an unclaimed record goes on: the deadline check ends it with a 504
-        state = await ledger.enter_waiting(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id,
-                                           give_up_unix_ms=meta.deadline_unix_ms, poll_s=0.2)
+        if run is not None:  # anything but a fresh claim: the record, when it comes, takes the usual path
+            if await ledger.enter(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id) != CLAIMED:
+                return
+            run.handled = True
+            state = CLAIMED
+        else:  # past the deadline an unclaimed record goes on: the deadline check ends it with a 504
+            state = await ledger.enter_waiting(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id,
+                                               give_up_unix_ms=meta.deadline_unix_ms, poll_s=0.2)
         if state == ABORTED:
             await self._fail(meta, RequestFailed(499, "the client closed the request", type_="invalid_request_error",
                                                  code="client_closed_request"), outcome="aborted")
@@ -110,7 +137,7 @@ class StageRunner:
         keeper = asyncio.create_task(ledger.keep(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id))
         finished = False
         try:
-            await self._attempts(tp, rec, msg, meta, queue_ms, claim_ms)
+            await self._attempts(tp, rec, msg, meta, queue_ms, claim_ms, run)
             keeper.cancel()
             await ledger.finish(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
             finished = True
@@ -120,18 +147,19 @@ class StageRunner:
             if not finished:
                 await ledger.release(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
 
-    async def _attempts(self, tp: TopicPartition, rec, msg, meta: protocol.RequestMeta, queue_ms: float,
-                        claim_ms: float = 0.0) -> None:
+    async def _attempts(self, tp: TopicPartition | None, rec, msg, meta: protocol.RequestMeta, queue_ms: float,
+                        claim_ms: float = 0.0, run: EarlyRun | None = None) -> None:
+        """``run``: an early start; nothing leaves this worker before ``run.confirmed()``."""
         attempts = 0
         while True:
             attempts += 1
             if now_ms() > meta.deadline_unix_ms:
-                await self._fail(meta, RequestFailed.deadline(meta.request_id, self.stage))
+                await self._fail(meta, RequestFailed.deadline(meta.request_id, self.stage), run=run)
                 return
             try:
-                outcome = await self._run_stage(self._handler, msg, self._ctx, queue_ms, claim_ms)
+                outcome = await self._run_stage(self._handler, msg, self._ctx, queue_ms, claim_ms, run)
             except RequestFailed as failed:
-                await self._fail(meta, failed)
+                await self._fail(meta, failed, run=run)
                 return
             except OwnerGoneError as exc:
                 log.warning("%s: %s lost an input tensor (%s); restarting it from its source", self.stage,
@@ -142,13 +170,15 @@ class StageRunner:
                         fresh = await self._ctx.ledger.next_attempt(meta.request_id, meta.attempt)
                     outcome = restart_from_source(meta, self._settings.max_restarts, str(exc), fresh)
                 except RequestFailed as failed:
-                    await self._fail(meta, failed)
+                    await self._fail(meta, failed, run=run)
                     return
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, Unconfirmed):  # an early start's record did not come: drop it
                 raise
             except Exception as exc:
                 log.exception("%s: handler failed for %s (attempt %d)", self.stage, meta.request_id, attempts)
                 if attempts >= self._settings.max_attempts:
+                    if run is not None:
+                        tp, rec = await run.confirmed()
                     await self._dead_letter(tp, rec, f"{type(exc).__name__}: {exc}", attempts)
                     await self._fail(meta, RequestFailed(
                         500, f"stage {self.stage} failed {attempts} times on this request; it was "
@@ -157,6 +187,8 @@ class StageRunner:
                     return
                 await asyncio.sleep(min(0.05 * 2 ** attempts, 2.0))
                 continue
+            if run is not None:
+                await run.confirmed()
             try:
                 await self._deliver(outcome, meta.deadline_unix_ms)
             except KafkaError as exc:  # the broker stayed unreachable until the deadline
@@ -169,9 +201,12 @@ class StageRunner:
             return
 
     async def _run_stage(self, handler: Handler, msg, ctx: Context, queue_ms: float,
-                         claim_ms: float = 0.0) -> Outcome:
+                         claim_ms: float = 0.0, run: EarlyRun | None = None) -> Outcome:
         """One handler call under its stage span; its outputs carry the span; outputs for
-        local stages are handled here too (queue 0), and only the rest goes to Kafka."""
+        local stages are handled here too (queue 0), and only the rest goes to Kafka. ``run``: an
+        early start, whose stream writes wait for its record."""
+        if run is not None:
+            ctx = dataclasses.replace(ctx, events=run.gated(ctx.events))
         with tracing.stage_span(ctx.stage, ctx.worker_id, queue_ms, claim_ms) as timer:
             try:
                 with logs.bind(stage=ctx.stage):  # a locally routed stage logs under its own name
@@ -186,7 +221,7 @@ class StageRunner:
             if route is None:
                 produce.append(Produce(p.topic, p.key, value, p.partition))
                 continue
-            sub = await self._run_stage(route[0], value, route[1], 0.0)
+            sub = await self._run_stage(route[0], value, route[1], 0.0, run=run)
             # a stage handed its message in memory finished one too (its failures end the
             # whole chain and count under the stage that consumed the record)
             metrics.STAGE_RECORDS.labels(route[1].stage, "ok").inc()
@@ -199,14 +234,17 @@ class StageRunner:
         picks), wait for every broker ack (the output is durable before anything upstream is
         freed), retrying broker errors until the deadline."""
         await produce_all(self._producer, outcome.produce, deadline_unix_ms=deadline_unix_ms, router=self._router,
-                          doorbell=self._doorbell)
+                          doorbell=self._doorbell, carry=self._settings.early_start)
         if self._ctx.transfer is not None:
             for owner, leases in outcome.releases:
                 await self._ctx.transfer.release(owner, leases)
 
-    async def _fail(self, meta: protocol.RequestMeta, failed: RequestFailed, outcome: str | None = None) -> None:
-        """Write the request's terminal error; count ``outcome`` (default: deadline for a 504,
-        else failed)."""
+    async def _fail(self, meta: protocol.RequestMeta, failed: RequestFailed, outcome: str | None = None,
+                    run: EarlyRun | None = None) -> None:
+        """Write the request's terminal error (an early start's once its record is delivered);
+        count ``outcome`` (default: deadline for a 504, else failed)."""
+        if run is not None:
+            await run.confirmed()
         log.info("%s: request %s failed: %s", self.stage, meta.request_id, failed.event.message)
         await self._ctx.events.append(meta.request_id, failed.event)
         self._count(outcome or ("deadline" if failed.event.status == 504 else "failed"))

@@ -100,13 +100,20 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
                                           "rebalance commit at once)")] = 100
     # The doorbell (shared/doorbell.py) takes the broker's wait off the critical path: stage
     # consumers fetch with no broker-side wait and sleep client-side until the upstream stage
-    # rings (Redis PUBLISH after its produce is acked) or the idle interval passes. A lost ring
+    # rings (a Redis PUBLISH as its produce goes out) or the idle interval passes. A lost ring
     # costs at most the idle interval; the interval sets the idle fleet's polling CPU.
     doorbell: Annotated[bool, _d("stage consumers wait for a Redis pub/sub ring from the producing stage "
-                                 "instead of a broker-side fetch wait (rings carry no data); false: "
+                                 "instead of a broker-side fetch wait; false: "
                                  "fetch_max_wait_ms polling")] = True
     idle_fetch_interval_ms: Annotated[int, _d("with the doorbell: how often an idle stage consumer fetches "
                                               "anyway (the most a lost ring costs)")] = 100
+    # Early start (shared/early.py): a ring carries a copy of the stage record produced with it and
+    # the stage begins on the copy, holding every effect until Kafka delivers the record itself.
+    early_start: Annotated[bool, _d("with the doorbell: rings carry a copy of each stage record and the next "
+                                    "stage starts on it before Kafka delivers the record (its outputs and "
+                                    "stream writes wait for the record)")] = True
+    early_start_confirm_ms: Annotated[int, _d("an early-started record not delivered by Kafka within this is "
+                                              "dropped (its claim released); the record runs when it comes")] = 5_000
     max_poll_records: Annotated[int, _d("records fetched per poll at most")] = 16
     # tansu holds a new consumer group's first join for half the session: this bounds start-up too
     kafka_session_timeout_ms: Annotated[int, _d("a consumer not heard from this long loses its partitions to "

@@ -122,6 +122,7 @@ class Frontend:
             try:
                 now_ms = int(time.time() * 1000)
                 await produce_entry(self.producer, first, router=self.router, doorbell=self.doorbell,
+                                    carry=s.early_start,
                                     deadline_unix_ms=min(first.value.meta.deadline_unix_ms, now_ms + s.queue_retry_ms))
             except KafkaError as exc:  # broker down longer than queue_retry_ms: say so, never an unshaped 500
                 log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)

@@ -1,0 +1,173 @@
+"""Early start: a stage begins a record's work on the copy its doorbell ring carries, before
+Kafka delivers the record, and holds every effect others can see until Kafka does.
+
+Contract (the runner's side is ``StageRunner``; why and what it measured: README, "Fleet overhead"):
+- ``EarlyStarts.offer(payload)`` (a ``protocol.CarriedRecord`` from the doorbell) starts a run
+  only for a partition this consumer owns and is not pausing, within the runner's concurrency,
+  and never for a record Kafka already delivered here (``seen``) or one already running.
+- A run works under the stage's ledger claim like a delivered record; a claim held elsewhere,
+  a done-mark or an abort ends it unstarted (``handled`` False) and the record, when it comes,
+  takes the usual path.
+- Its token-stream writes, outputs, releases, done-mark and error events wait for the record
+  itself (:meth:`EarlyRun.confirmed`): Kafka stays the record of truth, and a copy whose produce
+  never lands changes nothing anyone sees. Caches it fills (embeddings, prefix KV) may stay.
+- The runner adopts the run when it consumes the record (``adopt``): the record's offset is done
+  when the run is. Not delivered within ``confirm_ms``, or its partition revoked, the run is
+  dropped (its claim released; tensor slots it put lapse with their leases).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from shared import protocol
+
+log = logging.getLogger(__name__)
+
+_SEEN_MAX = 1024  # hashes of records delivered lately: a ring heard after its record starts nothing
+
+
+class Unconfirmed(Exception):
+    """Kafka did not deliver the early-started record in time, or its partition went away."""
+
+
+class EarlyRun:
+    """One record started from its carried copy."""
+
+    def __init__(self, carried: protocol.CarriedRecord, msg, confirm_s: float) -> None:
+        self.value = carried.value
+        self.partition = carried.partition
+        self.sent_unix_ms = carried.sent_unix_ms
+        self.msg = msg
+        self.handled = False  # set once the run holds the claim: the record's fate is the run's from then on
+        self.dropped = False
+        self.task: asyncio.Task | None = None
+        self._record: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._give_up = time.monotonic() + confirm_s
+
+    def adopt(self, tp, rec) -> bool:
+        """Kafka delivered the record: wake whatever waits for it. False once the run was dropped."""
+        if self.dropped or self._record.done():
+            return False
+        self._record.set_result((tp, rec))
+        return True
+
+    def drop(self) -> None:
+        if not self._record.done():
+            self.dropped = True
+            self._record.cancel()
+
+    async def confirmed(self):
+        """``(tp, rec)`` of the delivered record; raises :class:`Unconfirmed` past the bound."""
+        if not self._record.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._record), max(self._give_up - time.monotonic(), 0.0))
+            except TimeoutError:
+                pass
+            except asyncio.CancelledError:
+                if not self._record.cancelled():  # this task's own cancellation
+                    raise
+        if self._record.cancelled() or not self._record.done():
+            self.drop()
+            raise Unconfirmed(f"record not delivered by Kafka (partition {self.partition})")
+        return self._record.result()
+
+    def gated(self, events):
+        """``events`` (an EventSink) whose writes wait for :meth:`confirmed`."""
+        return _GatedEvents(events, self)
+
+
+class _GatedEvents:
+    def __init__(self, inner, run: EarlyRun) -> None:
+        self._inner = inner
+        self._run = run
+
+    async def append(self, request_id, event):
+        await self._run.confirmed()
+        return await self._inner.append(request_id, event)
+
+    async def append_delta(self, request_id, delta, position):
+        await self._run.confirmed()
+        return await self._inner.append_delta(request_id, delta, position)
+
+    def __getattr__(self, name):  # reads (history, follow) need no record
+        return getattr(self._inner, name)
+
+
+class EarlyStarts:
+    """A runner's early runs. ``start(run)`` does the work (the runner's record path);
+    ``owns(partition)`` and ``free()`` come from its consume loop."""
+
+    def __init__(self, *, decoder: msgspec.msgpack.Decoder, start: Callable[[EarlyRun], Awaitable[None]],
+                 owns: Callable[[int], bool], free: Callable[[], int], confirm_ms: int) -> None:
+        self._decoder = decoder
+        self._carried = protocol.decoder_for(protocol.CarriedRecord)
+        self._start = start
+        self._owns = owns
+        self._free = free
+        self._confirm_s = confirm_ms / 1000
+        self._runs: dict[bytes, EarlyRun] = {}
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        self.started = 0  # for stats and tests
+        self.adopted = 0
+
+    def offer(self, payload: bytes) -> None:
+        try:
+            carried = self._carried.decode(payload)
+            if (carried.value in self._runs or hash(carried.value) in self._seen
+                    or not self._owns(carried.partition) or self._free() - len(self._runs) <= 0):
+                return
+            msg = self._decoder.decode(carried.value)
+        except msgspec.DecodeError:
+            return  # not for this stage (or not decodable): the record's own delivery deals with it
+        run = EarlyRun(carried, msg, self._confirm_s)
+        self._runs[run.value] = run
+        run.task = asyncio.create_task(self._run(run), name="early-start")
+        self.started += 1
+
+    async def _run(self, run: EarlyRun) -> None:
+        try:
+            await self._start(run)
+        except Unconfirmed as exc:
+            log.info("early start dropped: %s", exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the record's own delivery runs it again
+            log.exception("early start failed")
+        finally:
+            if self._runs.get(run.value) is run:
+                del self._runs[run.value]
+
+    def adopt(self, tp, rec) -> EarlyRun | None:
+        """The run started for this delivered record, now waiting on it; None: run it as usual."""
+        self._seen[hash(rec.value)] = None
+        while len(self._seen) > _SEEN_MAX:
+            self._seen.popitem(last=False)
+        run = self._runs.get(rec.value)
+        if run is None or run.partition != tp.partition or not run.adopt(tp, rec):
+            return None
+        self.adopted += 1
+        return run
+
+    def drop_partitions(self, partitions: set[int]) -> None:
+        """Partitions revoked: their runs not yet adopted end (their records go to the new owner)."""
+        self._drop([run for run in self._runs.values() if run.partition in partitions])
+
+    async def close(self) -> None:
+        """Stop: runs not adopted end, their claims released (adopted ones end with the consume loop)."""
+        runs = list(self._runs.values())
+        self._drop(runs)
+        await asyncio.gather(*(run.task for run in runs if run.task is not None), return_exceptions=True)
+
+    @staticmethod
+    def _drop(runs: list[EarlyRun]) -> None:
+        for run in runs:
+            run.drop()
+            if run.dropped and run.task is not None:
+                run.task.cancel()  # its claim, if it took one, is released as the task unwinds

@@ -1,0 +1,132 @@
+"""shared.early's rules without a broker: which carried copies start a run, how a run waits for
+its record (and its stream writes with it), and when it is dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from shared import protocol
+from shared.early import EarlyStarts, Unconfirmed
+
+
+def _msg(rid: str = "r1") -> protocol.PrefillRequest:
+    now = int(time.time() * 1000)
+    return protocol.PrefillRequest(meta=protocol.RequestMeta(request_id=rid, model="m", created_unix_ms=now,
+                                                             deadline_unix_ms=now + 60_000, prompt_token_ids=(1,)))
+
+
+def _payload(msg, partition: int = 0) -> tuple[bytes, bytes]:
+    value = protocol.encode(msg)
+    return protocol.encode(protocol.CarriedRecord(partition=partition, sent_unix_ms=1, value=value)), value
+
+
+class _Env:
+    def __init__(self, *, owned=(0,), free=8, confirm_ms=5_000) -> None:
+        self.started: list = []
+        self.gate = asyncio.Event()
+        self.owned = set(owned)
+        self.slots = free
+        self.early = EarlyStarts(decoder=protocol.decoder_for(protocol.PrefillRequest), start=self._start,
+                                 owns=lambda p: p in self.owned, free=lambda: self.slots, confirm_ms=confirm_ms)
+
+    async def _start(self, run) -> None:
+        self.started.append(run)
+        run.handled = True
+        await self.gate.wait()
+        await run.confirmed()
+
+
+def _rec(value: bytes, partition: int = 0):
+    return SimpleNamespace(partition=partition), SimpleNamespace(value=value, offset=0)
+
+
+async def test_a_copy_for_an_owned_partition_with_a_free_slot_starts_once():
+    env = _Env()
+    payload, _ = _payload(_msg())
+    env.early.offer(payload)
+    env.early.offer(payload)  # the same record again (a second ring): still one run
+    await asyncio.sleep(0)
+    assert len(env.started) == 1 and env.started[0].msg == _msg()
+
+
+@pytest.mark.parametrize("why", ["not owned", "no slot", "undecodable", "delivered already"])
+async def test_a_copy_starts_nothing(why):
+    env = _Env(owned=() if why == "not owned" else (0,), free=0 if why == "no slot" else 8)
+    payload, value = _payload(_msg())
+    if why == "undecodable":
+        payload = protocol.encode(protocol.CarriedRecord(partition=0, sent_unix_ms=1, value=b"\x01garbage"))
+    if why == "delivered already":
+        assert env.early.adopt(*_rec(value)) is None  # Kafka first: nothing to adopt, remembered
+    env.early.offer(payload)
+    env.early.offer(b"not a carried record at all")
+    await asyncio.sleep(0)
+    assert env.started == [] and env.early.started == 0
+
+
+async def test_slots_taken_by_early_runs_count_against_the_concurrency():
+    env = _Env(free=1)
+    env.early.offer(_payload(_msg("a"))[0])
+    env.early.offer(_payload(_msg("b"))[0])
+    await asyncio.sleep(0)
+    assert [r.msg.meta.request_id for r in env.started] == ["a"]
+
+
+async def test_adopt_hands_the_record_to_the_waiting_run_and_its_stream_writes():
+    env = _Env()
+    payload, value = _payload(_msg())
+    env.early.offer(payload)
+    await asyncio.sleep(0)
+    run = env.started[0]
+    written = []
+
+    class Sink:
+        async def append(self, rid, event):
+            written.append(event)
+
+        async def history(self, rid):
+            return list(written)
+
+    gated = run.gated(Sink())
+    writer = asyncio.create_task(gated.append("r1", "ev"))
+    await asyncio.sleep(0.05)
+    assert written == [] and await gated.history("r1") == []  # reads go through, writes wait
+    tp, rec = _rec(value, partition=1)
+    assert env.early.adopt(tp, rec) is None  # another partition's record is not this copy's
+    tp, rec = _rec(value)
+    assert env.early.adopt(tp, rec) is run
+    await writer
+    assert written == ["ev"]
+    env.gate.set()
+    await run.task
+    assert await run.confirmed() == (tp, rec) and not env.early._runs
+
+
+async def test_a_record_that_does_not_come_in_time_drops_the_run():
+    env = _Env(confirm_ms=100)
+    payload, value = _payload(_msg())
+    env.early.offer(payload)
+    await asyncio.sleep(0)
+    run = env.started[0]
+    env.gate.set()
+    await run.task  # Unconfirmed inside, logged: the task itself ends quietly
+    assert run.dropped and not env.early._runs
+    with pytest.raises(Unconfirmed):
+        await run.confirmed()
+    assert env.early.adopt(*_rec(value)) is None  # the record, come late, runs as usual
+
+
+async def test_revoked_partitions_and_close_end_the_runs_not_adopted():
+    env = _Env(owned=(0, 1))
+    env.early.offer(_payload(_msg("a"), partition=0)[0])
+    env.early.offer(_payload(_msg("b"), partition=1)[0])
+    await asyncio.sleep(0)
+    a, b = env.started
+    env.early.drop_partitions({0})
+    await asyncio.gather(a.task, return_exceptions=True)
+    assert a.task.cancelled() and not b.task.done()
+    await env.early.close()
+    assert b.task.cancelled() and not env.early._runs
