@@ -7,8 +7,9 @@ records at all) and, after an empty fetch, wait
 client-side until either a ring on their topic's channel or ``idle_fetch_interval_ms``.
 
 Contract:
-- A ring carries nothing but the topic name: no request, no offset. Kafka stays the record of
-  truth; a lost ring (Redis away, a subscriber reconnecting) costs at most one idle interval.
+- A ring is a wake-up: at most a copy of a record also produced to Kafka rides on it (below).
+  Kafka stays the record of truth; a lost ring (Redis away, a subscriber reconnecting) costs at
+  most one idle interval.
 - ``Doorbell.ring(topic)`` is called as a produce to ``topic`` goes out, before the broker's
   ack (so the next stage fetches while the broker acks), and again once acked if that took
   longer than ``Doorbell.late`` allows; it never raises and never blocks the caller. Rings

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from shared import protocol
+from shared import metrics, protocol
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ class EarlyStarts:
     ``owns(partition)`` and ``free()`` come from its consume loop."""
 
     def __init__(self, *, decoder: msgspec.msgpack.Decoder, start: Callable[[EarlyRun], Awaitable[None]],
-                 owns: Callable[[int], bool], free: Callable[[], int], confirm_ms: int) -> None:
+                 owns: Callable[[int], bool], free: Callable[[], int], confirm_ms: int, stage: str = "") -> None:
+        self._stage = stage
         self._decoder = decoder
         self._carried = protocol.decoder_for(protocol.CarriedRecord)
         self._start = start
@@ -130,12 +131,14 @@ class EarlyStarts:
         self._runs[run.value] = run
         run.task = asyncio.create_task(self._run(run), name="early-start")
         self.started += 1
+        metrics.EARLY_STARTS.labels(self._stage, "started").inc()
 
     async def _run(self, run: EarlyRun) -> None:
         try:
             await self._start(run)
         except Unconfirmed as exc:
             log.info("early start dropped: %s", exc)
+            metrics.EARLY_STARTS.labels(self._stage, "dropped").inc()
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - the record's own delivery runs it again
@@ -153,6 +156,7 @@ class EarlyStarts:
         if run is None or run.partition != tp.partition or not run.adopt(tp, rec):
             return None
         self.adopted += 1
+        metrics.EARLY_STARTS.labels(self._stage, "adopted").inc()
         return run
 
     def drop_partitions(self, partitions: set[int]) -> None:

@@ -56,6 +56,10 @@ STAGE_RECORDS = Counter("mmfleet_stage_records_total",
                         "records a stage finished, by outcome (" + " / ".join(OUTCOMES) + "); a stage "
                         "handed its message in memory by another in its worker counts its ok ones",
                         ["stage", "outcome"])
+EARLY_STARTS = Counter("mmfleet_early_starts_total",
+                       "records a stage started on the copy a doorbell ring carried (shared.early), by "
+                       "outcome: started, adopted (its record came and it finished the record), dropped "
+                       "(its record did not come in time, or its partition went)", ["stage", "outcome"])
 CONSUMER_LAG = Gauge("mmfleet_consumer_lag_records",
                      "records behind the partition's high watermark (highwater - position)",
                      ["stage", "partition"])

@@ -62,7 +62,8 @@ class StageRunner:
         self.early: EarlyStarts | None = None
         if doorbell is not None and settings.early_start and ctx.ledger is not None:  # the claim makes it safe
             self.early = EarlyStarts(decoder=self._decoder, start=self._early_run, owns=self._loop.owns,
-                                     free=self._loop.free, confirm_ms=settings.early_start_confirm_ms)
+                                     free=self._loop.free, confirm_ms=settings.early_start_confirm_ms,
+                                     stage=stage)
             doorbell.on_carried(topic, self.early.offer)
             self._loop.on_revoked = self.early.drop_partitions
 

@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import REGISTRY
 
 from shared import protocol
 from shared.early import EarlyStarts, Unconfirmed
@@ -31,7 +32,8 @@ class _Env:
         self.owned = set(owned)
         self.slots = free
         self.early = EarlyStarts(decoder=protocol.decoder_for(protocol.PrefillRequest), start=self._start,
-                                 owns=lambda p: p in self.owned, free=lambda: self.slots, confirm_ms=confirm_ms)
+                                 owns=lambda p: p in self.owned, free=lambda: self.slots, confirm_ms=confirm_ms,
+                                 stage="unit")
 
     async def _start(self, run) -> None:
         self.started.append(run)
@@ -40,17 +42,22 @@ class _Env:
         await run.confirmed()
 
 
+def _count(outcome: str) -> float:
+    return REGISTRY.get_sample_value("mmfleet_early_starts_total", {"stage": "unit", "outcome": outcome}) or 0.0
+
+
 def _rec(value: bytes, partition: int = 0):
     return SimpleNamespace(partition=partition), SimpleNamespace(value=value, offset=0)
 
 
 async def test_a_copy_for_an_owned_partition_with_a_free_slot_starts_once():
     env = _Env()
-    payload, _ = _payload(_msg())
+    msg = _msg()
+    payload, _ = _payload(msg)
     env.early.offer(payload)
     env.early.offer(payload)  # the same record again (a second ring): still one run
     await asyncio.sleep(0)
-    assert len(env.started) == 1 and env.started[0].msg == _msg()
+    assert len(env.started) == 1 and env.started[0].msg == msg
 
 
 @pytest.mark.parametrize("why", ["not owned", "no slot", "undecodable", "delivered already"])
@@ -77,6 +84,7 @@ async def test_slots_taken_by_early_runs_count_against_the_concurrency():
 
 async def test_adopt_hands_the_record_to_the_waiting_run_and_its_stream_writes():
     env = _Env()
+    before = _count("started"), _count("adopted")
     payload, value = _payload(_msg())
     env.early.offer(payload)
     await asyncio.sleep(0)
@@ -103,17 +111,19 @@ async def test_adopt_hands_the_record_to_the_waiting_run_and_its_stream_writes()
     env.gate.set()
     await run.task
     assert await run.confirmed() == (tp, rec) and not env.early._runs
+    assert (_count("started"), _count("adopted")) == (before[0] + 1, before[1] + 1)
 
 
 async def test_a_record_that_does_not_come_in_time_drops_the_run():
     env = _Env(confirm_ms=100)
+    dropped = _count("dropped")
     payload, value = _payload(_msg())
     env.early.offer(payload)
     await asyncio.sleep(0)
     run = env.started[0]
     env.gate.set()
     await run.task  # Unconfirmed inside, logged: the task itself ends quietly
-    assert run.dropped and not env.early._runs
+    assert run.dropped and not env.early._runs and _count("dropped") == dropped + 1
     with pytest.raises(Unconfirmed):
         await run.confirmed()
     assert env.early.adopt(*_rec(value)) is None  # the record, come late, runs as usual
