@@ -42,7 +42,7 @@ from shared.aio import wait_event
 
 log = logging.getLogger(__name__)
 
-_MAX_PENDING_RINGS = 64  # rings queued at most; beyond it a ring is dropped (rings are hints)
+_MAX_PENDING_RINGS = 64  # rings queued at most (carried copies: 64 KB each at most); beyond, a ring is dropped
 _RECONNECT_S = 0.1
 RING_CLIENT_NAME = "mmfleet-doorbell"  # the ring connection in CLIENT LIST
 _REPLY_CHECK_S = 5.0  # how often the ring wire checks that the server really sends it no replies
