@@ -193,13 +193,19 @@ class Doorbell:
     def on_carried(self, topic: str, callback) -> None:
         """Hand the records rings on ``topic`` carry to ``callback(payload: bytes)`` (called on the
         listener's task: it must not block); :meth:`attach` is still what makes a ring a wake-up."""
-        self._bells.setdefault(topic, _Bell(self._expect_s)).on_carried = callback
+        self._bell(topic).on_carried = callback
+
+    def _bell(self, topic: str) -> _Bell:
+        bell = self._bells.get(topic)
+        if bell is None:
+            bell = self._bells[topic] = _Bell(self._expect_s)
+        return bell
 
     def attach(self, consumer, topic: str) -> None:
         """Make ``consumer`` (started, fetch_max_wait_ms=1) wait for rings on ``topic`` after
         an empty fetch. Wraps aiokafka's fetcher method that sends one fetch request: its
         background routine calls it by attribute, once per fetch, never two to one broker at once."""
-        bell = self._bells.setdefault(topic, _Bell(self._expect_s))
+        bell = self._bell(topic)
         fetcher = consumer._fetcher  # aiokafka 0.14 internals: see tests/transport/test_doorbell.py
         send_fetch = fetcher._proc_fetch_request
         idle_s = self._idle_s
