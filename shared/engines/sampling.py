@@ -152,3 +152,45 @@ def with_logprob(token: int, logits: torch.Tensor, sampling):
         values, ids = torch.topk(lp, min(sampling.logprobs, lp.numel()))
         top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
     return SampledToken(protocol.TokenLogprob(int(token), float(lp[token]), top))
+
+
+class DecodeSeq:
+    """One request's side of decode after each step: the next token from a step's logits, as
+    the transformers engine's ``decode`` yields them (tokens 2.. of the completion). Used on the
+    worker's thread and in the decode core process alike, so both yield the same tokens.
+
+    ``constraint_for(sampling, logits, prefix)``: the request's grammar advanced over ``prefix``
+    (None without one); ``resume``: tokens 2.. of an earlier attempt, fed instead of sampled.
+    ``finished``: no more steps (a stop token was yielded, ``max_tokens`` reached, or none were
+    due at all)."""
+
+    def __init__(self, sampling, eos_token_ids: frozenset[int], first_token: int, *, resume: Sequence[int] = (),
+                 prompt_ids: Sequence[int] = (), constraint_for=None) -> None:
+        self.sampling = sampling
+        self.stops = stop_token_set(sampling, eos_token_ids)
+        self.token = int(first_token)  # the token the next step feeds
+        self.generated = 1
+        self._outputs = [int(first_token)]
+        self._resume = tuple(resume)
+        self._prompt_ids = prompt_ids
+        self._constraint_for = constraint_for
+        self._constraint = None
+        self.finished = self.token in self.stops or sampling.max_tokens <= 1
+
+    def next(self, logits: torch.Tensor):
+        """The token after a step that fed :attr:`token` (a ``SampledToken`` with logprobs on)."""
+        s = self.sampling
+        if self._constraint is None and s.structured is not None and self._constraint_for is not None:
+            self._constraint = self._constraint_for(s, logits, prefix=self._outputs)  # continues prefill's grammar
+        forced = self.generated - 1 < len(self._resume)
+        allowed = logits if self._constraint is None else self._constraint.mask(logits)
+        token = self._resume[self.generated - 1] if forced else with_logprob(sample_at(
+            allowed, s, step=self.generated, prompt_ids=self._prompt_ids, output_ids=self._outputs,
+            stop_ids=self.stops), logits, s)
+        if self._constraint is not None:
+            self._constraint.accept(token)
+        self.generated += 1
+        self._outputs.append(int(token))
+        self.token = int(token)
+        self.finished = self.token in self.stops or self.generated >= s.max_tokens
+        return token

@@ -123,3 +123,21 @@ class Grammars:
         for token in prefix:
             c.accept(token)
         return c
+
+
+class LazyGrammars:
+    """An engine's :class:`Grammars`, built on its first structured-output request:
+    ``self(sampling, logits, prefix)`` is the request's constraint advanced over ``prefix``, or
+    None for a request without a grammar."""
+
+    def __init__(self, tokenizer_of, stop_token_ids: Sequence[int]) -> None:
+        self._tokenizer_of = tokenizer_of  # called once, when the first grammar is asked for
+        self._stops = stop_token_ids
+        self._grammars: Grammars | None = None
+
+    def __call__(self, sampling: protocol.Sampling, logits, prefix: Sequence[int] = ()) -> Constraint | None:
+        if sampling.structured is None:
+            return None
+        if self._grammars is None:
+            self._grammars = Grammars(self._tokenizer_of(), sorted(self._stops))
+        return self._grammars.constraint(sampling.structured, logits.numel(), prefix)

@@ -29,8 +29,8 @@ from shared.compute import ComputeLane, LaneBatcher, MicroBatcher
 from shared.engines.base import Capabilities, MediaEmbeds, PrefillOutput
 from shared.engines.batched import DecodeBatcher
 from shared.engines.batched_prefill import prefill_many
-from shared.engines.sampling import sample_at, stop_token_set, with_logprob
-from shared.engines.structured import Grammars
+from shared.engines.sampling import DecodeSeq, sample_at, stop_token_set, with_logprob
+from shared.engines.structured import LazyGrammars
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class TransformersEngine:
         self._prefill_max_batch = prefill_max_batch
         self._prefiller: LaneBatcher | None = None
         self._aborted: set[str] = set()
-        self._grammars: Grammars | None = None  # built on the first structured-output request
+        self._grammars: LazyGrammars | None = None
         self.compute = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -169,11 +169,9 @@ class TransformersEngine:
 
     def _constraint(self, sampling: protocol.Sampling, logits: torch.Tensor, prefix=()):
         """The request's grammar (``sampling.structured``) advanced over ``prefix``; None without one."""
-        if sampling.structured is None:
-            return None
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, sorted(self.eos_token_ids))
-        return self._grammars.constraint(sampling.structured, logits.numel(), prefix)
+            self._grammars = LazyGrammars(lambda: self.tokenizer, self.eos_token_ids)
+        return self._grammars(sampling, logits, prefix)
 
     async def generate(self, request_id: str, prompt_ids: list[int], media: list[MediaEmbeds],
                        sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
@@ -195,32 +193,17 @@ class TransformersEngine:
         log); they are fed through the model instead of being sampled, and yielded, so the
         sequence continues exactly where the log ends.
         """
-        stops = stop_token_set(sampling, self.eos_token_ids)
-        if first_token in stops or sampling.max_tokens <= 1:
+        seq = DecodeSeq(sampling, self.eos_token_ids, first_token, resume=resume, prompt_ids=prompt_ids,
+                        constraint_for=self._constraint)
+        if seq.finished:
             return
         self._aborted.discard(request_id)
         state = await self._lane.run(self.compute.start_decode, kv, rope_delta, prompt_len)
-        token, generated, outputs = first_token, 1, [first_token]
-        constraint = None
         decoder = self._decoder
         decoder.open()
         try:
-            while generated < sampling.max_tokens and request_id not in self._aborted:
-                logits = await decoder.step(state, token)
-                if constraint is None and sampling.structured is not None:  # continues prefill's grammar
-                    constraint = self._constraint(sampling, logits, prefix=outputs)
-                forced = generated - 1 < len(resume)
-                allowed = logits if constraint is None else constraint.mask(logits)
-                token = resume[generated - 1] if forced else with_logprob(sample_at(
-                    allowed, sampling, step=generated, prompt_ids=prompt_ids, output_ids=outputs, stop_ids=stops),
-                    logits, sampling)
-                if constraint is not None:
-                    constraint.accept(token)
-                generated += 1
-                outputs.append(token)
-                yield token
-                if token in stops:
-                    return
+            while not seq.finished and request_id not in self._aborted:
+                yield seq.next(await decoder.step(state, seq.token))
         finally:
             decoder.close()
             self._aborted.discard(request_id)
