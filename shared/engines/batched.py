@@ -89,8 +89,8 @@ class Stack:
 
 @torch.inference_mode()
 def decode_steps(compute, items: list, stack: Stack | None = None) -> list[torch.Tensor]:
-    """Next-token logits (float32 [vocab]) per ``(state, token)``, in order; appends the token
-    to each state's KV like ``decode_step`` does (into ``stack`` while it holds the state)."""
+    """Next-token logits (float32 [vocab], on the CPU) per ``(state, token)``, in order; appends
+    the token to each state's KV like ``decode_step`` does (into ``stack`` while it holds the state)."""
     stack = stack if stack is not None else Stack()
     states = [state for state, _ in items]
     if len(items) == 1:
@@ -129,7 +129,8 @@ def decode_steps(compute, items: list, stack: Stack | None = None) -> list[torch
     stack.lens = [n + 1 for n in lens]
     for state, n in zip(states, stack.lens, strict=True):
         state.seq_len = n
-    return [out.logits[i, -1].to(torch.float32).clone() for i in range(len(items))]
+    # on the CPU in float32, as a lone step's logits: sampling's seeded generators are CPU ones
+    return list(out.logits[:, -1].to("cpu", torch.float32, copy=True).unbind(0))
 
 
 class DecodeBatcher:
