@@ -38,8 +38,8 @@ def target_processes(pid: int | None, *, with_infra: bool) -> list:
 
 
 def process_role(p) -> str:
-    """What a target process is: ``worker <stages>``, ``gateway``, ``supervisor``, ``broker``,
-    ``redis``, ``inproc``, else its name."""
+    """What a target process is: ``worker <stages>``, ``decode core``, ``gateway``,
+    ``supervisor``, ``broker``, ``redis``, ``inproc``, else its name."""
     try:
         name, argv = p.name(), p.cmdline()
     except psutil.Error:
@@ -48,6 +48,8 @@ def process_role(p) -> str:
         return "broker"
     if "redis-server" in name:
         return "redis"
+    if "shared.engines.decode_core_main" in argv:
+        return "decode core"
     if "services.cli" in argv:
         verb = argv[argv.index("services.cli") + 1:][:1]
         if verb == ["worker"] and "--stages" in argv:

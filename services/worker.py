@@ -67,6 +67,12 @@ def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...
     """The engine for a worker running ``stages``: a vLLM engine running prefill apart from
     decode is built as KV producer, one running decode apart as KV consumer (vllm_pd)."""
     cls = _engine_class(name)
+    decode_only = "decode" in stages and not {"prefill", "encode"} & set(stages)  # the LM decodes, nothing else
+    if name == "transformers" and settings.decode_core and decode_only:
+        from shared.engines.decode_core import CoreDecodeEngine
+
+        return CoreDecodeEngine(model_dir, device=settings.device, dtype=settings.dtype,
+                                max_batch=settings.decode_max_batch, torch_threads=settings.torch_threads)
     if name == "transformers":
         from shared.models.loading import parts_for
 

@@ -177,6 +177,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     encode_batch_wait_ms: Annotated[int, _d("how long encode waits to fill a batch")] = 2
     decode_max_batch: Annotated[int, _d("transformers engine: decode steps of up to this many sequences run as "
                                         "one batched forward; 1: one sequence per forward")] = 16
+    decode_core: Annotated[bool, _d("transformers engine, a worker that decodes without prefill or encode: the "
+                                    "decode steps and their sampling run in a child process of the worker (the "
+                                    "decode core), so the worker's Kafka, Redis and NIXL work does not share a GIL "
+                                    "with them; false: on a thread of the worker")] = True
     prefill_max_batch: Annotated[int, _d("transformers engine: fresh prompts that arrive while its model is busy "
                                          "are prefilled together, up to this many per forward; 1: one each")] = 8
     decode_concurrency: Annotated[int, _d("sequences a prefill+decode or decode worker generates at "

@@ -248,6 +248,7 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
     with procs.fleet(env, log_dir) as (base, proc):
         roles = {cpu.process_role(p) for p in cpu.target_processes(proc.pid, with_infra=False)}
         assert {"supervisor", "gateway", *(f"worker {','.join(g)}" for g in MODES["e-p-d"])} <= roles, roles
+        assert "decode core" in roles, roles  # the decode worker's child: its CPU is counted too
         cfg = _config(tmp_path, [f"url:{base}", "inproc"], n=4, idle_cpu_s=1.0)  # a CPU sample, not a figure
         result = run_bench(cfg, TargetOptions(model_dir=model_dir, log_dir=tmp_path, redis_url=redis_url,
                                               redis_prefix=prefix))

@@ -48,6 +48,20 @@ def test_parts_per_worker():
     assert engine._parts == {ENCODER}
 
 
+def test_a_worker_that_only_decodes_gets_the_decode_core():
+    """The decode core (a child process) holds the LM where the worker's LM engine only decodes;
+    a worker that also prefills or encodes keeps the engine in-process, as does ``decode_core`` off."""
+    from shared.engines.decode_core import CoreDecodeEngine
+    from shared.engines.transformers_engine import TransformersEngine
+
+    for stages in (("decode",), ("media-fetch", "decode")):
+        assert isinstance(make_engine("transformers", Settings(), "unused", stages), CoreDecodeEngine)
+    for stages in (("prefill", "decode"), ("encode", "decode"), ("prefill",), ()):
+        assert isinstance(make_engine("transformers", Settings(), "unused", stages), TransformersEngine)
+    off = Settings(decode_core=False)
+    assert isinstance(make_engine("transformers", off, "unused", ("decode",)), TransformersEngine)
+
+
 def test_encoder_holds_no_lm_weights(model_dir, full):
     enc = Qwen2VLCompute(model_dir, parts=frozenset({ENCODER}))
     names = [n for n, _ in enc.model.named_parameters()]
