@@ -113,7 +113,7 @@ async def test_early_stop_abort_crash_and_stop(engines):
     assert [int(t) for t in await _decode(core, rid, pre, sampling, prompt)] == expected
     assert core.starts == starts + 1 and core.pid not in (None, pid)
 
-    # stop: the core exits with the engine
+    # stop: the core exits with the engine (the fixture's teardown stops it again: a no-op)
     pid = core.pid
     await core.stop()
     assert core.pid is None
@@ -121,4 +121,3 @@ async def test_early_stop_abort_crash_and_stop(engines):
         for _ in range(100):
             os.kill(pid, 0)
             await asyncio.sleep(0.05)
-    await core.start()  # the fixture's teardown stops it again
