@@ -37,7 +37,7 @@ import torch
 
 from shared import metrics, protocol
 from shared.engines.base import Capabilities, EngineError, SampledToken
-from shared.engines.sampling import stop_token_set
+from shared.engines.sampling import DecodeSeq
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class CoreDecodeEngine:
                      sampling: protocol.Sampling, resume: tuple[int, ...] = (),
                      prompt_ids: tuple[int, ...] = ()) -> AsyncIterator[int]:
         """As ``TransformersEngine.decode``; the steps and the sampling run in the core."""
-        if int(first_token) in stop_token_set(sampling, self.eos_token_ids) or sampling.max_tokens <= 1:
+        if DecodeSeq(sampling, self.eos_token_ids, first_token).finished:  # nothing to generate after it
             return
         await self._ensure_core()
         kv = kv.detach().to("cpu").contiguous()

@@ -76,6 +76,10 @@ async def test_core_tokens_equal_the_thread_engine_batched_and_alone(engines):
     rid, pre, sampling, prompt = reqs[0]
     resumed = await _decode(core, rid, pre, sampling, prompt, resume=tuple(int(t) for t in expected[0][:3]))
     assert [int(t) for t in resumed] == [int(t) for t in expected[0]]
+    # a first token that ends the completion: nothing to decode, nothing sent to the core
+    forwards, eos = core.forwards, min(core.eos_token_ids)
+    assert [t async for t in core.decode(rid, pre.kv, pre.rope_delta, pre.prompt_len, eos, sampling)] == []
+    assert core.forwards == forwards and not core._queues
 
 
 LONG = protocol.Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)  # still decoding when stopped
