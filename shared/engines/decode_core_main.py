@@ -41,7 +41,7 @@ class Core:
         self._buf = bytearray()
         self._seqs: dict[int, _Seq] = {}
         self._stack = Stack()
-        self._grammars = LazyGrammars(lambda: compute.tokenizer, compute.eos_token_ids)
+        self._grammars = LazyGrammars(lambda: (compute.tokenizer, compute.eos_token_ids))
         self._decoder = msgspec.msgpack.Decoder(ToCore)
         self._failed: list[Token] = []  # failures outside a forward, sent with the next Step
 

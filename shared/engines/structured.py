@@ -128,16 +128,17 @@ class Grammars:
 class LazyGrammars:
     """An engine's :class:`Grammars`, built on its first structured-output request:
     ``self(sampling, logits, prefix)`` is the request's constraint advanced over ``prefix``, or
-    None for a request without a grammar."""
+    None for a request without a grammar. ``model_of()``: (tokenizer, stop token ids), asked for
+    then, once (an engine's model may not be loaded when this is made)."""
 
-    def __init__(self, tokenizer_of, stop_token_ids: Sequence[int]) -> None:
-        self._tokenizer_of = tokenizer_of  # called once, when the first grammar is asked for
-        self._stops = stop_token_ids
+    def __init__(self, model_of) -> None:
+        self._model_of = model_of
         self._grammars: Grammars | None = None
 
     def __call__(self, sampling: protocol.Sampling, logits, prefix: Sequence[int] = ()) -> Constraint | None:
         if sampling.structured is None:
             return None
         if self._grammars is None:
-            self._grammars = Grammars(self._tokenizer_of(), sorted(self._stops))
+            tokenizer, stops = self._model_of()
+            self._grammars = Grammars(tokenizer, sorted(stops))
         return self._grammars.constraint(sampling.structured, logits.numel(), prefix)

@@ -86,7 +86,8 @@ class TransformersEngine:
         self._prefill_max_batch = prefill_max_batch
         self._prefiller: LaneBatcher | None = None
         self._aborted: set[str] = set()
-        self._grammars: LazyGrammars | None = None
+        # the request's grammar advanced over a prefix (sampling.structured), None without one
+        self._constraint = LazyGrammars(lambda: (self.tokenizer, self.eos_token_ids))
         self.compute = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -166,12 +167,6 @@ class TransformersEngine:
         first = with_logprob(first, result.last_logits, sampling)
         return PrefillOutput(first_token=first, kv=result.kv, rope_delta=result.rope_delta,
                              prompt_len=result.prompt_len)
-
-    def _constraint(self, sampling: protocol.Sampling, logits: torch.Tensor, prefix=()):
-        """The request's grammar (``sampling.structured``) advanced over ``prefix``; None without one."""
-        if self._grammars is None:
-            self._grammars = LazyGrammars(lambda: self.tokenizer, self.eos_token_ids)
-        return self._grammars(sampling, logits, prefix)
 
     async def generate(self, request_id: str, prompt_ids: list[int], media: list[MediaEmbeds],
                        sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
