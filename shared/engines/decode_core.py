@@ -65,7 +65,6 @@ class Abort(msgspec.Struct, tag=True):
 class Ready(msgspec.Struct, tag=True):
     eos_token_ids: tuple[int, ...]
     max_model_len: int
-    pid: int
 
 
 class Token(msgspec.Struct, array_like=True):
@@ -170,7 +169,7 @@ class CoreDecodeEngine:
             self.eos_token_ids, self.max_model_len = frozenset(ready.eos_token_ids), ready.max_model_len
             self.starts += 1
             self._reader = asyncio.create_task(self._read(reader), name="decode-core-reader")
-            log.info("decode core started: pid %d, model %s", ready.pid, self._model_dir)
+            log.info("decode core started: pid %d, model %s", self._proc.pid, self._model_dir)
 
     async def _close_core(self, why: str) -> None:
         writer, self._writer = self._writer, None

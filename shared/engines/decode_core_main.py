@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import select
 import signal
 import socket
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
 
     compute = compute_class(args.model_dir)(args.model_dir, device=args.device, dtype=args.dtype,
                                             parts=frozenset({LM}))
-    sock.sendall(frame(Ready(tuple(sorted(compute.eos_token_ids)), int(compute.max_model_len), os.getpid())))
+    sock.sendall(frame(Ready(tuple(sorted(compute.eos_token_ids)), int(compute.max_model_len))))
     try:
         Core(compute, sock, args.max_batch).serve()
     except (BrokenPipeError, ConnectionResetError):
