@@ -150,8 +150,9 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         if settings.doorbell:
             doorbell = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=settings.idle_fetch_interval_ms)
             stack.push_async_callback(doorbell.close)
+        engines = _Engines(settings, model_dir, stages, stack)
         parts = StageParts(settings=settings, model_dir=model_dir, stages=stages, stack=stack,
-                           engine=_engines(settings, model_dir, stages, stack), redis=redis, keys=keys,
+                           engine=engines, redis=redis, keys=keys,
                            transfer=transfer, worker_id=worker_id, router=router, index=_index(settings, redis, keys),
                            doorbell=doorbell)
         built = {}
@@ -182,16 +183,22 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
                                    metrics_port=metrics_server.port,
                                    metrics_url=hostaddr.http_url(hostaddr.advertise_host(settings),
                                                                  metrics_server.port) + "/metrics")
+        # serving once every runner holds partitions and every engine can serve: the two overlap
+        boot = asyncio.create_task(engines.started(), name="engines-started")
         beat = asyncio.create_task(heartbeat(redis, RedisKeys(settings.redis_prefix), info,
-                                             lambda: all(r.assigned.is_set() for r in runners)))
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                                             lambda: _succeeded(boot) and all(r.assigned.is_set() for r in runners)))
+        done, _ = await asyncio.wait([*tasks, boot], return_when=asyncio.FIRST_COMPLETED)
+        if done == {boot} and _succeeded(boot):
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stopping_at = time.monotonic()
         for c in consumers:  # one ending (stop or fatal) ends the process
             c.stop()
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        for t in [beat, *background]:
+        if boot.done() and not boot.cancelled() and not _succeeded(boot):  # an engine that never could serve
+            results.append(boot.exception())
+        for t in [beat, boot, *background]:
             t.cancel()
-        await asyncio.gather(beat, *background, return_exceptions=True)
+        await asyncio.gather(beat, boot, *background, return_exceptions=True)
         log.info("worker %s: consumers stopped in %.1f s; releasing resources", worker_id,
                  time.monotonic() - stopping_at)
     log.info("worker %s stopped in %.1f s", worker_id, time.monotonic() - stopping_at)
@@ -199,6 +206,10 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     for exc in failed:
         log.error("runner failed: %r", exc)
     return 1 if failed else 0
+
+
+def _succeeded(task: asyncio.Task) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is None
 
 
 def _index(settings: Settings, redis: Redis, keys: RedisKeys):
@@ -211,17 +222,22 @@ def _index(settings: Settings, redis: Redis, keys: RedisKeys):
                           lease_ms=settings.embedding_coalesce_lease_ms)
 
 
-def _engines(settings: Settings, model_dir, stages: tuple[str, ...], stack: AsyncExitStack):
-    """``engine(kind)``: the process's one engine of that kind, started on first use and stopped
-    with the worker."""
-    engines: dict[str, Engine] = {}
+class _Engines:
+    """``await engines(kind)``: the process's one engine of that kind, started on first use and
+    stopped with the worker. An engine whose ``start`` returns before it can serve (the decode
+    core loads its model in its own process) has ``started()``: :meth:`started` waits for them all."""
 
-    async def engine(name: str) -> Engine:
-        if name not in engines:
-            eng = make_engine(name, settings, model_dir, stages)
+    def __init__(self, settings: Settings, model_dir, stages: tuple[str, ...], stack: AsyncExitStack) -> None:
+        self._settings, self._model_dir, self._stages, self._stack = settings, model_dir, stages, stack
+        self._by_name: dict[str, Engine] = {}
+
+    async def __call__(self, name: str) -> Engine:
+        if name not in self._by_name:
+            eng = make_engine(name, self._settings, self._model_dir, self._stages)
             await eng.start()
-            stack.push_async_callback(eng.stop)
-            engines[name] = eng
-        return engines[name]
+            self._stack.push_async_callback(eng.stop)
+            self._by_name[name] = eng
+        return self._by_name[name]
 
-    return engine
+    async def started(self) -> None:
+        await asyncio.gather(*(e.started() for e in self._by_name.values() if hasattr(e, "started")))

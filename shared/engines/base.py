@@ -102,7 +102,7 @@ class Engine(Protocol):
     eos_token_ids: frozenset[int]
     tokenizer: object
 
-    async def start(self) -> None: ...
+    async def start(self) -> None: ...  # one that returns before it can serve also has ``async def started()``
 
     async def stop(self) -> None: ...
 

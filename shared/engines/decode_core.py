@@ -16,6 +16,8 @@ Contracts:
 - The core steps every active sequence (``max_batch`` per forward, in turn) back to back and
   reads what arrived between two steps; with none active it blocks on the socket. A full
   socket (a worker not reading) stops it: that is the backpressure.
+- ``start`` spawns the core and returns while it loads its model (the worker joins its groups
+  meanwhile); ``started`` waits for its Ready, and the worker is listed as serving only then.
 - A core that dies fails the decodes in flight (``EngineError``; the runner retries them) and the
   next decode starts a new one. The core (:mod:`shared.engines.decode_core_main`) exits at EOF,
   i.e. when the worker closes or dies.
@@ -101,11 +103,12 @@ class CoreDecodeEngine:
 
     name = "transformers"
     capabilities = Capabilities(encode=False, generate=False, kv_export=False, kv_import=True)
+    core_module = "shared.engines.decode_core_main"  # what the child runs (``python -m``)
 
     def __init__(self, model_dir, *, device: str = "cpu", dtype: str = "auto", max_batch: int = 16,
                  torch_threads: int = 1) -> None:
         self._model_dir = str(model_dir)
-        self._argv = [sys.executable, "-m", "shared.engines.decode_core_main", "--model-dir", self._model_dir,
+        self._argv = [sys.executable, "-m", self.core_module, "--model-dir", self._model_dir,
                       "--device", device, "--dtype", dtype, "--max-batch", str(max_batch),
                       "--threads", str(torch_threads)]
         self.tokenizer = None
@@ -114,6 +117,7 @@ class CoreDecodeEngine:
         self._proc: subprocess.Popen | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader: asyncio.Task | None = None
+        self._boot: asyncio.Task | None = None  # the core's start: done once its Ready arrived
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue] = {}
@@ -125,12 +129,17 @@ class CoreDecodeEngine:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        core = asyncio.create_task(self._ensure_core())  # the core loads the model meanwhile
-        try:
-            if self.tokenizer is None:
-                self.tokenizer = await asyncio.to_thread(_load_tokenizer, self._model_dir)
-        finally:
-            await core
+        """Starts the core and loads the tokenizer; returns before the core has loaded its model
+        (:meth:`started` waits for that), so the worker's start-up overlaps the core's."""
+        async with self._lock:
+            if self._boot is None:
+                self._spawn()
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(_load_tokenizer, self._model_dir)
+
+    async def started(self) -> None:
+        """Returns once the core has loaded its model; EngineError if it could not."""
+        await self._ensure_core()
 
     async def stop(self) -> None:
         async with self._lock:
@@ -145,33 +154,55 @@ class CoreDecodeEngine:
         """The core's pid while it runs."""
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
+    def _died(self) -> bool:
+        """The core started, and has died since (its reader saw EOF, or it exited)."""
+        boot = self._boot
+        started = boot is not None and boot.done() and not boot.cancelled() and boot.exception() is None
+        return started and (self._writer is None or self._proc is None or self._proc.poll() is not None)
+
+    def _spawn(self) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._proc = subprocess.Popen([*self._argv, "--fd", str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        self._boot = asyncio.create_task(self._await_ready(mine, self._proc), name="decode-core-boot")
+
+    async def _await_ready(self, sock: socket.socket, proc: subprocess.Popen) -> None:
+        reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        try:
+            head = await asyncio.wait_for(reader.readexactly(HEAD.size), READY_TIMEOUT_S)
+            ready = msgspec.msgpack.decode(await reader.readexactly(HEAD.unpack(head)[0]), type=FromCore)
+        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
+            try:  # EOF comes a moment before the exit: wait for the code that says why
+                code = await asyncio.to_thread(proc.wait, 2)
+            except subprocess.TimeoutExpired:
+                code = None
+            raise EngineError(f"the decode core did not start ({type(exc).__name__}; exit code {code}); "
+                              "its log is in this worker's") from None
+        if not isinstance(ready, Ready):
+            raise EngineError(f"the decode core said {type(ready).__name__} before Ready")
+        self.eos_token_ids, self.max_model_len = frozenset(ready.eos_token_ids), ready.max_model_len
+        self.starts += 1
+        self._reader = asyncio.create_task(self._read(reader), name="decode-core-reader")
+        log.info("decode core started: pid %d, model %s", proc.pid, self._model_dir)
+
     async def _ensure_core(self) -> None:
         async with self._lock:
-            if self._writer is not None and self._proc is not None and self._proc.poll() is None:
-                return
-            await self._close_core("the decode core is restarting")
-            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            if self._boot is None or self._died():  # none yet (or a failed start reported), or one gone
+                await self._close_core("the decode core is restarting")
+                self._spawn()
             try:
-                self._proc = subprocess.Popen([*self._argv, "--fd", str(theirs.fileno())], pass_fds=(theirs.fileno(),))
-            finally:
-                theirs.close()
-            reader, self._writer = await asyncio.open_unix_connection(sock=mine)
-            try:
-                head = await asyncio.wait_for(reader.readexactly(HEAD.size), READY_TIMEOUT_S)
-                ready = msgspec.msgpack.decode(await reader.readexactly(HEAD.unpack(head)[0]), type=FromCore)
-            except (asyncio.IncompleteReadError, TimeoutError, ConnectionError) as exc:
-                code = self._proc.poll()
+                await asyncio.shield(self._boot)  # done already, but for the first decodes
+            except Exception:  # noqa: BLE001 - reported to this caller; the next one starts a new core
                 await self._close_core("the decode core did not start")
-                raise EngineError(f"the decode core did not start ({type(exc).__name__}; exit code {code}); "
-                                  "its log is in this worker's") from None
-            if not isinstance(ready, Ready):
-                raise EngineError(f"the decode core said {type(ready).__name__} before Ready")
-            self.eos_token_ids, self.max_model_len = frozenset(ready.eos_token_ids), ready.max_model_len
-            self.starts += 1
-            self._reader = asyncio.create_task(self._read(reader), name="decode-core-reader")
-            log.info("decode core started: pid %d, model %s", self._proc.pid, self._model_dir)
+                raise
 
     async def _close_core(self, why: str) -> None:
+        boot, self._boot = self._boot, None
+        if boot is not None:
+            boot.cancel()
+            await asyncio.gather(boot, return_exceptions=True)
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()  # the core sees EOF and exits

@@ -2,7 +2,8 @@
 tokens of the engine's own decode on a thread — concurrent requests batched together, greedy,
 seeded sampling with a penalty and logprobs, a resumed attempt — and it must survive what a
 worker sees: a caller that stops early (the core drops the sequence and goes on), an abort, a
-core killed mid-decode (the decodes in flight fail, the next one starts a new core), a stop."""
+core killed mid-decode (the decodes in flight fail, the next one starts a new core), a stop, and
+a core that never gets ready (each wait fails with why)."""
 
 from __future__ import annotations
 
@@ -125,3 +126,22 @@ async def test_early_stop_abort_crash_and_stop(engines):
         for _ in range(100):
             os.kill(pid, 0)
             await asyncio.sleep(0.05)
+
+
+async def test_start_returns_before_the_core_is_ready_and_a_core_that_never_is_fails_each_wait(
+        model_dir, tmp_path, monkeypatch):
+    until = tmp_path / "exit-now"
+    until.touch()  # tests/transport/silent_core.py: exits 3 at once, without a Ready
+    monkeypatch.setattr(CoreDecodeEngine, "core_module", "tests.transport.silent_core")
+    monkeypatch.setenv("SILENT_CORE_UNTIL", str(until))
+    core = CoreDecodeEngine(model_dir)
+    spawned = []
+    spawn = core._spawn
+    monkeypatch.setattr(core, "_spawn", lambda: (spawn(), spawned.append(core._proc.pid)))
+    await core.start()  # the tokenizer loaded, the core spawned; no wait for its model
+    assert core.tokenizer is not None and len(spawned) == 1
+    for _ in range(2):  # each wait after a failed start tries a new core
+        with pytest.raises(EngineError, match=r"did not start \(IncompleteReadError; exit code 3\)"):
+            await core.started()
+    assert core.starts == 0 and len(set(spawned)) == 2 and core.pid is None
+    await core.stop()

@@ -1,0 +1,58 @@
+"""A decode worker's start-up against the real broker and Redis: its decode core loads while the
+worker joins its consumer group, and the worker is listed as serving only once both are done; a
+core that never gets ready ends the worker with a non-zero exit (its supervisor restarts it)
+rather than leaving it joined but unable to decode."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from services import worker as worker_mod
+from shared import settings as settings_mod
+from shared.engines.decode_core import CoreDecodeEngine
+from shared.keys import RedisKeys
+from shared.liveness import live_workers
+from shared.redis_conn import make_redis
+from shared.runner import StageRunner
+
+
+async def test_a_decode_worker_whose_core_never_gets_ready_is_never_listed_and_exits_1(
+        kafka_bootstrap, redis_url, model_dir, tmp_path, monkeypatch):
+    runners: list[StageRunner] = []
+
+    class Seen(StageRunner):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            runners.append(self)
+
+    until = tmp_path / "core-may-exit"
+    monkeypatch.setattr(worker_mod, "StageRunner", Seen)
+    monkeypatch.setattr(CoreDecodeEngine, "core_module", "tests.transport.silent_core")
+    monkeypatch.setenv("SILENT_CORE_UNTIL", str(until))
+    prefix = f"boot-{uuid.uuid4().hex[:8]}"
+    settings = settings_mod.from_env({}, kafka_bootstrap=kafka_bootstrap, redis_url=redis_url, model=str(model_dir),
+                                     redis_prefix=prefix, metrics_port=0)
+    redis = make_redis(settings)
+    keys = RedisKeys(prefix)
+    task = asyncio.create_task(worker_mod.run_worker(settings, ["decode"]))
+    listed = assigned_for_s = 0.0
+    try:
+        async with asyncio.timeout(120):
+            while not task.done():
+                listed += bool(await live_workers(redis, keys))
+                if runners and all(r.assigned.is_set() for r in runners):
+                    assigned_for_s += 0.05
+                    if assigned_for_s >= 1.0:  # the group's partitions held for a second, the core still loading
+                        until.touch()  # now the core exits without a Ready
+                await asyncio.sleep(0.05)
+            rc = task.result()
+    finally:
+        until.touch()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await redis.aclose()
+    assert assigned_for_s >= 1.0, "the worker never held its partitions"
+    assert listed == 0, "listed as serving before its decode core was ready"
+    assert rc == 1
