@@ -2,7 +2,8 @@
 transformers' masked SDPA and is used only where the mask is "all of the cache, then causal";
 the masked grouped-KV path equals transformers' (``repeat_kv``) call; both are installed on the
 Qwen2-VL engine, a long prefix-hit prefill takes the split with the full prefill's logits (here),
-and batched decode takes the grouped-KV path with generate()'s tokens (test_engine_batched)."""
+and batched decode takes the grouped-KV path, its padding mask as the mask, with lone steps' logits
+(here) and generate()'s tokens (test_engine_batched)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,38 @@ def test_installed_on_the_engine_and_used_by_prefix_hits_only(model_dir, monkeyp
     hit = compute.prefill(ids, [], prefix_kv=full.kv[:, :, :, :4].contiguous())
     assert len(calls) == compute.n_layers
     assert torch.allclose(hit.last_logits, full.last_logits, atol=1e-4)
+
+
+def test_a_padded_decode_steps_mask_is_its_padding_mask():
+    padding = torch.ones(3, 40, dtype=torch.bool)
+    padding[0, :25] = False  # left padding of the shorter sequences
+    padding[2, :7] = False
+    ours, theirs = _masks(batch_size=3, q_length=1, kv_length=40, q_offset=39, attention_mask=padding)
+    assert ours.shape == theirs.shape == (3, 1, 1, 40) and ours.equal(theirs)
+    # not a padded step: transformers' own answer (no padding, a prefill, an offset, a window)
+    for kw in (dict(attention_mask=torch.ones(3, 40, dtype=torch.bool)), dict(q_length=2, q_offset=38),
+               dict(q_offset=30), dict(local_size=8)):
+        args = dict(batch_size=3, q_length=1, kv_length=40, q_offset=39, attention_mask=padding) | kw
+        assert not cpu_attention._is_padded_step(args["q_length"], 40, args["q_offset"], 0, causal_mask_function,
+                                                 args["attention_mask"], args.get("local_size"))
+        ours, theirs = _masks(**args)
+        assert (ours is None and theirs is None) or ours.equal(theirs), kw
+
+
+def test_a_batched_decode_step_takes_the_padding_mask_with_lone_steps_logits(model_dir, monkeypatch):
+    from shared.engines.batched import decode_steps
+
+    compute = Qwen2VLCompute(model_dir)
+    taken = []
+    real = cpu_attention._is_padded_step
+    monkeypatch.setattr(cpu_attention, "_is_padded_step", lambda *a: taken.append(real(*a)) or taken[-1])
+    batch, lone = [], []
+    for words in (3, 30):  # two lengths: the shorter one is padded in the batch
+        pre = compute.prefill(compute.render_prompt_ids([{"role": "user", "content": "sea " * words}]), [])
+        first = int(pre.last_logits.argmax())
+        batch.append((compute.start_decode(pre.kv.clone(), pre.rope_delta, pre.prompt_len), first))
+        lone.append(compute.decode_step(compute.start_decode(pre.kv.clone(), pre.rope_delta, pre.prompt_len), first))
+    stepped = decode_steps(compute, batch)
+    assert any(taken)
+    for a, b in zip(stepped, lone, strict=True):
+        assert torch.allclose(a, b, atol=1e-4)
