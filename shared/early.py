@@ -5,9 +5,10 @@ Contract (the runner's side is ``StageRunner``; why and what it measured: README
 - ``EarlyStarts.offer(payload)`` (a ``protocol.CarriedRecord`` from the doorbell) starts a run
   only for a partition this consumer owns and is not pausing, within the runner's concurrency,
   and never for a record Kafka already delivered here (``seen``) or one already running.
-- A run works under the stage's ledger claim like a delivered record; a claim held elsewhere,
-  a done-mark or an abort ends it unstarted (``handled`` False) and the record, when it comes,
-  takes the usual path.
+- A run works under the stage's ledger claim like a delivered record, but its claim's round trip
+  overlaps the work (:meth:`EarlyRun.claim`): what it shows waits for the claim too. A claim held
+  elsewhere, a done-mark or an abort drops the run with nothing shown (``handled`` False) and
+  the record, when it comes, takes the usual path.
 - Its token-stream writes, outputs, releases, done-mark and error events wait for the record
   itself (:meth:`EarlyRun.confirmed`): Kafka stays the record of truth, and a copy whose produce
   never lands changes nothing anyone sees. Caches it fills (embeddings, prefix KV) may stay.
@@ -27,6 +28,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from shared import metrics, protocol
+from shared.ledger import CLAIMED
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,10 @@ _SEEN_MAX = 1024  # hashes of records delivered lately: a ring heard after its r
 
 class Unconfirmed(Exception):
     """Kafka did not deliver the early-started record in time, or its partition went away."""
+
+
+class Unclaimed(Unconfirmed):
+    """The run did not get the stage's claim (held elsewhere, done, aborted, or Redis away)."""
 
 
 class EarlyRun:
@@ -49,7 +55,42 @@ class EarlyRun:
         self.dropped = False
         self.task: asyncio.Task | None = None
         self._record: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._claim: asyncio.Future | None = None
         self._give_up = time.monotonic() + confirm_s
+
+    def claim(self, enter: Awaitable[int]) -> None:
+        """Take the stage's claim (``enter``: the ledger's round trip) while the work starts:
+        :meth:`confirmed`, which every effect awaits, waits for it too."""
+        self._claim = asyncio.ensure_future(enter)
+        self._claim.add_done_callback(self._claim_done)
+
+    def _claim_done(self, fut: asyncio.Future) -> None:
+        self.handled = not fut.cancelled() and fut.exception() is None and fut.result() == CLAIMED
+
+    async def claimed(self) -> None:
+        """Returns once the run holds the claim; :class:`Unclaimed` (the run dropped) if it does not."""
+        if self._claim is None:
+            return
+        try:
+            state = await asyncio.shield(self._claim)
+        except asyncio.CancelledError:
+            if not self._claim.cancelled():  # this task's own cancellation
+                raise
+            state = None
+        except Exception as exc:  # noqa: BLE001 - Redis away: the record, when it comes, takes the usual path
+            self.drop()
+            raise Unclaimed(f"the claim could not be taken ({exc!r})") from None
+        if state != CLAIMED:
+            self.drop()
+            raise Unclaimed(f"the claim is not this run's (ledger state {state})")
+
+    async def holds_claim(self) -> bool:
+        """Whether the run got the claim, once its round trip is back (for the release)."""
+        if self._claim is None:
+            return True
+        await asyncio.gather(self._claim, return_exceptions=True)
+        claim = self._claim
+        return not claim.cancelled() and claim.exception() is None and claim.result() == CLAIMED
 
     def adopt(self, tp, rec) -> bool:
         """Kafka delivered the record: wake whatever waits for it. False once the run was dropped."""
@@ -64,7 +105,9 @@ class EarlyRun:
             self._record.cancel()
 
     async def confirmed(self):
-        """``(tp, rec)`` of the delivered record; raises :class:`Unconfirmed` past the bound."""
+        """``(tp, rec)`` of the delivered record, the claim held; raises :class:`Unconfirmed` past
+        the bound, :class:`Unclaimed` without the claim."""
+        await self.claimed()
         if not self._record.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._record), max(self._give_up - time.monotonic(), 0.0))

@@ -118,10 +118,8 @@ class StageRunner:
             await self._attempts(tp, rec, msg, meta, queue_ms)
             return
         t_claim = time.perf_counter()
-        if run is not None:  # anything but a fresh claim: the record, when it comes, takes the usual path
-            if await ledger.enter(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id) != CLAIMED:
-                return
-            run.handled = True
+        if run is not None:  # the claim's round trip overlaps the work; all the run shows waits for it
+            run.claim(ledger.enter(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id))
             state = CLAIMED
         else:  # past the deadline an unclaimed record goes on: the deadline check ends it with a 504
             state = await ledger.enter_waiting(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id,
@@ -139,13 +137,15 @@ class StageRunner:
         finished = False
         try:
             await self._attempts(tp, rec, msg, meta, queue_ms, claim_ms, run)
+            if run is not None:
+                await run.confirmed()  # never a done-mark without the claim (every effect waited for it)
             keeper.cancel()
             await ledger.finish(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
             finished = True
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
-            if not finished:
+            if not finished and (run is None or await run.holds_claim()):
                 await ledger.release(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
 
     async def _attempts(self, tp: TopicPartition | None, rec, msg, meta: protocol.RequestMeta, queue_ms: float,
@@ -176,6 +176,8 @@ class StageRunner:
             except (asyncio.CancelledError, Unconfirmed):  # an early start's record did not come: drop it
                 raise
             except Exception as exc:
+                if run is not None:
+                    await run.claimed()  # a run without the claim drops here rather than retry
                 log.exception("%s: handler failed for %s (attempt %d)", self.stage, meta.request_id, attempts)
                 if attempts >= self._settings.max_attempts:
                     if run is not None:

@@ -1,7 +1,8 @@
 """Early start against the real broker and Redis: a stage runner starts a record's work on the
 copy its doorbell ring carries, shows nothing (outputs, stream writes) until Kafka delivers the
 record, then adopts it: one output, one handler call. A copy whose record never comes changes
-nothing and frees its claim; a claim held elsewhere keeps the early run from doing the work."""
+nothing and frees its claim. The copy's claim is asked for while its work runs: a claim held
+elsewhere, or a done-mark, leaves that work unseen and the record takes the usual path."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from shared import protocol
 from shared.bus import ensure_topics, make_producer, produce_all
 from shared.doorbell import Doorbell
 from shared.keys import RedisKeys
-from shared.ledger import CLAIMED, StageLedger
+from shared.ledger import CLAIMED, HELD, StageLedger
 from shared.runner import StageRunner
 from shared.settings import Settings
 from shared.stage import Context, Outcome, Produce
@@ -138,18 +139,35 @@ async def test_a_copy_whose_record_never_comes_changes_nothing_and_frees_its_cla
     assert len(await env["streams"].history(rid)) == 1
 
 
-async def test_a_claim_held_elsewhere_keeps_the_copy_from_running(early_env):
+async def test_a_claim_held_elsewhere_leaves_the_copys_work_unseen_and_the_record_waits_for_it(early_env):
     env = early_env
     rid = f"r-{uuid.uuid4().hex[:6]}"
     assert await env["ledger"].enter(rid, "s", 0, "other-worker") == CLAIMED
     value = _carry(env, protocol.PrefillRequest(meta=_meta(rid)))
     await env["producer"].send_and_wait(env["in"], value, key=rid.encode())
+    await _until(lambda: env["handler"].calls == [rid], 10)  # the copy ran while its claim was asked for
     await asyncio.sleep(0.5)
-    assert env["handler"].calls == []  # the record waits for the claim, as a redelivery would
+    assert env["handler"].calls == [rid]  # the record waits for the claim, as a redelivery would
+    assert await env["streams"].history(rid) == []  # the copy's stream write and output never showed
+    assert await _drain_topic(env["settings"].kafka_bootstrap, env["out"], want=1, timeout_s=0.3) == []
+    assert await env["ledger"].enter(rid, "s", 0, "probe") == HELD  # the copy took nor freed it
     await env["ledger"].release(rid, "s", 0, "other-worker")
     out = await _drain_topic(env["settings"].kafka_bootstrap, env["out"], want=1)
     assert len(out) == 1
-    assert env["handler"].calls == [rid]
+    assert env["handler"].calls == [rid, rid]
+    assert len(await env["streams"].history(rid)) == 1
+
+
+async def test_a_copy_of_a_record_already_done_shows_nothing_and_the_record_is_not_run_again(early_env):
+    env = early_env
+    rid = f"r-{uuid.uuid4().hex[:6]}"
+    await env["ledger"].mark_done(rid, "s", 0)
+    value = _carry(env, protocol.PrefillRequest(meta=_meta(rid)))
+    await env["producer"].send_and_wait(env["in"], value, key=rid.encode())
+    await _until(lambda: env["runner"].processed == 1, 10)
+    assert env["handler"].calls in ([], [rid])  # a copy heard after the record starts nothing
+    assert await env["streams"].history(rid) == []
+    assert await _drain_topic(env["settings"].kafka_bootstrap, env["out"], want=1, timeout_s=0.5) == []
 
 
 async def test_produce_all_rings_with_the_record_and_the_stage_adopts_it(early_env):
