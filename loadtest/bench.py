@@ -52,6 +52,9 @@ class BenchConfig:
     progress: bool = True
     idle_cpu_s: float = 5.0  # idle window before the first load level: the target's idle CPU
     repeat: int = 1  # each load level this many times in a row (labels get " #k")
+    # with repeat: repetition k of every target before repetition k + 1 of any, each target started
+    # afresh for it, so that the machine's drift over minutes falls on every target alike
+    interleave: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -80,20 +83,24 @@ def run_bench(cfg: BenchConfig, opts: TargetOptions, after=None) -> dict:
                                                                 latency_std_ms=std)).base_url
             asyncio.run(_prefetch(media_base, [sp for level in levels for sp in level] + warm_specs))
         targets = stack.enter_context(Targets(opts))
-        for spec in cfg.targets:
-            try:
-                with targets.open(spec) as ep:
-                    log.info("%s ready at %s", spec, ep.base_url)
-                    result["targets"][spec] = {"base_url": ep.base_url, **ep.info}
-                    result["runs"] += asyncio.run(_run_target(ep, cfg, levels, warm_specs, media_base))
-                    if after is not None:
-                        result.setdefault("after", {})[spec] = after(ep)
-            except TargetSkipped as exc:
-                log.warning("%s skipped: %s", spec, exc)
-                result["skipped"][spec] = str(exc)
-            except Exception as exc:  # noqa: BLE001 - one broken target must not lose the others' figures
-                log.error("%s failed: %s", spec, exc)
-                result["failed"][spec] = f"{type(exc).__name__}: {exc}"[:2000]
+        rounds = [range(k, k + 1) for k in range(cfg.repeat)] if cfg.interleave else [range(cfg.repeat)]
+        for reps in rounds:
+            for spec in cfg.targets:
+                if spec in result["skipped"] or spec in result["failed"]:
+                    continue
+                try:
+                    with targets.open(spec) as ep:
+                        log.info("%s ready at %s", spec, ep.base_url)
+                        result["targets"].setdefault(spec, {"base_url": ep.base_url, **ep.info})
+                        result["runs"] += asyncio.run(_run_target(ep, cfg, levels, warm_specs, media_base, reps))
+                        if after is not None and reps.start == 0:
+                            result.setdefault("after", {})[spec] = after(ep)
+                except TargetSkipped as exc:
+                    log.warning("%s skipped: %s", spec, exc)
+                    result["skipped"][spec] = str(exc)
+                except Exception as exc:  # noqa: BLE001 - one broken target must not lose the others' figures
+                    log.error("%s failed: %s", spec, exc)
+                    result["failed"][spec] = f"{type(exc).__name__}: {exc}"[:2000]
     result["load_average_1m"]["end"] = os.getloadavg()[0]
     return result
 
@@ -115,9 +122,9 @@ def level_specs(cfg: BenchConfig, first: list) -> list[list]:
 
 
 async def _run_target(ep: Endpoint, cfg: BenchConfig, levels: list[list], warm_specs,
-                      media_base: str | None) -> list[dict]:
+                      media_base: str | None, reps: range | None = None) -> list[dict]:
     """``levels``: the requests of each load level and repetition, in run order (a single
-    list serves every level)."""
+    list serves every level); ``reps``: the repetitions to run now (default: all)."""
     url = ep.base_url + "/v1/chat/completions"
 
     def body(spec: workloads.RequestSpec) -> dict:
@@ -136,11 +143,9 @@ async def _run_target(ep: Endpoint, cfg: BenchConfig, levels: list[list], warm_s
         fleet = ep.name.startswith("fleet:")
         idle = await cpu.idle_pct(ep.pid, cfg.idle_cpu_s, with_infra=fleet) if cfg.shapes else None
         runs = []
-        n = 0
-        for shape in cfg.shapes:
-            for k in range(cfg.repeat):
-                at = min(n, len(levels) - 1)
-                n += 1
+        for i, shape in enumerate(cfg.shapes):
+            for k in (reps if reps is not None else range(cfg.repeat)):
+                at = min(i * cfg.repeat + k, len(levels) - 1)
                 with cpu.CpuWindow(ep.pid, with_infra=fleet) as busy:
                     run = await _run_shape(ep, cfg, session, url, levels[at], level_bodies[at], shape)
                 run["cpu"] = {"idle_pct": idle, "load_pct": busy.pct if ep.pid else None,

@@ -69,6 +69,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="seconds of idle before the first load level, to measure the target's idle CPU")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each load level this many times (the summary gives medians and the spread)")
+    p.add_argument("--interleave", action="store_true",
+                   help="with --repeat: repetition k of every target before repetition k+1 of any, each "
+                        "target started afresh for it (the machine's drift falls on every target alike)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -261,7 +264,7 @@ def _bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(targets=targets, workload=workload, shapes=shapes, out_dir=out, delivery=delivery,
                       model=args.model, temperature=temperature, slos=slos, warmup=args.warmup,
                       timeout_s=args.timeout_s, media_latency_ms=media_latency, progress=not args.no_progress,
-                      idle_cpu_s=args.idle_cpu_s, repeat=args.repeat)
+                      idle_cpu_s=args.idle_cpu_s, repeat=args.repeat, interleave=args.interleave)
     opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
                          extra_env=extra_env, vllm_python=args.vllm_python, ready_timeout_s=args.ready_timeout_s,
                          redis_url=redis_url, redis_prefix=redis_prefix)

@@ -46,11 +46,11 @@ class FakeOpenAI:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         recv = time.perf_counter()
-        await request.read()
+        body = await request.read()
         self._n += 1
         rid = f"fake-{self._n}"
         sends: list[float] = []
-        self.times[rid] = {"recv": recv, "sends": sends}
+        self.times[rid] = {"recv": recv, "sends": sends, "body": body}
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
 
@@ -363,6 +363,30 @@ def test_every_level_and_repetition_sends_new_content(tmp_path):
     assert all(a.isdisjoint(b) for i, a in enumerate(names) for b in names[i + 1:])
     again = level_specs(cfg, workloads.build(cfg.workload))
     assert again == levels
+
+
+def test_interleaved_repetitions_alternate_the_targets_with_the_same_requests(tmp_path):
+    shapes = [LoadShape("concurrency", c, 4, duration_s=60, grace_s=30) for c in (1, 2)]
+    with FakeOpenAI() as a, FakeOpenAI() as b:
+        cfg = _config(tmp_path, [f"url:{a.base_url}", f"url:{b.base_url}"], n=4, shapes=shapes, repeat=2,
+                      interleave=True, idle_cpu_s=0)
+        result = run_bench(cfg, TargetOptions(model_dir=tmp_path, log_dir=tmp_path))
+    assert not result["failed"]
+    order = [(r["target"], r["label"]) for r in result["runs"]]
+    ta, tb = f"url:{a.base_url}", f"url:{b.base_url}"
+    assert order == [(ta, "c=1 #1"), (ta, "c=2 #1"), (tb, "c=1 #1"), (tb, "c=2 #1"),
+                     (ta, "c=1 #2"), (ta, "c=2 #2"), (tb, "c=1 #2"), (tb, "c=2 #2")]
+    starts = [r["started_unix_s"] for r in result["runs"]]
+    assert starts == sorted(starts)
+
+    def bodies(run, fake):
+        return sorted(fake.times[rec["request_id"]]["body"] for rec in run["records"])
+
+    by = {(r["target"], r["label"]): r for r in result["runs"]}
+    for label in ("c=1 #1", "c=2 #1", "c=1 #2", "c=2 #2"):  # every target got the same requests
+        assert bodies(by[ta, label], a) == bodies(by[tb, label], b)
+    assert bodies(by[ta, "c=1 #1"], a) != bodies(by[ta, "c=1 #2"], a)  # and each repetition new ones
+    assert "c=1 (2 repetitions)" in write_all(result, tmp_path, plots=False).read_text()
 
 
 def test_free_ports_are_below_the_ephemeral_range():
