@@ -65,7 +65,7 @@ class EarlyRun:
         self._claim.add_done_callback(self._claim_done)
 
     def _claim_done(self, fut: asyncio.Future) -> None:
-        self.handled = not fut.cancelled() and fut.exception() is None and fut.result() == CLAIMED
+        self.handled = _won(fut)
 
     async def claimed(self) -> None:
         """Returns once the run holds the claim; :class:`Unclaimed` (the run dropped) if it does not."""
@@ -89,8 +89,7 @@ class EarlyRun:
         if self._claim is None:
             return True
         await asyncio.gather(self._claim, return_exceptions=True)
-        claim = self._claim
-        return not claim.cancelled() and claim.exception() is None and claim.result() == CLAIMED
+        return _won(self._claim)
 
     def adopt(self, tp, rec) -> bool:
         """Kafka delivered the record: wake whatever waits for it. False once the run was dropped."""
@@ -124,6 +123,11 @@ class EarlyRun:
     def gated(self, events):
         """``events`` (an EventSink) whose writes wait for :meth:`confirmed`."""
         return _GatedEvents(events, self)
+
+
+def _won(claim: asyncio.Future) -> bool:
+    """A finished claim round trip that took the claim."""
+    return not claim.cancelled() and claim.exception() is None and claim.result() == CLAIMED
 
 
 class _GatedEvents:
