@@ -268,9 +268,9 @@ class CoreDecodeEngine:
                      sampling: protocol.Sampling, resume: tuple[int, ...] = (),
                      prompt_ids: tuple[int, ...] = ()) -> AsyncIterator[int]:
         """As ``TransformersEngine.decode``; the steps and the sampling run in the core."""
+        await self._ensure_core()  # first: the eos ids come with the core's Ready
         if DecodeSeq(sampling, self.eos_token_ids, first_token).finished:  # nothing to generate after it
             return
-        await self._ensure_core()
         kv = kv.detach().to("cpu").contiguous()
         start = Start(sid=next(self._ids), kv=memoryview(kv.view(torch.uint8).numpy()),
                       kv_dtype=str(kv.dtype).removeprefix("torch."), kv_shape=tuple(kv.shape),

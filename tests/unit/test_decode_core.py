@@ -118,6 +118,17 @@ async def test_early_stop_abort_crash_and_stop(engines):
     assert [int(t) for t in await _decode(core, rid, pre, sampling, prompt)] == expected
     assert core.starts == starts + 1 and core.pid not in (None, pid)
 
+    # a fresh engine's first decode, before its core said Ready (the eos ids come with it): an
+    # eos first token still ends the completion there
+    fresh = CoreDecodeEngine(core._model_dir)
+    await fresh.start()
+    try:
+        eos = min(core.eos_token_ids)
+        assert [t async for t in fresh.decode(rid, pre.kv, pre.rope_delta, pre.prompt_len, eos, SAMPLINGS[0])] == []
+        assert fresh.forwards == 0 and fresh.starts == 1
+    finally:
+        await fresh.stop()
+
     # stop: the core exits with the engine (the fixture's teardown stops it again: a no-op)
     pid = core.pid
     await core.stop()
