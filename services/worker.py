@@ -162,9 +162,13 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         ledger = StageLedger(redis, keys, lease_ms=settings.stage_lease_ms, done_ttl_s=settings.done_ttl_s)
         contexts = {s: Context(stage=s, worker_id=worker_id, events=streams, transfer=transfer, ledger=ledger)
                     for s in stages}
-        local = {BY_NAME[s].topic: (b.handler, contexts[s]) for s, b in built.items()}
+        # every engine can serve (the two overlap, see _Engines) before a worker is listed as serving
+        # and before any handler reads an engine's facts (the decode core's eos ids come with its Ready)
+        boot = asyncio.create_task(engines.started(), name="engines-started")
+        handlers = {s: _AfterStart(b.handler, boot) for s, b in built.items()}
+        local = {BY_NAME[s].topic: (handlers[s], contexts[s]) for s in built}
         runners = [StageRunner(stage=stage, topic=BY_NAME[stage].topic, union=BY_NAME[stage].message,
-                               handler=built[stage].handler, ctx=contexts[stage], producer=producer, settings=settings,
+                               handler=handlers[stage], ctx=contexts[stage], producer=producer, settings=settings,
                                concurrency=built[stage].concurrency, local_routes=local, router=router,
                                rebalance_listener=built[stage].listener, doorbell=doorbell)
                    for stage in entry_stages(stages)]
@@ -183,8 +187,6 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
                                    metrics_port=metrics_server.port,
                                    metrics_url=hostaddr.http_url(hostaddr.advertise_host(settings),
                                                                  metrics_server.port) + "/metrics")
-        # serving once every runner holds partitions and every engine can serve: the two overlap
-        boot = asyncio.create_task(engines.started(), name="engines-started")
         beat = asyncio.create_task(heartbeat(redis, RedisKeys(settings.redis_prefix), info,
                                              lambda: _succeeded(boot) and all(r.assigned.is_set() for r in runners)))
         done, _ = await asyncio.wait([*tasks, boot], return_when=asyncio.FIRST_COMPLETED)
@@ -206,6 +208,17 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     for exc in failed:
         log.error("runner failed: %r", exc)
     return 1 if failed else 0
+
+
+class _AfterStart:
+    """A stage's handler whose calls wait for the worker's engines to be able to serve."""
+
+    def __init__(self, inner, boot: asyncio.Task) -> None:
+        self._inner, self._boot = inner, boot
+
+    async def handle(self, msg, ctx):
+        await asyncio.shield(self._boot)  # done, but for records consumed while an engine loads
+        return await self._inner.handle(msg, ctx)
 
 
 def _succeeded(task: asyncio.Task) -> bool:

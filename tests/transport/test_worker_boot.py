@@ -1,7 +1,7 @@
 """A decode worker's start-up against the real broker and Redis: its decode core loads while the
 worker joins its consumer group, and the worker is listed as serving only once both are done; a
 core that never gets ready ends the worker with a non-zero exit (its supervisor restarts it)
-rather than leaving it joined but unable to decode."""
+rather than leaving it joined but unable to decode; a record consumed meanwhile waits for the engines."""
 
 from __future__ import annotations
 
@@ -56,3 +56,22 @@ async def test_a_decode_worker_whose_core_never_gets_ready_is_never_listed_and_e
     assert assigned_for_s >= 1.0, "the worker never held its partitions"
     assert listed == 0, "listed as serving before its decode core was ready"
     assert rc == 1
+
+
+async def test_a_stage_handler_runs_only_once_the_engines_can_serve():
+    """Records consumed while the decode core loads wait: its eos ids come with its Ready."""
+    calls = []
+
+    class Handler:
+        async def handle(self, msg, ctx):
+            calls.append(msg)
+            return "outcome"
+
+    ready = asyncio.Event()
+    boot = asyncio.create_task(ready.wait())
+    held = worker_mod._AfterStart(Handler(), boot)
+    call = asyncio.create_task(held.handle("record", None))
+    await asyncio.sleep(0.05)
+    assert calls == [] and not call.done()
+    ready.set()
+    assert await call == "outcome" and calls == ["record"]
