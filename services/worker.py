@@ -31,6 +31,7 @@ from redis.asyncio import Redis
 from services.modes import check_engine, entry_stages, normalise
 from services.stages import BY_NAME, SPECS
 from shared import gcpolicy, hostaddr, logs, metrics, protocol
+from shared.aio import succeeded
 from shared.bus import make_producer
 from shared.device import resolve_placement
 from shared.doorbell import Doorbell
@@ -188,15 +189,15 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
                                    metrics_url=hostaddr.http_url(hostaddr.advertise_host(settings),
                                                                  metrics_server.port) + "/metrics")
         beat = asyncio.create_task(heartbeat(redis, RedisKeys(settings.redis_prefix), info,
-                                             lambda: _succeeded(boot) and all(r.assigned.is_set() for r in runners)))
+                                             lambda: succeeded(boot) and all(r.assigned.is_set() for r in runners)))
         done, _ = await asyncio.wait([*tasks, boot], return_when=asyncio.FIRST_COMPLETED)
-        if done == {boot} and _succeeded(boot):
+        if done == {boot} and succeeded(boot):
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stopping_at = time.monotonic()
         for c in consumers:  # one ending (stop or fatal) ends the process
             c.stop()
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        if boot.done() and not boot.cancelled() and not _succeeded(boot):  # an engine that never could serve
+        if boot.done() and not boot.cancelled() and not succeeded(boot):  # an engine that never could serve
             results.append(boot.exception())
         for t in [beat, boot, *background]:
             t.cancel()
@@ -219,10 +220,6 @@ class _AfterStart:
     async def handle(self, msg, ctx):
         await asyncio.shield(self._boot)  # done, but for records consumed while an engine loads
         return await self._inner.handle(msg, ctx)
-
-
-def _succeeded(task: asyncio.Task) -> bool:
-    return task.done() and not task.cancelled() and task.exception() is None
 
 
 def _index(settings: Settings, redis: Redis, keys: RedisKeys):

@@ -5,6 +5,8 @@ it is set. Why not ``asyncio.wait_for(event.wait(), timeout_s)``: on Python 3.11
 cancel arriving in the same loop turn as the event (it returns the inner result instead of
 raising), so a loop cancelled at shutdown just as it was woken runs on, and whoever awaits it
 hangs. ``asyncio.timeout`` tells its own expiry from an outside cancel.
+
+``succeeded(fut)``: ``fut`` finished, not cancelled and without an exception.
 """
 
 from __future__ import annotations
@@ -23,3 +25,7 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def succeeded(fut: asyncio.Future) -> bool:
+    return fut.done() and not fut.cancelled() and fut.exception() is None

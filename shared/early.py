@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from shared import metrics, protocol
+from shared.aio import succeeded
 from shared.ledger import CLAIMED
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class EarlyRun:
 
 def _won(claim: asyncio.Future) -> bool:
     """A finished claim round trip that took the claim."""
-    return not claim.cancelled() and claim.exception() is None and claim.result() == CLAIMED
+    return succeeded(claim) and claim.result() == CLAIMED
 
 
 class _GatedEvents:

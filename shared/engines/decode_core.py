@@ -38,6 +38,7 @@ import msgspec
 import torch
 
 from shared import metrics, protocol
+from shared.aio import succeeded
 from shared.engines.base import Capabilities, EngineError, SampledToken
 from shared.engines.sampling import DecodeSeq
 
@@ -156,8 +157,7 @@ class CoreDecodeEngine:
 
     def _died(self) -> bool:
         """The core started, and has died since (its reader saw EOF, or it exited)."""
-        boot = self._boot
-        started = boot is not None and boot.done() and not boot.cancelled() and boot.exception() is None
+        started = self._boot is not None and succeeded(self._boot)
         return started and (self._writer is None or self._proc is None or self._proc.poll() is not None)
 
     def _spawn(self) -> None:
