@@ -4,9 +4,10 @@
 Layout (keys in :class:`shared.keys.RedisKeys`, every one expiring ``kv_report_ttl_ms`` after
 its worker was last heard from, so a crashed worker drops out of routing by itself):
 - ``kv_load(w)``: hash ``inflight``, ``queued_tokens`` (prompt positions still to compute) and
-  ``partitions`` (comma-separated), written by :class:`LoadReporter` at once on every change of
-  load (that write alone), and with the owner fields and TTLs below every
-  ``kv_report_interval_ms`` and on every rebalance.
+  ``partitions`` (comma-separated), written by :class:`LoadReporter` within ``COALESCE_S`` of a
+  change of load (that write alone; a change undone within it, a prompt prefilled in less,
+  writes nothing), and with the owner fields and TTLs below every ``kv_report_interval_ms`` and
+  on every rebalance.
 - ``kv_owners(mm.prefill)``: hash partition -> worker, rewritten by the owner on assignment,
   removed (only if still its own) on revocation. A field is trusted only when the named
   worker's ``kv_load`` lists that partition too, so a stale field is never routed on.
@@ -35,6 +36,13 @@ from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# Changes of load within this window are one report. A report is a Redis round trip on the
+# prefill worker's loop; reported 5 ms after its start, a forward's own change of load ran its
+# Python beside that forward (the two threads take turns at the GIL) and reported again at its
+# end: two writes per request, the first one mid-forward. Past the window a prompt prefilled in
+# less has left the load as it was, and nothing is written.
+COALESCE_S = 0.025
+
 # delete an owner field only if it still names us (the new owner may have written it already)
 _HDEL_IF_MINE = """
 for i, f in ipairs(ARGV) do
@@ -54,6 +62,9 @@ class LoadTracker:
         # set on every change: the reporter publishes at once, so the table never shows work
         # that is already done (a stale load would steer a follow-up turn away from its KV)
         self.changed = asyncio.Event()
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.inflight, self.queued_tokens
 
     @contextmanager
     def track(self, tokens: int):
@@ -82,6 +93,7 @@ class LoadReporter(ConsumerRebalanceListener):
         self._interval_s = settings.kv_report_interval_ms / 1000
         self._ttl_ms = settings.kv_report_ttl_ms
         self._partitions: tuple[int, ...] = ()
+        self._reported: tuple[int, int] | None = None  # the load the table holds (last written)
         self._hdel = redis.register_script(_HDEL_IF_MINE)
 
     # ConsumerRebalanceListener: awaited by aiokafka inside the rebalance
@@ -107,16 +119,17 @@ class LoadReporter(ConsumerRebalanceListener):
         """The load; with ``full`` also the owner fields and the blocks' TTL (a change of load
         alone needs none of them: they change on rebalances, which report in full)."""
         k = self._keys
+        load = self._load.snapshot()
         pipe = self._redis.pipeline(transaction=False)
         pipe.hset(k.kv_load(self._worker), mapping={
-            "inflight": self._load.inflight, "queued_tokens": self._load.queued_tokens,
-            "partitions": ",".join(map(str, self._partitions))})
+            "inflight": load[0], "queued_tokens": load[1], "partitions": ",".join(map(str, self._partitions))})
         pipe.pexpire(k.kv_load(self._worker), self._ttl_ms)
         if full:
             if self._partitions:
                 pipe.hset(k.kv_owners(self._topic), mapping={str(p): self._worker for p in self._partitions})
             pipe.pexpire(k.kv_blocks(self._worker), self._ttl_ms)
         await pipe.execute()
+        self._reported = load
 
     async def run(self) -> None:
         """Refresh until cancelled; on the way out remove this worker from the table."""
@@ -127,14 +140,15 @@ class LoadReporter(ConsumerRebalanceListener):
                 self._load.changed.clear()  # a change during the report triggers the next one
                 full = loop.time() >= full_at
                 try:
-                    await self.report(full=full)
+                    if full or self._load.snapshot() != self._reported:
+                        await self.report(full=full)
                     if full:
                         full_at = loop.time() + self._interval_s
                 except (aioredis.RedisError, OSError) as exc:
                     log.warning("kv: load report failed: %r", exc)
                 # on a change of load, else when the full report is due
                 await wait_event(self._load.changed, full_at - loop.time())
-                await asyncio.sleep(0.005)  # a burst of changes is one report
+                await asyncio.sleep(COALESCE_S)  # a burst of changes is one report
         finally:
             await asyncio.shield(self._withdraw())
 

@@ -15,7 +15,7 @@ from shared import protocol
 from shared.keys import TOPIC_PREFILL, RedisKeys
 from shared.kv.blocks import block_hashes
 from shared.kv.router import Router
-from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
+from shared.kv.table import COALESCE_S, KvTableUpdater, LoadReporter, LoadTracker
 from shared.settings import Settings
 from tests.roundtrips import count_round_trips
 
@@ -236,6 +236,33 @@ async def test_a_change_of_load_writes_the_load_alone_and_the_interval_writes_ev
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert not await t["redis"].exists(t["keys"].kv_load("w9"))  # withdrawn on the way out
+
+
+async def test_a_change_of_load_undone_within_the_window_writes_nothing(table, monkeypatch):
+    """A prompt prefilled within ``COALESCE_S`` leaves the load as the table holds it: no write
+    (the report's round trip would run beside the forward). A change that lasts is written once."""
+    t = table
+    load = LoadTracker()
+    w8 = LoadReporter(t["redis"], t["keys"], "w8", load, t["settings"].with_overrides(kv_report_interval_ms=60_000))
+    task = asyncio.create_task(w8.run())
+    try:
+        while not await t["redis"].exists(t["keys"].kv_load("w8")):  # its first (full) report
+            await asyncio.sleep(0.01)
+        sent = count_round_trips(monkeypatch, t["redis"])
+        for _ in range(3):
+            with load.track(64):
+                await asyncio.sleep(COALESCE_S / 5)
+            await asyncio.sleep(COALESCE_S * 3)
+        assert sent == []
+        with load.track(64):
+            t0 = time.monotonic()
+            while (await t["redis"].hget(t["keys"].kv_load("w8"), "queued_tokens")) != b"64":
+                assert time.monotonic() - t0 < 0.5, "a lasting change of load was not reported"
+                await asyncio.sleep(0.01)
+            assert sent.count(2) == 1  # one write: the load and its TTL
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_a_read_ahead_moves_the_round_trip_off_the_produce_point(table, monkeypatch):
