@@ -7,11 +7,18 @@ raising), so a loop cancelled at shutdown just as it was woken runs on, and whoe
 hangs. ``asyncio.timeout`` tells its own expiry from an outside cancel.
 
 ``succeeded(fut)``: ``fut`` finished, not cancelled and without an exception.
+
+``gather(*aws, return_exceptions=False)``: ``asyncio.gather``, except that a lone awaitable is
+awaited in place. A task of its own starts a loop turn later, behind every callback ready by
+then: on a stage's loop, busy with the record's own fetch and claim, that was ~1 ms of a
+request's one embedding pull (measured). A cancel of the caller still raises.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import Any
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
@@ -29,3 +36,14 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
 
 def succeeded(fut: asyncio.Future) -> bool:
     return fut.done() and not fut.cancelled() and fut.exception() is None
+
+
+async def gather(*aws: Awaitable[Any], return_exceptions: bool = False) -> list[Any]:
+    if len(aws) != 1:
+        return await asyncio.gather(*aws, return_exceptions=return_exceptions)
+    try:
+        return [await aws[0]]
+    except Exception as exc:
+        if not return_exceptions:
+            raise
+        return [exc]

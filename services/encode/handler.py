@@ -15,9 +15,8 @@ embedding may then be owned by another encode worker: ``owners`` names every age
 
 from __future__ import annotations
 
-import asyncio
-
 from shared import protocol
+from shared.aio import gather
 from shared.embcache.coalesce import EncodeCache, count_uncached_encode
 from shared.engines.base import Engine
 from shared.keys import TOPIC_PREFILL
@@ -42,7 +41,7 @@ class EncodeHandler:
         assert ctx.transfer is not None
         if self._router is not None:  # the PrefillRequest's route, read while the items encode
             self._router.read_ahead(msg.meta.request_id, msg.meta.prompt_token_ids, [*msg.items, *msg.cached])
-        results = await asyncio.gather(*(self._item(msg, it, ctx) for it in msg.items), return_exceptions=True)
+        results = await gather(*(self._item(msg, it, ctx) for it in msg.items), return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
             for r in results:  # nobody will read these: end their leases now, not at TTL

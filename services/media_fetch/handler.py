@@ -38,6 +38,7 @@ from collections.abc import Callable
 import blake3
 
 from shared import metrics, protocol
+from shared.aio import gather
 from shared.compute import ComputeLane
 from shared.embcache.identity import cache_key
 from shared.embcache.index import EmbeddingIndex
@@ -149,7 +150,7 @@ class MediaFetchHandler:
             return {}
         wanted = [i for i, (k, src) in enumerate(zip(keys, msg.items, strict=True))
                   if k and src.kind in self._shortcut_kinds]
-        entries = await asyncio.gather(*(self._index.lookup_live(keys[i]) for i in wanted))
+        entries = await gather(*(self._index.lookup_live(keys[i]) for i in wanted))
         found = {i: e for i, e in zip(wanted, entries, strict=True) if e is not None}
         if len(found) < len(wanted):
             MISSES.labels(stage="media-fetch").inc(len(wanted) - len(found))

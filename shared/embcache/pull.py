@@ -14,9 +14,8 @@ is encoded again: a fallback, never an error.
 
 from __future__ import annotations
 
-import asyncio
-
 from shared import protocol
+from shared.aio import gather
 from shared.embcache.index import EmbeddingIndex
 from shared.embcache.metrics import FALLBACKS, HITS
 from shared.embcache.recent import RecentEmbeddings
@@ -36,8 +35,8 @@ class EmbeddingPuller:
         owners = {o.name: o for o in msg.owners}
         items = sorted(msg.items, key=lambda it: it.index)
         with timed_transfer():
-            embeds = await asyncio.gather(*(self._one(owners[it.embeds.agent], it, ctx) for it in items),
-                                          return_exceptions=True)
+            embeds = await gather(*(self._one(owners[it.embeds.agent], it, ctx) for it in items),
+                                  return_exceptions=True)
         for e in embeds:
             if isinstance(e, BaseException):
                 raise e

@@ -1,11 +1,14 @@
 """shared.aio.wait_event: set / timeout answers, and a cancel arriving in the same loop turn as
-the wake-up is never lost (Python 3.11's wait_for loses it: a cancelled loop would run on)."""
+the wake-up is never lost (Python 3.11's wait_for loses it: a cancelled loop would run on).
+shared.aio.gather: asyncio.gather's answers, a lone awaitable run in place (ahead of what is ready)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from shared.aio import wait_event
+import pytest
+
+from shared.aio import gather, wait_event
 
 
 async def test_set_timeout_and_already_set():
@@ -35,3 +38,40 @@ async def test_a_cancel_in_the_same_turn_as_the_wake_up_ends_the_loop():
     done, _ = await asyncio.wait({task}, timeout=2)
     assert done and task.cancelled(), "the cancel was lost: the loop ran on"
     assert turns == 0
+
+
+async def test_gather_runs_a_lone_awaitable_in_place_and_answers_as_asyncio_gather():
+    order: list[str] = []
+
+    async def work(name: str, fail: bool = False) -> str:
+        order.append(name)
+        if fail:
+            raise ValueError(name)
+        await asyncio.sleep(0)
+        return name
+
+    asyncio.get_running_loop().call_soon(order.append, "ready before")
+    assert await gather(work("alone")) == ["alone"]
+    assert order[:2] == ["alone", "ready before"]  # asyncio.gather's task would start after the callback
+    assert await gather(work("a"), work("b")) == ["a", "b"]
+    assert await gather() == []
+    failed = await gather(work("bad", fail=True), return_exceptions=True)
+    assert isinstance(failed[0], ValueError)
+    with pytest.raises(ValueError):
+        await gather(work("bad", fail=True))
+    mixed = await gather(work("ok"), work("bad", fail=True), return_exceptions=True)
+    assert mixed[0] == "ok" and isinstance(mixed[1], ValueError)
+
+
+async def test_gather_lets_a_cancel_of_its_caller_through():
+    started = asyncio.Event()
+
+    async def slow() -> None:
+        started.set()
+        await asyncio.sleep(10)
+
+    task = asyncio.create_task(gather(slow(), return_exceptions=True))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
