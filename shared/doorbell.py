@@ -82,7 +82,8 @@ class _RingWire:
     while one write is under way go out together. A failed write drops the connection and the
     rings queued (a lost ring costs at most the idle interval); the next ring reconnects. A server
     that answers anyway (an ACL refusing ``CLIENT REPLY``: its replies would pile up unread) is
-    noticed within ``_REPLY_CHECK_S`` and the rings go through the pool from then on."""
+    noticed within ``_REPLY_CHECK_S`` and the rings go through the pool from then on. A ring sent
+    while the connection is up and idle is written within ``send`` (:meth:`_write_now`)."""
 
     def __init__(self, redis) -> None:
         self._redis = redis
@@ -93,20 +94,42 @@ class _RingWire:
         self._check_at = 0.0
         self.pooled = False  # replies could not be turned off: rings are plain PUBLISH commands
         self.sent = 0
+        self._writing = False  # the ring task is writing (or reconnecting): later rings queue behind it
+        self._closed = False
 
     def send(self, channel: str, payload: bytes = b"") -> None:
-        if len(self._queue) >= _MAX_PENDING_RINGS:
+        if self._closed or len(self._queue) >= _MAX_PENDING_RINGS or self._write_now(channel, payload):
             return
         self._queue.append((channel, payload))
         self._wake.set()
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="doorbell-rings")
 
+    def _write_now(self, channel: str, payload: bytes) -> bool:
+        """Write the ring within this call when the connection is up and idle (nothing queued or
+        being written, no reply check due): the ring task would write it a loop turn later, behind
+        what is ready by then (the producer's own Kafka request first). False: queue it."""
+        conn = self._conn
+        if conn is None or self.pooled or self._queue or self._writing:
+            return False
+        writer = conn._writer  # redis-py 8 internals: the StreamWriter send_packed_command writes to
+        if (writer is None or writer.transport.is_closing() or writer.transport.get_write_buffer_size()
+                or asyncio.get_running_loop().time() >= self._check_at):
+            return False
+        writer.writelines(conn.pack_commands([("PUBLISH", channel, payload)]))
+        self.sent += 1
+        return True
+
     async def _run(self) -> None:
-        while True:
+        # ends on close() even when a cancel is lost: redis-py writes under asyncio.wait_for when the
+        # pool sets a socket timeout, and on Python 3.11 that can swallow a cancel (close() hung)
+        while not self._closed:
             await self._wake.wait()
             self._wake.clear()
+            if self._closed:
+                break
             rings, self._queue = self._queue, []
+            self._writing = True
             try:
                 if self.pooled:
                     for channel, payload in rings:
@@ -118,6 +141,8 @@ class _RingWire:
                 log.debug("doorbell rings %s lost: %r", [c for c, _ in rings], exc)
                 await self._drop()
                 await asyncio.sleep(_RECONNECT_S)  # Redis away: not a connect attempt per ring
+            finally:
+                self._writing = False
 
     async def _write(self, rings: list[tuple[str, bytes]]) -> None:
         loop = asyncio.get_running_loop()
@@ -152,7 +177,9 @@ class _RingWire:
                 pass
 
     async def close(self) -> None:
+        self._closed = True
         if self._task is not None:
+            self._wake.set()
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
@@ -243,12 +270,14 @@ class Doorbell:
                 async for msg in pubsub.listen():
                     if msg.get("type") == "message" and (bell := by_channel.get(msg["channel"])) is not None:
                         self.rings_heard += 1
-                        bell.ring()
+                        # the carried record first: its early run is then queued on the loop ahead
+                        # of the fetch the ring wakes, and starts before that fetch is sent
                         if msg["data"] and bell.on_carried is not None:
                             try:
                                 bell.on_carried(msg["data"])
                             except Exception:  # noqa: BLE001 - a carried copy is a hint: the record still comes
                                 log.exception("doorbell: a carried record's handler failed")
+                        bell.ring()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - Redis away: consumers poll at the idle interval

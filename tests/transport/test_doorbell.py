@@ -247,6 +247,31 @@ async def test_rings_are_written_with_replies_off_and_a_killed_connection_is_rep
         await asyncio.sleep(0.02)
 
 
+async def test_a_ring_on_an_idle_connection_is_written_within_the_call(bell_env):
+    """With the ring connection up and nothing queued, ``ring`` writes at once (the ring task
+    would write a loop turn later, behind whatever is ready); each such ring is heard, in order
+    with the carried payloads."""
+    settings, topic, _producer, redis = bell_env
+    sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    pub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    carried: list[bytes] = []
+    sub.on_carried(topic, carried.append)  # subscribe without a consumer
+    sub._listener = asyncio.create_task(sub._listen())
+    try:
+        await _ring_until_heard(pub, sub, topic)
+        await asyncio.sleep(0.1)  # the first reply check (50 ms after connecting) is behind us
+        pub._wire._check_at = asyncio.get_running_loop().time() + 60  # and the next not due
+        heard, sent = sub.rings_heard, pub.rings_sent
+        for i in range(20):
+            pub.ring(topic, b"%d" % i)
+            assert pub.rings_sent == sent + i + 1, "the ring was queued, not written"
+        await _until(lambda: sub.rings_heard >= heard + 20, 10, lambda: f"heard {sub.rings_heard - heard} of 20")
+        assert carried[-20:] == [b"%d" % i for i in range(20)]
+    finally:
+        await sub.close()
+        await pub.close()
+
+
 async def test_a_server_that_keeps_replying_gets_plain_publishes(bell_env, redis_url):
     """An ACL that refuses CLIENT REPLY leaves replies on: the wire notices the unread replies
     and rings with pooled PUBLISH commands from then on, which are still heard."""
