@@ -39,6 +39,7 @@ import time
 from redis.exceptions import ResponseError
 
 from shared.aio import wait_event
+from shared.redis_conn import write_at_once
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +111,10 @@ class _RingWire:
         being written, no reply check due): the ring task would write it a loop turn later, behind
         what is ready by then (the producer's own Kafka request first). False: queue it."""
         conn = self._conn
-        if conn is None or self.pooled or self._queue or self._writing:
+        if (conn is None or self.pooled or self._queue or self._writing
+                or asyncio.get_running_loop().time() >= self._check_at
+                or not write_at_once(conn, conn.pack_commands([("PUBLISH", channel, payload)]))):
             return False
-        writer = conn._writer  # redis-py 8 internals: the StreamWriter send_packed_command writes to
-        if (writer is None or writer.transport.is_closing() or writer.transport.get_write_buffer_size()
-                or asyncio.get_running_loop().time() >= self._check_at):
-            return False
-        writer.writelines(conn.pack_commands([("PUBLISH", channel, payload)]))
         self.sent += 1
         return True
 

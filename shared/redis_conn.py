@@ -70,6 +70,17 @@ class WaitingPool(aioredis.BlockingConnectionPool):
                 self._condition.notify()
 
 
+def write_at_once(conn, command) -> bool:
+    """Write a packed ``command`` (bytes or chunks) to a connected redis-py connection's socket
+    within this call, when nothing is buffered there and it is not closing; False: nothing was
+    written. Bytes the socket did not take stay in the transport's buffer."""
+    writer = conn._writer  # redis-py internals: tests/transport/test_redis_pool.py pins them
+    if writer is None or writer.transport.is_closing() or writer.transport.get_write_buffer_size():
+        return False
+    writer.writelines((command,) if isinstance(command, bytes) else command)
+    return True
+
+
 class _DirectSend:
     """For redis-py's connection classes: a command the socket takes at once is written without
     the ``asyncio.wait_for`` redis-py puts around every send under ``socket_timeout`` (a Task and
@@ -78,12 +89,10 @@ class _DirectSend:
     way, under that timeout; reads keep theirs."""
 
     async def send_packed_command(self, command, check_health: bool = True) -> None:
-        writer = self._writer  # redis-py internals: tests/transport/test_redis_pool.py pins them
-        if (writer is None or isinstance(command, str) or (check_health and self.health_check_interval)
-                or writer.transport.is_closing() or writer.transport.get_write_buffer_size()):
+        if (isinstance(command, str) or (check_health and self.health_check_interval)
+                or not write_at_once(self, command)):
             return await super().send_packed_command(command, check_health)
-        writer.writelines((command,) if isinstance(command, bytes) else command)
-        if writer.transport.get_write_buffer_size():  # not all taken: drain, bounded, as redis-py would
+        if self._writer.transport.get_write_buffer_size():  # not all taken: drain, bounded, as redis-py would
             await super().send_packed_command(b"", check_health=False)
 
 
