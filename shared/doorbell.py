@@ -124,8 +124,6 @@ class _RingWire:
         while not self._closed:
             await self._wake.wait()
             self._wake.clear()
-            if self._closed:
-                break
             rings, self._queue = self._queue, []
             self._writing = True
             try:
@@ -177,7 +175,6 @@ class _RingWire:
     async def close(self) -> None:
         self._closed = True
         if self._task is not None:
-            self._wake.set()
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
