@@ -86,11 +86,3 @@ class ListSink:
 
     def text(self, request_id: str) -> str:
         return "".join(e.text for e in self.events[request_id] if isinstance(e, protocol.TokenDelta))
-
-
-def log_content(events: list[protocol.StreamEvent]) -> tuple:
-    """What a client gets from a token log, however its tokens are grouped into deltas: the
-    token ids, the text, the logprobs and the last event."""
-    deltas = [e for e in events if isinstance(e, protocol.TokenDelta)]
-    return (tuple(t for d in deltas for t in d.token_ids), "".join(d.text for d in deltas),
-            tuple(lp for d in deltas for lp in d.logprobs), events[-1])

@@ -50,7 +50,7 @@ class DecodeHandler:
             del kv
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=msg.prompt_len,
-                                first_token=first, logged=log.sizes, cached_tokens=msg.cached_tokens,
+                                first_token=first, skip_deltas=log.deltas, cached_tokens=msg.cached_tokens,
                                 aborted=abort_check(ctx, meta))
         if started is not None and not started.began:
             # the completion ended before a token was asked for (eos first, max_tokens 1): read

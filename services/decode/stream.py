@@ -1,26 +1,24 @@
 """Turning an engine's token iterator into the request's stream events.
 
-Contract: ``TokenDelta`` entries carrying every generated token (eos excluded) in order, each
-with the text its tokens complete (held back while it may still be the start of a stop string or
-an incomplete UTF-8 character), then one ``Finish`` with the reason and usage. A delta holds one
-token while the appends keep up with the engine and every token already given (at most
-``max_delta_tokens``) when they lag. A stop string ends generation early (the iterator is
-closed, which aborts the request in the engine) and is not itself sent, as in OpenAI's API.
+Contract: one ``TokenDelta`` per generated token (eos excluded), each carrying the token id
+and the text it completes (held back while it may still be the start of a stop string or an
+incomplete UTF-8 character), then one ``Finish`` with the reason and usage. A stop string
+ends generation early (the iterator is closed, which aborts the request in the engine) and is
+not itself sent, as in OpenAI's API.
 
 Resume (no token lost or duplicated): the request's stream is its token log. A decode that
 runs again for a request (redelivery after a crash, recompute after a lost tensor owner) first
 reads the log (:func:`read_log`): a terminal event means the work is done; otherwise the
-tokens already written are forced back into the engine (``resume``) and the deltas the log
-already holds are regenerated, grouped as the log groups them (``logged``), but not appended
-again. A delta's text is a deterministic function of the token sequence and its grouping, so the
-client sees each once. A log that vanishes mid-request (Redis flushed) is written again whole
-from position 0 at the next append, since deltas the reader had not read yet went with it; the
-reader drops positions it has.
+tokens already written are forced back into the engine (``resume``) and the first
+``skip_deltas`` deltas, which the log already holds, are regenerated but not appended again.
+Deltas are a deterministic function of the token sequence, so the client sees each once. A log
+that vanishes mid-request (Redis flushed) is written again whole from position 0 at the next
+append, since deltas the reader had not read yet went with it; the reader drops positions it has.
 
 Look-ahead: from the second token on, the engine's iterator is pulled by a task of its own, up
-to ``lookahead_tokens`` ahead of the writer, so the next decode step runs while an append is in
-flight (and a batched step does not wait for sequences busy appending). Tokens pulled past a
-stop string are computed and dropped; the iterator is closed either way.
+to ``lookahead_tokens`` ahead of the writer, so the next decode step runs while this token's
+append is in flight (and a batched step does not wait for sequences busy appending). Tokens
+pulled past a stop string are computed and dropped; the iterator is closed either way.
 
 The first delta is written by prefill (:func:`write_first_delta`, the same computation, at
 position 0) as soon as it has sampled the first token, so the time to first token does not
@@ -47,27 +45,20 @@ log = logging.getLogger(__name__)
 # Tokens prefill writes at most while their text is held back (an incomplete UTF-8 character,
 # the start of a stop string): decode resumes after them as after a crash.
 FIRST_TEXT_MAX_TOKENS = 8
-# how far the engine may run ahead of the appends, and the most tokens one delta carries
-LOOKAHEAD_TOKENS = 8
-MAX_DELTA_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class LogState:
     done: bool  # a terminal event is already written
     tokens: tuple[int, ...]  # completion tokens already written, in order
-    sizes: tuple[int, ...]  # the token count of each TokenDelta already written, in order
-
-    @property
-    def deltas(self) -> int:
-        return len(self.sizes)
+    deltas: int  # TokenDelta entries already written
 
 
 async def read_log(events: EventSink, request_id: str) -> LogState:
     history = await events.history(request_id)
     deltas = sorted((e for e in history if isinstance(e, protocol.TokenDelta)), key=lambda e: e.seq)
     done = any(isinstance(e, (protocol.Finish, protocol.ErrorEvent)) for e in history)
-    state = LogState(done, tuple(t for d in deltas for t in d.token_ids), tuple(len(d.token_ids) for d in deltas))
+    state = LogState(done, tuple(t for d in deltas for t in d.token_ids), len(deltas))
     if state.done or state.deltas > 1:  # one delta: prefill's first token, the normal case
         # (a few: prefill's first tokens whose text was held back; more: an earlier attempt's)
         level = logging.INFO if state.done or state.deltas > FIRST_TEXT_MAX_TOKENS else logging.DEBUG
@@ -125,22 +116,14 @@ async def write_first_delta(events: EventSink, meta: protocol.RequestMeta, token
 
 async def stream_completion(events: EventSink, meta: protocol.RequestMeta, tokens: AsyncIterator[int], *,
                             tokenizer, eos_token_ids: frozenset[int], prompt_len: int,
-                            first_token: int | None = None, logged: tuple[int, ...] = (), cached_tokens: int = 0,
+                            first_token: int | None = None, skip_deltas: int = 0, cached_tokens: int = 0,
                             aborted: Callable[[], Awaitable[bool]] | None = None,
-                            abort_check_every: int = 16, lookahead_tokens: int = LOOKAHEAD_TOKENS,
-                            max_delta_tokens: int = MAX_DELTA_TOKENS) -> None:
+                            abort_check_every: int = 16, lookahead_tokens: int = 2) -> None:
     """``lookahead_tokens``: how far the engine may run ahead of the appends (0: in lock-step).
     ``aborted``: polled every ``abort_check_every`` tokens; true ends the request with an
     error event (the client went away; the engine stops when the iterator closes).
 
-    A delta carries every token the engine has already given when it is written, up to
-    ``max_delta_tokens``: one while the appends keep up with the engine, several when they lag
-    behind it (a busy process, a slow Redis), so each append then carries more for the same cost.
-    ``logged``: the token count of each delta the log already holds (:attr:`LogState.sizes`);
-    those deltas are regenerated with the same grouping, so their text is the same, and are not
-    appended again.
-
-    Deltas are compare-and-appended at their position: when another decode of the same
+    Deltas are compare-and-appended at their sequence number: when another decode of the same
     request (a redelivery racing a live worker, a re-driven attempt) already wrote a position,
     this one stops without writing anything more, so the log holds each token once."""
     sampling = meta.sampling
@@ -152,58 +135,42 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
 
     async def _send(seq: int, token_ids: tuple[int, ...], text: str) -> None:
         written.append(_delta(seq, token_ids, text))
-        if len(written) > len(logged):  # the log already holds the first len(logged) deltas
+        if len(written) > skip_deltas:  # the log already holds the first skip_deltas deltas
             if not await _append(meta.request_id, events, written):
                 raise _Superseded(len(written) - 1)
             if len(written) == 1:
                 tracing.mark_first_output()
 
-    source = _Ahead(tokens, lookahead_tokens) if lookahead_tokens > 0 else _Lockstep(tokens)
-    pending = [first_token] if first_token is not None else []
+    if lookahead_tokens > 0:
+        tokens = _Ahead(tokens, lookahead_tokens)
 
-    async def _next(wait: bool) -> int | None:
-        """The next token; None: the tokens ended (``wait``) or none is ready yet (not ``wait``)."""
-        if pending:
-            return pending.pop()
-        if not wait:
-            return source.ready()
-        return await anext(source, None)
+    async def _all() -> AsyncIterator[int]:
+        if first_token is not None:
+            yield first_token
+        async for t in tokens:
+            yield t
 
-    next_check = abort_check_every
+    stream = _all()
     try:
-        ended = False
-        while not ended and (token := await _next(True)) is not None:
-            # as many tokens as the log's delta at this position holds, else as many as are ready
-            want = logged[len(written)] if len(written) < len(logged) else 0
-            seq, ids, texts = generated, [], []
-            while True:
-                generated += 1
-                if token in stop_ids:
-                    reason, ended = "stop", True
-                    break
-                res = stops.feed(detok.push(token))
-                ids.append(token)  # every token id goes in the log, printable text or not:
-                texts.append(res.emit)  # the log is what a resumed decode continues from
-                if res.stopped:
-                    reason, ended = "stop", True
-                    break
-                if generated >= sampling.max_tokens:
-                    ended = True
-                    break
-                if len(ids) >= (want or max_delta_tokens):
-                    break
-                if (token := await _next(bool(want))) is None:
-                    ended = bool(want)  # the tokens ended inside a logged delta
-                    break
-            if ids:
-                await _send(seq, tuple(ids), "".join(texts))
-            if not ended and aborted is not None and generated >= next_check:
-                next_check = generated + abort_check_every
-                if await aborted():
-                    await events.append(meta.request_id, protocol.ErrorEvent(
-                        status=499, type="invalid_request_error", message="the client closed the request",
-                        code="client_closed_request"))
-                    return
+        async for token in stream:
+            generated += 1
+            if token in stop_ids:
+                reason = "stop"
+                break
+            res = stops.feed(detok.push(token))
+            # one delta per token even without printable text yet: the log records every
+            # token id, which is what a resumed decode continues from
+            await _send(generated - 1, (token,), res.emit)
+            if res.stopped:
+                reason = "stop"
+                break
+            if generated >= sampling.max_tokens:
+                break
+            if aborted is not None and generated % abort_check_every == 0 and await aborted():
+                await events.append(meta.request_id, protocol.ErrorEvent(
+                    status=499, type="invalid_request_error", message="the client closed the request",
+                    code="client_closed_request"))
+                return
         if not stops.stopped:
             res = stops.feed(detok.flush())
             tail = res.emit + ("" if res.stopped else stops.flush())
@@ -215,7 +182,8 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
                  meta.request_id, sup.seq)
         return
     finally:
-        await source.aclose()
+        await stream.aclose()
+        await tokens.aclose()
     usage = protocol.Usage(prompt_tokens=prompt_len, completion_tokens=generated, cached_tokens=cached_tokens)
     # at the log's next position too: a log flushed after the last delta is written again first
     written.append(protocol.Finish(reason=reason, usage=usage, spans=path_so_far(meta)))
@@ -255,40 +223,23 @@ _END = object()
 class _Ahead:
     """``tokens`` pulled by a task of its own, at most ``depth`` ahead of the reader, from the
     reader's first ``__anext__`` on (a completion that stops at its first token computes
-    nothing more). ``ready`` takes a token already pulled, if any, without waiting. ``aclose``
-    cancels the task and closes ``tokens``."""
+    nothing more). ``aclose`` cancels the task and closes ``tokens``."""
 
     def __init__(self, tokens: AsyncIterator[int], depth: int) -> None:
         self._tokens = tokens
         self._queue: asyncio.Queue = asyncio.Queue(depth)
         self._task: asyncio.Task | None = None
-        self._held: object = None  # the end (or failure) ``ready`` met: the next ``__anext__``'s
         self._ended = False
 
     def __aiter__(self) -> "_Ahead":
         return self
 
-    def ready(self) -> int | None:
-        if self._ended or self._held is not None:
-            return None
-        try:
-            item = self._queue.get_nowait()
-        except asyncio.QueueEmpty:
-            return None
-        if item is _END or isinstance(item, _Failed):
-            self._held = item
-            return None
-        return item
-
     async def __anext__(self) -> int:
         if self._ended:
             raise StopAsyncIteration
-        if self._held is not None:
-            item, self._held = self._held, None
-        else:
-            if self._task is None:
-                self._task = asyncio.create_task(self._pull(), name="decode-lookahead")
-            item = await self._queue.get()
+        if self._task is None:
+            self._task = asyncio.create_task(self._pull(), name="decode-lookahead")
+        item = await self._queue.get()
         if item is _END or isinstance(item, _Failed):
             self._ended = True
             if item is _END:
@@ -309,25 +260,6 @@ class _Ahead:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self._tokens.aclose()
-
-
-class _Lockstep:
-    """``tokens`` pulled only when asked for (no look-ahead): nothing is ever ready ahead."""
-
-    def __init__(self, tokens: AsyncIterator[int]) -> None:
-        self._tokens = tokens
-
-    def __aiter__(self) -> "_Lockstep":
-        return self
-
-    async def __anext__(self) -> int:
-        return await anext(self._tokens)
-
-    def ready(self) -> None:
-        return None
-
-    async def aclose(self) -> None:
         await self._tokens.aclose()
 
 

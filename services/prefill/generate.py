@@ -33,5 +33,5 @@ class GenerateHandler:
                                        resume=log.tokens)
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=prompt_len,
-                                logged=log.sizes, aborted=abort_check(ctx, meta))
+                                skip_deltas=log.deltas, aborted=abort_check(ctx, meta))
         return Outcome(releases=embedding_releases(msg))

@@ -56,7 +56,7 @@ async def test_the_rewrite_includes_the_deltas_prefill_wrote(tok):
     await _complete(whole, tok, ids)
     sink = _FlushingSink(at=2)
     sink.events["r"] = [whole.events["r"][0]]  # prefill's delta 0
-    await _complete(sink, tok, ids, engine_ids=ids[1:], first_token=ids[0], logged=(1,))
+    await _complete(sink, tok, ids, engine_ids=ids[1:], first_token=ids[0], skip_deltas=1)
     assert sink.flushed
     assert sink.events["r"] == whole.events["r"]
     assert isinstance(sink.events["r"][-1], protocol.Finish)

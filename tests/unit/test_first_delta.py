@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from services.decode.stream import read_log, stream_completion, write_first_delta
 from shared import protocol
 from shared.engines.base import SampledToken
-from tests.fakes import ListSink, log_content
+from tests.fakes import ListSink
 
 EOS = 2
 
@@ -29,7 +29,7 @@ async def _decode(sink: ListSink, meta, tok, first, rest) -> None:
             yield t
 
     await stream_completion(sink, meta, tokens(), tokenizer=tok, eos_token_ids=frozenset({EOS}), prompt_len=1,
-                            first_token=log.tokens[0] if log.tokens else first, logged=log.sizes)
+                            first_token=log.tokens[0] if log.tokens else first, skip_deltas=log.deltas)
 
 
 @pytest.mark.parametrize("case", ["plain", "logprobs", "stop string", "stop held back", "eos first", "one token"])
@@ -55,7 +55,7 @@ async def test_prefill_first_delta_then_decode_equals_decode_alone(model_dir, ca
     wrote = await write_first_delta(split, meta, first, tokenizer=tok, eos_token_ids=frozenset({EOS}))
     assert wrote is (case != "eos first")  # a stop token gets no delta: decode ends the request
     await _decode(split, meta, tok, first, rest)
-    assert log_content(split.events["r"]) == log_content(alone.events["r"])
+    assert split.events["r"] == alone.events["r"]
     # a second prefill attempt finds delta 0 written and writes nothing
     assert not await write_first_delta(split, meta, first, tokenizer=tok, eos_token_ids=frozenset({EOS}))
 
@@ -112,4 +112,4 @@ async def test_prefill_writes_until_text_shows_then_decode_equals_decode_alone(m
         assert split.events["r"][-1].text  # the last one prefill wrote shows text
         assert not any(e.text for e in split.events["r"][:-1])
     await _decode(split, meta, tok, first, rest)
-    assert log_content(split.events["r"]) == log_content(alone.events["r"])
+    assert split.events["r"] == alone.events["r"]
