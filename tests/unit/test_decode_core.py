@@ -83,6 +83,72 @@ async def test_core_tokens_equal_the_thread_engine_batched_and_alone(engines):
     assert core.forwards == forwards and not core._queues
 
 
+class _Clock:
+    """Readers that take a token per tick, all on the same tick: as a decode worker's writers,
+    whose appends to Redis go out and come back together."""
+
+    def __init__(self) -> None:
+        self._tick = asyncio.Event()
+
+    async def run(self, period_s: float, until: asyncio.Future) -> None:
+        while not until.done():
+            await asyncio.sleep(period_s)
+            tick, self._tick = self._tick, asyncio.Event()
+            tick.set()
+
+    async def read(self, tokens, after_s: float = 0.0) -> list[int]:
+        await asyncio.sleep(after_s)
+        out = []
+        async for t in tokens:
+            out.append(int(t))
+            await self._tick.wait()
+        return out
+
+
+async def test_a_paced_core_runs_ahead_of_its_reader_by_the_pace_and_steps_slow_readers_together(engines, model_dir):
+    """Unpaced, a sequence races to its end alone while its reader is still at its first tokens,
+    and the next one then races alone too; paced, each runs at most ``pace_tokens`` ahead, so a
+    sequence that starts later catches up with it and the two step in the same forwards."""
+    thread, paced = engines
+    unpaced = CoreDecodeEngine(model_dir, pace_tokens=0)
+    await unpaced.start()
+    try:
+        sampling = protocol.Sampling(max_tokens=16, temperature=0.0, ignore_eos=True)
+        reqs = await _prefilled(thread, 2, long=sampling)
+        expected = [[int(t) for t in await _decode(thread, *r)] for r in reqs]
+
+        def start(core, rid, pre, sampling, prompt):
+            return core.decode(rid, pre.kv, pre.rope_delta, pre.prompt_len, pre.first_token, sampling,
+                               prompt_ids=prompt)
+
+        # a reader that took one token and stops there: the core stops at the pace
+        for core, ahead in ((paced, 2), (unpaced, 15)):
+            steps = core.steps
+            it = start(core, *reqs[0])
+            await it.__anext__()
+            await asyncio.sleep(0.3)
+            assert core.steps - steps == ahead
+            await it.aclose()
+
+        got = {}
+        for name, core in (("paced", paced), ("unpaced", unpaced)):
+            forwards, steps = core.forwards, core.steps
+            clock, done = _Clock(), asyncio.get_running_loop().create_future()
+            ticking = asyncio.create_task(clock.run(0.03, done))
+            tokens = await asyncio.gather(clock.read(start(core, *reqs[0])),
+                                          clock.read(start(core, *reqs[1]), after_s=0.12))
+            done.set_result(None)
+            await ticking
+            assert tokens == expected  # pacing changes when a step runs, never what it samples
+            got[name] = (core.forwards - forwards, core.steps - steps)
+        forwards, steps = got["unpaced"]
+        assert steps == 30 and forwards >= 28  # each raced alone (the first was done before the second came)
+        forwards, steps = got["paced"]
+        assert steps == 30 and forwards <= 24  # ~21: most steps of the later one beside the earlier one
+    finally:
+        await unpaced.stop()
+
+
 LONG = protocol.Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)  # still decoding when stopped
 
 
