@@ -13,14 +13,9 @@ Contracts:
   fleet's wire). To the core: ``Start`` (the packed KV's bytes inline), ``Abort``. From it:
   ``Ready`` once the model is loaded, then one ``Step`` per forward: each stepped sequence's
   token, or its error.
-- Pacing: a sequence runs at most ``pace_tokens`` tokens ahead of its reader. It starts with
-  that much ``credit``; each token its reader takes gives one back (``Credit``, the grants of a
-  loop turn in one frame). The core steps the sequences that have credit (``max_batch`` per
-  forward, in turn), back to back, reading what arrived between two steps; while some have
-  none it waits up to ``gather_ms`` for them, as the in-thread engine waits for its other
-  sequences, so sequences step together instead of racing ahead alone (one forward costs about
-  the same for one sequence as for eight). With nothing to step it blocks on the socket. A full
-  socket (a worker not reading) stops it too.
+- The core steps every active sequence (``max_batch`` per forward, in turn) back to back and
+  reads what arrived between two steps; with none active it blocks on the socket. A full
+  socket (a worker not reading) stops it: that is the backpressure.
 - ``start`` spawns the core and returns while it loads its model (the worker joins its groups
   meanwhile); ``started`` waits for its Ready, and the worker is listed as serving only then.
 - A core that dies fails the decodes in flight (``EngineError``; the runner retries them) and the
@@ -51,8 +46,6 @@ log = logging.getLogger(__name__)
 
 HEAD = struct.Struct("<I")  # a frame: this length, then that many bytes of msgpack
 READY_TIMEOUT_S = 600.0  # loading a real checkpoint can take minutes
-PACE_TOKENS = 2  # how far a sequence runs ahead of its reader (whose own look-ahead comes on top)
-GATHER_MS = 3.0  # how long the core waits for sequences short of credit (the in-thread batcher's wait)
 
 
 class Start(msgspec.Struct, tag=True):
@@ -66,15 +59,10 @@ class Start(msgspec.Struct, tag=True):
     sampling: protocol.Sampling
     resume: tuple[int, ...] = ()
     prompt_ids: tuple[int, ...] = ()
-    credit: int = 0  # tokens it may run ahead of its reader (0: unpaced)
 
 
 class Abort(msgspec.Struct, tag=True):
     sid: int
-
-
-class Credit(msgspec.Struct, tag=True):
-    sids: list[int]  # one more token each (a sid twice: two)
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -95,7 +83,7 @@ class Step(msgspec.Struct, tag=True):
     batch: int  # sequences in the forward (0: failures before any forward)
 
 
-ToCore = Start | Abort | Credit
+ToCore = Start | Abort
 FromCore = Ready | Step
 
 
@@ -119,14 +107,11 @@ class CoreDecodeEngine:
     core_module = "shared.engines.decode_core_main"  # what the child runs (``python -m``)
 
     def __init__(self, model_dir, *, device: str = "cpu", dtype: str = "auto", max_batch: int = 16,
-                 torch_threads: int = 1, pace_tokens: int = PACE_TOKENS, gather_ms: float = GATHER_MS) -> None:
-        """``pace_tokens`` 0: sequences race ahead of their readers (no credit)."""
+                 torch_threads: int = 1) -> None:
         self._model_dir = str(model_dir)
         self._argv = [sys.executable, "-m", self.core_module, "--model-dir", self._model_dir,
                       "--device", device, "--dtype", dtype, "--max-batch", str(max_batch),
-                      "--threads", str(torch_threads), "--gather-ms", str(gather_ms)]
-        self._pace = max(0, pace_tokens)
-        self._grants: list[int] = []  # credit to send at the end of this loop turn
+                      "--threads", str(torch_threads)]
         self.tokenizer = None
         self.eos_token_ids: frozenset[int] = frozenset()
         self.max_model_len = 0
@@ -272,17 +257,6 @@ class CoreDecodeEngine:
             raise EngineError("the decode core is not running")
         self._writer.write(frame(msg))  # one write per frame: frames never interleave
 
-    def _grant(self, sid: int) -> None:
-        """One more token of credit for ``sid``; a loop turn's grants go in one frame."""
-        self._grants.append(sid)
-        if len(self._grants) == 1:
-            asyncio.get_running_loop().call_soon(self._send_grants)
-
-    def _send_grants(self) -> None:
-        sids, self._grants = self._grants, []
-        if sids and self._writer is not None:
-            self._send(Credit(sids))
-
     def _abort(self, sid: int) -> None:
         if sid in self._queues and sid not in self._aborted:
             self._aborted.add(sid)
@@ -302,7 +276,7 @@ class CoreDecodeEngine:
                       kv_dtype=str(kv.dtype).removeprefix("torch."), kv_shape=tuple(kv.shape),
                       rope_delta=int(rope_delta), prompt_len=int(prompt_len), first_token=int(first_token),
                       sampling=sampling, resume=tuple(int(t) for t in resume),
-                      prompt_ids=tuple(int(t) for t in prompt_ids), credit=self._pace)
+                      prompt_ids=tuple(int(t) for t in prompt_ids))
         del kv
         sid, q = start.sid, asyncio.Queue()
         self._queues[sid] = q
@@ -327,8 +301,6 @@ class CoreDecodeEngine:
                 yield SampledToken(tok.logprob) if tok.logprob is not None else tok.token
                 if tok.last:
                     return
-                if self._pace:  # the reader asks for the next token: the core may step once more
-                    self._grant(sid)
         finally:
             if not ended:  # the caller stopped early (a stop string, a client gone): free the core's slot
                 self._abort(sid)

@@ -10,35 +10,33 @@ import logging
 import select
 import signal
 import socket
-import time
 
 import msgspec
 import torch
 
-from shared.engines.decode_core import GATHER_MS, HEAD, Abort, Credit, Ready, Step, ToCore, Token, frame
+from shared.engines.decode_core import HEAD, Abort, Ready, Step, ToCore, Token, frame
 from shared.engines.sampling import DecodeSeq
 
 log = logging.getLogger(__name__)
 
 
 class _Seq:
-    __slots__ = ("state", "seq", "credit")
+    __slots__ = ("state", "seq")
 
-    def __init__(self, state, seq: DecodeSeq, credit: int | None) -> None:
-        self.state, self.seq, self.credit = state, seq, credit  # credit None: unpaced
+    def __init__(self, state, seq: DecodeSeq) -> None:
+        self.state, self.seq = state, seq
 
 
 class Core:
     """The core's loop (its process's only thread): read, step, send."""
 
-    def __init__(self, compute, sock: socket.socket, max_batch: int, gather_ms: float = GATHER_MS) -> None:
+    def __init__(self, compute, sock: socket.socket, max_batch: int) -> None:
         from shared.engines.batched import Stack
         from shared.engines.structured import LazyGrammars
 
         self._compute = compute
         self._sock = sock
         self._max_batch = max(1, max_batch)
-        self._gather_s = gather_ms / 1000
         self._buf = bytearray()
         self._seqs: dict[int, _Seq] = {}
         self._stack = Stack()
@@ -48,38 +46,19 @@ class Core:
 
     def serve(self) -> None:
         self._sock.setblocking(False)
-        gather_until = None  # set while sequences with credit wait for those without
-        while True:
-            ready = self._ready()
-            if not ready:
-                gather_until, timeout = None, (0.0 if self._failed else None)
-            elif len(ready) < min(len(self._seqs), self._max_batch):  # some wait for their reader
-                gather_until = gather_until or time.monotonic() + self._gather_s
-                timeout = max(0.0, gather_until - time.monotonic())
-            else:
-                timeout = 0.0
-            if not self._read(timeout):
-                return
-            ready = self._ready()
-            if ready and (len(ready) >= min(len(self._seqs), self._max_batch)
-                          or (gather_until is not None and time.monotonic() >= gather_until)):
-                self._step(ready)
-                gather_until = None
-            elif self._failed and not ready:
+        while self._read(block=not self._seqs and not self._failed):
+            if self._seqs:
+                self._step()
+            elif self._failed:
                 self._send(Step(self._failed, batch=0))
                 self._failed = []
             if not self._seqs and self._stack.members:
                 self._stack.drop()  # nobody decoding: free the KV the stack holds
 
-    def _ready(self) -> list[int]:
-        """The sequences that may step now (in turn order): unpaced, or with credit left."""
-        return [sid for sid, s in self._seqs.items() if s.credit is None or s.credit > 0]
-
-    def _read(self, timeout: float | None) -> bool:
-        """Take in every frame that arrived, waiting up to ``timeout`` s for one (None: until
-        one comes); False at EOF."""
-        if timeout is None or timeout > 0:
-            select.select([self._sock], [], [], timeout)
+    def _read(self, block: bool) -> bool:
+        """Take in every frame that arrived (waiting for one when ``block``); False at EOF."""
+        if block:
+            select.select([self._sock], [], [])
         while True:
             try:
                 chunk = self._sock.recv(1 << 20)
@@ -102,12 +81,6 @@ class Core:
         if isinstance(msg, Abort):
             self._seqs.pop(msg.sid, None)
             return
-        if isinstance(msg, Credit):
-            for sid in msg.sids:
-                s = self._seqs.get(sid)
-                if s is not None and s.credit is not None:
-                    s.credit += 1
-            return
         try:
             kv = torch.frombuffer(msg.kv, dtype=torch.uint8).view(getattr(torch, msg.kv_dtype))
             state = self._compute.start_decode(kv.reshape(msg.kv_shape), msg.rope_delta, msg.prompt_len)
@@ -117,13 +90,13 @@ class Core:
             return
         seq = DecodeSeq(msg.sampling, self._compute.eos_token_ids, msg.first_token, resume=msg.resume,
                         prompt_ids=msg.prompt_ids, constraint_for=self._grammars)
-        self._seqs[msg.sid] = _Seq(state, seq, msg.credit or None)
+        self._seqs[msg.sid] = _Seq(state, seq)
 
-    def _step(self, ready: list[int]) -> None:
+    def _step(self) -> None:
         from shared.engines.batched import decode_steps
 
-        sids = ready[:self._max_batch]
-        if len(ready) > self._max_batch:  # more than one forward holds: the others go first next
+        sids = list(self._seqs)[:self._max_batch]
+        if len(self._seqs) > self._max_batch:  # more than one forward holds: the others go first next
             for sid in sids:
                 self._seqs[sid] = self._seqs.pop(sid)
         batch = [self._seqs[sid] for sid in sids]
@@ -138,8 +111,6 @@ class Core:
             self._send(Step(out, batch=0))
             return
         for sid, s, lg in zip(sids, batch, logits, strict=True):
-            if s.credit is not None:
-                s.credit -= 1
             try:
                 token = s.seq.next(lg)
             except Exception as exc:  # noqa: BLE001 - e.g. a grammar that cannot go on: this request alone
@@ -168,7 +139,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--gather-ms", type=float, default=GATHER_MS)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker too: the core ends at its EOF
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s decode-core[%(process)d] %(message)s")
@@ -181,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                                             parts=frozenset({LM}))
     sock.sendall(frame(Ready(tuple(sorted(compute.eos_token_ids)), int(compute.max_model_len))))
     try:
-        Core(compute, sock, args.max_batch, args.gather_ms).serve()
+        Core(compute, sock, args.max_batch).serve()
     except (BrokenPipeError, ConnectionResetError):
         pass  # the worker is gone
     log.info("decode core: the worker closed its end; exiting")
