@@ -29,7 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest import client, cpu, metrics, spans, workloads
+from loadtest import client, cpu, metrics, rediscount, spans, workloads
 from loadtest.loadgen import LoadShape, drive
 from loadtest.targets import Endpoint, TargetOptions, Targets, TargetSkipped
 
@@ -167,11 +167,13 @@ async def _run_shape(ep: Endpoint, cfg: BenchConfig, session, url: str, specs, b
         rec.n_images = len(specs[k].images)
         return rec
 
-    wall0 = time.time()
-    try:
-        records, timing = await drive(shape, send_one, on_done=lambda _r: bar.update(1))
-    finally:
-        bar.close()
+    async with rediscount.Census(ep.redis_url) as census:
+        wall0 = time.time()
+        try:
+            records, timing = await drive(shape, send_one, on_done=lambda _r: bar.update(1))
+        finally:
+            bar.close()
+        await census.read_after()  # before the spans are read from that Redis below
     records.sort(key=lambda r: r.index)
     agg = metrics.aggregate(records, timing.duration_s, cfg.slos)
     ids = [r.request_id for r in records if r.ok]
@@ -186,6 +188,7 @@ async def _run_shape(ep: Endpoint, cfg: BenchConfig, session, url: str, specs, b
     routes, lags = await _kv_audit(ep, ids)
     return {"target": ep.name, "label": shape.label, "shape": shape.to_dict(), "started_unix_s": wall0,
             "stopped_by": timing.stopped_by, "aggregates": agg, "spans": breakdown, "kv_event_lags_ms": lags,
+            "redis_commands": census.per_request(agg["ok"]),
             "records": [{**r.to_dict(), "spans": per_request.get(r.request_id or ""),
                          **({"route": routes[r.request_id]} if r.request_id in routes else {})} for r in records]}
 

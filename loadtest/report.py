@@ -20,7 +20,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from loadtest import cpu, procs, repeats, ttft_split
+from loadtest import cpu, procs, rediscount, repeats, ttft_split
 
 
 def write_all(result: dict, out_dir: Path, *, goals: list[dict] | None = None, plots: bool = True) -> Path:
@@ -115,6 +115,7 @@ def summary_md(result: dict, plot_note: str = "") -> str:
     lines += repeats.repeats_md(result["runs"])
     lines += ttft_split.split_md(result["runs"])
     lines += cpu.by_process_md(result["runs"])
+    lines += rediscount.commands_md(result["runs"])
     if result.get("goals"):
         lines += ["## Goals", "", "| goal | measured | verdict |", "|---|---|---|"]
         lines += [f"| {g['goal']} | {g['measured']} | {g['verdict']} |" for g in result["goals"]]

@@ -275,12 +275,17 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
     assert inproc_run["cpu"]["load_pct"] > 0
     assert set(inproc_run["cpu"]["by_process_s"]) == {"inproc"}  # a url: target has no processes to count
     assert fleet_run["cpu"]["by_process_s"] == {}
+    # the fleet's Redis commands, counted by the server: each request claims its stages and
+    # appends its tokens by script, and the gateway reads them with XREAD
+    calls = fleet_run["redis_commands"]
+    assert calls["evalsha"] >= 4 and calls["xread"] >= 1, calls
+    assert inproc_run["redis_commands"] == {}
     write_all(result, tmp_path, plots=False)
     summary = (tmp_path / "summary.md").read_text()
     assert "## CPU per request by process" in summary and "| inproc | " in summary
     assert "Per-stage breakdown" in summary and "same text as" in summary
     assert "Medians over repetitions" in summary
-    assert "## TTFT split" in summary
+    assert "## TTFT split" in summary and "## Redis commands per request" in summary
 
 
 def test_ttft_split_adds_up_to_the_ttft():
