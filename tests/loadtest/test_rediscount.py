@@ -3,12 +3,23 @@ before and after a window, per finished request, and the report's table."""
 
 from __future__ import annotations
 
+import pytest
 import redis.asyncio as aioredis
 
 from loadtest import rediscount
+from tests import procs
 
 
-async def test_a_window_counts_the_commands_run_in_it_scripts_included(redis_url):
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server of this test's own: the session's is shared with fleets whose commands
+    (a stopping fleet's last polls) would land in the window."""
+    with procs.redis_server(tmp_path) as url:
+        yield url
+
+
+async def test_a_window_counts_the_commands_run_in_it_scripts_included(own_redis):
+    redis_url = own_redis
     r = aioredis.from_url(redis_url)
     try:
         script = r.register_script("redis.call('set', KEYS[1], ARGV[1]); return redis.call('get', KEYS[1])")
@@ -22,7 +33,7 @@ async def test_a_window_counts_the_commands_run_in_it_scripts_included(redis_url
         await r.aclose()
     calls = census.per_request(2)
     assert calls == {"get": 4.0, "evalsha": 2.0, "set": 2.0}  # 4 GETs: 2 inside the scripts, 2 plain
-    assert list(calls) == ["get", "evalsha", "set"]  # largest first; the census's own commands left out
+    assert next(iter(calls)) == "get"  # largest first; the census's own commands left out
 
 
 async def test_no_redis_no_figure():
