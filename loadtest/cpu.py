@@ -6,7 +6,10 @@ and gateway; the inproc server), plus for fleets the broker and Redis the harnes
 invocation, so they are counted for whichever fleet runs at the time). Figures are percent of
 ONE core: CPU seconds (user + system) over the wall seconds of the window. Under load the
 window also splits them by process role (``process_role``: a worker's stages, the gateway, the
-broker, ...), reported as CPU milliseconds per finished request (:func:`by_process_md`).
+broker, ...), reported as CPU milliseconds per finished request (:func:`by_process_md`), and each
+Python process's CPU by thread class (:func:`thread_class`: its event loop, its compute lanes, the
+rest; Linux), so that a fleet's messaging cost shows apart from its model work (:func:`by_thread_md`).
+A thread that ends within the window is not counted in the split (its process total has it).
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ from __future__ import annotations
 import asyncio
 import time
 
+from shared.compute import LANE_THREAD_PREFIX
+
 try:
     import psutil
 except ImportError:  # the bench extra is not installed: CPU figures are left out ("–")
     psutil = None
 
 INFRA_NAMES = ("tansu", "redis-server")
+LOOP, COMPUTE, OTHER = "event loop", "compute", "other threads"
+_WHOLE = ("broker", "redis", "gone")  # roles whose threads are not split (not Python processes of ours)
 
 
 def target_processes(pid: int | None, *, with_infra: bool) -> list:
@@ -60,6 +67,31 @@ def process_role(p) -> str:
     return name
 
 
+def thread_class(role: str, pid: int, tid: int, os_name: str) -> str:
+    """A thread's class: a compute lane (``shared.compute``: its OS name) or the decode core's
+    main thread, which runs the model; the main thread of any other process, its event loop;
+    anything else (NIXL's and UCX's threads, tokenizers, executors)."""
+    if os_name.startswith(LANE_THREAD_PREFIX) or (role == "decode core" and tid == pid):
+        return COMPUTE
+    return LOOP if tid == pid else OTHER
+
+
+def _threads(p) -> dict[int, tuple[str, float]]:
+    """tid -> (OS name, CPU seconds) of ``p``'s live threads; empty where psutil or /proc cannot say."""
+    out = {}
+    try:
+        for t in p.threads():
+            try:
+                with open(f"/proc/{p.pid}/task/{t.id}/comm") as f:
+                    name = f.read().strip()
+            except OSError:
+                name = ""
+            out[t.id] = (name, t.user_time + t.system_time)
+    except (psutil.Error, OSError):
+        return {}
+    return out
+
+
 def _seconds(p) -> float:
     try:
         t = p.cpu_times()
@@ -75,10 +107,14 @@ class CpuWindow:
         self._procs = target_processes(pid, with_infra=with_infra)
         self.pct: float | None = None
         self.by_role_s: dict[str, float] = {}  # CPU seconds over the window by process_role
+        self.by_thread_s: dict[str, dict[str, float]] = {}  # process_role -> thread_class -> CPU seconds
         self.wall_s = 0.0
 
     def __enter__(self) -> CpuWindow:
         self._c0 = [_seconds(p) for p in self._procs]
+        self._roles = [process_role(p) for p in self._procs]
+        self._t0_threads = [{} if role in _WHOLE else _threads(p) for p, role in zip(self._procs, self._roles,
+                                                                                   strict=True)]
         self._t0 = time.monotonic()
         return self
 
@@ -86,9 +122,14 @@ class CpuWindow:
         self.wall_s = wall = time.monotonic() - self._t0
         if not self._procs:
             return
-        for p, c0 in zip(self._procs, self._c0, strict=True):
-            role = process_role(p)
+        for p, c0, role, before in zip(self._procs, self._c0, self._roles, self._t0_threads, strict=True):
             self.by_role_s[role] = self.by_role_s.get(role, 0.0) + max(_seconds(p) - c0, 0.0)
+            if role in _WHOLE:
+                continue
+            split = self.by_thread_s.setdefault(role, {})
+            for tid, (name, sec) in _threads(p).items():
+                cls = thread_class(role, p.pid, tid, name)
+                split[cls] = split.get(cls, 0.0) + max(sec - before.get(tid, ("", 0.0))[1], 0.0)
         self.pct = round(100 * sum(self.by_role_s.values()) / wall, 1) if wall > 0 else None
 
 
@@ -126,3 +167,30 @@ def by_process_md(runs: list[dict]) -> list[str]:
     out += [f"| {role} | " + " | ".join(cell(r, role) for r in runs) + " |" for role in roles]
     out += ["| **all** | " + " | ".join(cell(r, None) for r in runs) + " |", ""]
     return out
+
+
+def by_thread_md(runs: list[dict]) -> list[str]:
+    """Per run: each process's CPU milliseconds per finished request by thread class (event loop,
+    compute, other threads), the processes that have a split."""
+    runs = [r for r in runs if (r.get("cpu") or {}).get("by_thread_s") and r["aggregates"].get("ok")]
+    if not runs:
+        return []
+    rows = sorted({(role, cls) for r in runs for role, split in r["cpu"]["by_thread_s"].items() for cls in split},
+                  key=lambda rc: (rc[0], (LOOP, COMPUTE, OTHER).index(rc[1]) if rc[1] in (LOOP, COMPUTE, OTHER) else 9))
+    out = ["## CPU per request by thread", "",
+           "The table above split by thread (Linux): each process's event loop (its main thread), its "
+           "compute lanes (the decode core's main thread is its compute), and its other threads (NIXL, "
+           "UCX, tokenizers, executors). CPU milliseconds per finished request.", "",
+           "| process | thread | " + " | ".join(f"`{r['target']}` {r['label']}" for r in runs) + " |",
+           "|---|---|" + "---:|" * len(runs)]
+    for role, cls in rows:
+        cells = []
+        for r in runs:
+            sec = r["cpu"]["by_thread_s"].get(role, {}).get(cls)
+            cells.append("–" if sec is None else f"{1000 * sec / r['aggregates']['ok']:.1f}")
+        out.append(f"| {role} | {cls} | " + " | ".join(cells) + " |")
+    for cls in (LOOP, COMPUTE, OTHER):
+        cells = [f"{1000 * sum(s.get(cls, 0.0) for s in r['cpu']['by_thread_s'].values()) / r['aggregates']['ok']:.1f}"
+                 for r in runs]
+        out.append(f"| **all** | {cls} | " + " | ".join(cells) + " |")
+    return out + [""]

@@ -115,6 +115,7 @@ def summary_md(result: dict, plot_note: str = "") -> str:
     lines += repeats.repeats_md(result["runs"])
     lines += ttft_split.split_md(result["runs"])
     lines += cpu.by_process_md(result["runs"])
+    lines += cpu.by_thread_md(result["runs"])
     lines += rediscount.commands_md(result["runs"])
     if result.get("goals"):
         lines += ["## Goals", "", "| goal | measured | verdict |", "|---|---|---|"]

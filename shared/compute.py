@@ -10,6 +10,9 @@ waiting at most ``max_wait_ms`` after the first, runs ONE batched call on the la
 each caller's future with its own result. The pending queue is bounded (``max_pending``):
 ``submit`` waits for room rather than buffering without limit.
 
+A lane's thread carries an OS-visible name (``LANE_THREAD_PREFIX`` + the lane's name, Linux), so
+that per-thread CPU accounting (``loadtest/cpu.py``) can tell compute from the event loop.
+
 ``LaneBatcher``: batches with no wait. Each ``submit`` queues its item and one job on the lane;
 the first job the lane runs takes every item queued by then (up to ``max_items``), so calls that
 arrive while the lane is busy share one call, and a lone call starts at once.
@@ -19,6 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ctypes
+import ctypes.util
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,10 +33,27 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
+LANE_THREAD_PREFIX = "mmc-"  # the OS name of every compute lane's thread starts with this
+_PR_SET_NAME = 15
+_OS_NAME_MAX = 15  # bytes; Linux truncates longer names
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` as its OS name (``/proc/<pid>/task/<tid>/comm``), on
+    Linux; elsewhere, or if libc refuses, nothing happens (the name only serves accounting)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:_OS_NAME_MAX], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
 
 class ComputeLane:
     def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{name}")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{name}",
+                                        initializer=name_os_thread, initargs=(LANE_THREAD_PREFIX + name,))
 
     async def run(self, fn: Callable[..., R], *args: Any) -> R:
         loop = asyncio.get_running_loop()

@@ -274,6 +274,7 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
         assert parts["compute"] > 0 and parts["gateway"] > 0
     assert inproc_run["cpu"]["load_pct"] > 0
     assert set(inproc_run["cpu"]["by_process_s"]) == {"inproc"}  # a url: target has no processes to count
+    assert inproc_run["cpu"]["by_thread_s"]["inproc"][cpu.COMPUTE] > 0  # its model ran on its named lanes
     assert fleet_run["cpu"]["by_process_s"] == {}
     # the fleet's Redis commands, counted by the server: each request claims its stages and
     # appends its tokens by script, and the gateway reads them with XREAD
