@@ -35,7 +35,7 @@ from services.fleetview import page as fleet_page
 from services.gateway.auth import Authenticator
 from services.gateway.frontend import Frontend, new_request_id
 from services.gateway.prompt import PromptBuilder
-from services.gateway.responses import Rejected, error_response, http_reply
+from services.gateway.responses import ClientGone, Rejected, error_response, http_reply
 from shared import hostaddr, logs, metrics
 from shared.bus import make_producer
 from shared.doorbell import Doorbell
@@ -200,6 +200,9 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
             if status == 200:
                 metrics.E2E.observe(time.perf_counter() - t0)
             return resp
+        except ClientGone as gone:  # the request was aborted upstream; aiohttp ends the stream quietly
+            status = 499
+            return gone.response
         except (asyncio.CancelledError, ConnectionResetError):
             status = 499  # the client went away before the answer was complete
             raise

@@ -225,22 +225,37 @@ def sse_line(body: dict) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
+class ClientGone(ConnectionResetError):
+    """The client closed its connection while its stream was being written. A
+    ``ConnectionResetError``, so the admission aborts the request upstream; ``response`` is the
+    prepared stream, for the handler to hand back to aiohttp, which finishes it quietly (a client
+    that leaves is not a server error: no traceback in the log)."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("the client closed the connection")
+        self.response = response
+
+
 async def http_reply(request: web.Request, replies: AsyncIterator[Reply], *, stream: bool) -> web.StreamResponse:
     """Write a request's replies as HTTP: the first reply decides the status (an error before
     any token is a proper HTTP error, even with ``stream``); a stream is SSE ending with
-    ``data: [DONE]``, where a later error travels as an SSE error object."""
+    ``data: [DONE]``, where a later error travels as an SSE error object. A client that closes
+    its connection mid-stream raises :class:`ClientGone`."""
     first = await anext(replies)
     if first.kind == "error":
         return web.Response(status=first.status, body=orjson.dumps(first.body), content_type="application/json")
     if not stream:
         return web.Response(body=orjson.dumps(first.body), content_type="application/json")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    await resp.write(sse_line(first.body))
-    async for reply in replies:
-        await resp.write(sse_line(reply.body))
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+    try:
+        await resp.prepare(request)
+        await resp.write(sse_line(first.body))
+        async for reply in replies:
+            await resp.write(sse_line(reply.body))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError as exc:
+        raise ClientGone(resp) from exc
     return resp
 
 
