@@ -180,7 +180,8 @@ def by_thread_md(runs: list[dict]) -> list[str]:
     out = ["## CPU per request by thread", "",
            "The table above split by thread (Linux): each process's event loop (its main thread), its "
            "compute lanes (the decode core's main thread is its compute), and its other threads (NIXL, "
-           "UCX, tokenizers, executors). CPU milliseconds per finished request.", "",
+           "UCX, tokenizers, executors). CPU milliseconds per finished request; the last row, the event "
+           "loops' CPU over the compute's, moves little with the machine's speed.", "",
            "| process | thread | " + " | ".join(f"`{r['target']}` {r['label']}" for r in runs) + " |",
            "|---|---|" + "---:|" * len(runs)]
     for role, cls in rows:
@@ -193,4 +194,13 @@ def by_thread_md(runs: list[dict]) -> list[str]:
         cells = [f"{1000 * sum(s.get(cls, 0.0) for s in r['cpu']['by_thread_s'].values()) / r['aggregates']['ok']:.1f}"
                  for r in runs]
         out.append(f"| **all** | {cls} | " + " | ".join(cells) + " |")
+    # the machine's speed moves every figure above from run to run, but not this ratio much: the
+    # compute is the same work in every run, so it is the steadier way to compare messaging costs
+    out.append("| **all** | event loop ÷ compute | " + " | ".join(_ratio(r["cpu"]["by_thread_s"]) for r in runs) + " |")
     return out + [""]
+
+
+def _ratio(by_thread_s: dict) -> str:
+    loop = sum(s.get(LOOP, 0.0) for s in by_thread_s.values())
+    compute = sum(s.get(COMPUTE, 0.0) for s in by_thread_s.values())
+    return f"{loop / compute:.2f}" if compute > 0 else "–"

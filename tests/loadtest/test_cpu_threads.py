@@ -93,5 +93,6 @@ def test_by_thread_md() -> None:
     assert "| inproc | compute | – | 20.0 |" in md
     assert "| **all** | event loop | 10.0 | 10.0 |" in md
     assert "| **all** | compute | 25.0 | 20.0 |" in md
+    assert "| **all** | event loop ÷ compute | 0.40 | 0.50 |" in md
     assert "url:http://x" not in md  # a run with nothing to split has no column
     assert cpu.by_thread_md([runs[2]]) == []
