@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import ctypes
-import ctypes.util
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -43,9 +42,8 @@ def name_os_thread(name: str) -> None:
     Linux; elsewhere, or if libc refuses, nothing happens (the name only serves accounting)."""
     if not sys.platform.startswith("linux"):
         return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.prctl(_PR_SET_NAME, name.encode()[:_OS_NAME_MAX], 0, 0, 0)
+    try:  # the process's own symbols (libc is loaded): no library search, no subprocess
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:_OS_NAME_MAX], 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
