@@ -26,6 +26,7 @@ except ImportError:  # the bench extra is not installed: CPU figures are left ou
 
 INFRA_NAMES = ("tansu", "redis-server")
 LOOP, COMPUTE, OTHER = "event loop", "compute", "other threads"
+_CLASSES = (LOOP, COMPUTE, OTHER)  # thread_class's answers, in the order tables show them
 _WHOLE = ("broker", "redis", "gone")  # roles whose threads are not split (not Python processes of ours)
 
 
@@ -176,7 +177,7 @@ def by_thread_md(runs: list[dict]) -> list[str]:
     if not runs:
         return []
     rows = sorted({(role, cls) for r in runs for role, split in r["cpu"]["by_thread_s"].items() for cls in split},
-                  key=lambda rc: (rc[0], (LOOP, COMPUTE, OTHER).index(rc[1]) if rc[1] in (LOOP, COMPUTE, OTHER) else 9))
+                  key=lambda rc: (rc[0], _CLASSES.index(rc[1])))
     out = ["## CPU per request by thread", "",
            "The table above split by thread (Linux): each process's event loop (its main thread), its "
            "compute lanes (the decode core's main thread is its compute), and its other threads (NIXL, "
@@ -190,17 +191,17 @@ def by_thread_md(runs: list[dict]) -> list[str]:
             sec = r["cpu"]["by_thread_s"].get(role, {}).get(cls)
             cells.append("–" if sec is None else f"{1000 * sec / r['aggregates']['ok']:.1f}")
         out.append(f"| {role} | {cls} | " + " | ".join(cells) + " |")
-    for cls in (LOOP, COMPUTE, OTHER):
-        cells = [f"{1000 * sum(s.get(cls, 0.0) for s in r['cpu']['by_thread_s'].values()) / r['aggregates']['ok']:.1f}"
-                 for r in runs]
+    totals = [_class_totals(r["cpu"]["by_thread_s"]) for r in runs]
+    for cls in _CLASSES:
+        cells = [f"{1000 * t[cls] / r['aggregates']['ok']:.1f}" for t, r in zip(totals, runs, strict=True)]
         out.append(f"| **all** | {cls} | " + " | ".join(cells) + " |")
     # the machine's speed moves every figure above from run to run, but not this ratio much: the
     # compute is the same work in every run, so it is the steadier way to compare messaging costs
-    out.append("| **all** | event loop ÷ compute | " + " | ".join(_ratio(r["cpu"]["by_thread_s"]) for r in runs) + " |")
+    ratios = [f"{t[LOOP] / t[COMPUTE]:.2f}" if t[COMPUTE] > 0 else "–" for t in totals]
+    out.append("| **all** | event loop ÷ compute | " + " | ".join(ratios) + " |")
     return out + [""]
 
 
-def _ratio(by_thread_s: dict) -> str:
-    loop = sum(s.get(LOOP, 0.0) for s in by_thread_s.values())
-    compute = sum(s.get(COMPUTE, 0.0) for s in by_thread_s.values())
-    return f"{loop / compute:.2f}" if compute > 0 else "–"
+def _class_totals(by_thread_s: dict[str, dict[str, float]]) -> dict[str, float]:
+    """CPU seconds per thread class over every process of a run."""
+    return {cls: sum(split.get(cls, 0.0) for split in by_thread_s.values()) for cls in _CLASSES}

@@ -34,10 +34,9 @@ _CHILD = textwrap.dedent("""
         lane = ComputeLane("busy")
         await lane.run(spin, 0.6)
         spin(0.25)
-        lane_alive = lane  # the lane's thread must outlive the window to be counted
         print("done", flush=True)
         sys.stdin.readline()
-        lane_alive.close()
+        lane.close()  # only now: the lane's thread must outlive the window to be counted
 
     asyncio.run(main())
 """)
