@@ -51,7 +51,8 @@ class DecodeHandler:
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=msg.prompt_len,
                                 first_token=first, skip_deltas=log.deltas, cached_tokens=msg.cached_tokens,
-                                aborted=abort_check(ctx, meta))
+                                aborted=abort_check(ctx, meta),
+                                lookahead_tokens=0 if self._engine.capabilities.decodes_ahead else 2)
         if started is not None and not started.began:
             # the completion ended before a token was asked for (eos first, max_tokens 1): read
             # the KV anyway (one discarded token), so the producer frees it now, not at its lease

@@ -74,6 +74,9 @@ class Capabilities:
     # the engine keeps its own prefix cache and reports what it stored / evicted, keyed by the
     # block hashes the caller gives ``prefill(block_keys=...)``, in ``PrefillOutput.kv_changes``
     kv_events: bool = False
+    # ``decode``'s tokens come from another process that steps without waiting for the reader
+    # (they queue in this one): the stream writer needs no look-ahead task of its own
+    decodes_ahead: bool = False
 
 
 @dataclass(frozen=True)

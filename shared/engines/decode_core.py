@@ -103,7 +103,7 @@ class CoreDecodeEngine:
     """The ``Engine`` of a decode-only worker with ``decode_core`` on: ``decode`` through the core."""
 
     name = "transformers"
-    capabilities = Capabilities(encode=False, generate=False, kv_export=False, kv_import=True)
+    capabilities = Capabilities(encode=False, generate=False, kv_export=False, kv_import=True, decodes_ahead=True)
     core_module = "shared.engines.decode_core_main"  # what the child runs (``python -m``)
 
     def __init__(self, model_dir, *, device: str = "cpu", dtype: str = "auto", max_batch: int = 16,

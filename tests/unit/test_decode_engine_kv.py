@@ -6,6 +6,8 @@ here; tests/engines/test_vllm_pd.py and tests/e2e/test_modes.py run the real vLL
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -14,6 +16,7 @@ from transformers import AutoTokenizer
 from services.decode.handler import DecodeHandler
 from shared import protocol
 from shared.engines import vllm_pd
+from shared.engines.base import Capabilities
 from shared.stage import Context
 from shared.transfer import OwnerGoneError
 from tests.fakes import ListSink, MemoryTransfer
@@ -41,19 +44,30 @@ class MemoryLedger:
 
 
 class ScriptedEngine:
-    """``decode_remote`` yields ``resume`` then ``script`` (as the vLLM engine does)."""
+    """``decode_remote`` yields ``resume`` then ``script`` (as the vLLM engine does); ``pullers``
+    names the task that pulled each token."""
+
+    capabilities = Capabilities(encode=False, generate=False, kv_export=False, kv_import=True, remote_kv=True)
 
     def __init__(self, tokenizer, script: list[int], eos: int) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset({eos})
         self.script = script
         self.calls: list[tuple[int, tuple[int, ...], int]] = []
+        self.pullers: list[str] = []
 
     async def decode_remote(self, request_id, prompt_ids, kv, first_token, sampling, resume=()):
         assert isinstance(kv, protocol.EngineKv)
         self.calls.append((first_token, tuple(resume), sampling.max_tokens))
         for t in (*resume, *self.script)[: sampling.max_tokens - 1]:
+            self.pullers.append(asyncio.current_task().get_name())
             yield t
+
+
+class AheadEngine(ScriptedEngine):
+    """Its tokens are computed in another process, queued here (as the decode core's are)."""
+
+    capabilities = dataclasses.replace(ScriptedEngine.capabilities, decodes_ahead=True)
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +136,18 @@ async def test_first_token_eos_still_reads_so_the_producer_frees(tokenizer):
     await DecodeHandler(engine).handle(message(first=eos), context(sink, MemoryLedger()))
     assert engine.calls == [(eos, (), 1)]  # one read, its token discarded
     assert isinstance(sink.events["req-1"][-1], protocol.Finish)
+
+
+async def test_an_engine_that_decodes_ahead_gets_no_look_ahead_task(tokenizer):
+    """The writer's look-ahead task pulls an in-process engine's tokens while an append is in
+    flight; an engine whose tokens already queue up from another process (the decode core) is
+    pulled by the handler itself: one task and one queue less per token."""
+    eos = tokenizer.eos_token_id
+    for engine_class, pulled_by_lookahead in ((ScriptedEngine, True), (AheadEngine, False)):
+        engine = engine_class(tokenizer, [11, 12, 13, 14, 15], eos)
+        sink = ListSink()
+        await DecodeHandler(engine).handle(message(first=10), context(sink, MemoryLedger()))
+        deltas = [e for e in sink.events["req-1"] if isinstance(e, protocol.TokenDelta)]
+        assert [t for d in deltas for t in d.token_ids] == [10, 11, 12, 13, 14, 15]
+        assert len(engine.pullers) == 5
+        assert all((name == "decode-lookahead") == pulled_by_lookahead for name in engine.pullers), engine.pullers
