@@ -125,21 +125,29 @@ class TokenStreams:
         sub = await self._mux.subscribe(key)
         next_seq = 0
         seen: list[protocol.TokenDelta] = []  # in order: what a lost log is written back from
+        # One timer per follower, armed for the next check (deadline, or LOST_CHECK_S after the
+        # last news) and re-armed only once it has fired: a timeout around every wait cost a
+        # timer's creation and cancel per token
+        news_at = loop.time()
+        timer: asyncio.TimerHandle | None = None
         try:
             while True:
                 while not sub.entries:
                     if sub.error is not None:
                         raise sub.error
-                    left_s = deadline_s - loop.time()
-                    if left_s <= 0:
+                    now = loop.time()
+                    if now >= deadline_s:
                         raise TimeoutError(f"no terminal event for {request_id} before the deadline")
-                    sub.event.clear()  # nothing can arrive between the checks above and the wait
-                    try:
-                        async with asyncio.timeout(min(left_s, LOST_CHECK_S)):
-                            await sub.event.wait()
-                    except TimeoutError:
-                        if seen and not sub.entries and not await self._redis.exists(key):
+                    if now - news_at >= LOST_CHECK_S:
+                        news_at = now  # the next check LOST_CHECK_S from now
+                        if seen and not await self._redis.exists(key):
                             await self._restore(request_id, seen, on_lost)
+                        continue  # the check awaited: entries may have come meanwhile
+                    if timer is None or timer.when() <= now:
+                        timer = loop.call_at(min(deadline_s, news_at + LOST_CHECK_S), sub.event.set)
+                    sub.event.clear()  # nothing can arrive between the checks above and the wait
+                    await sub.event.wait()
+                news_at = loop.time()
                 _eid, fields = sub.entries.popleft()
                 event = protocol.decode_event(fields[_FIELD])
                 if isinstance(event, protocol.TokenDelta):
@@ -151,6 +159,8 @@ class TokenStreams:
                 if isinstance(event, (protocol.Finish, protocol.ErrorEvent)):
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             self._mux.unsubscribe(key)
 
     async def _restore(self, request_id: str, seen: list[protocol.TokenDelta],

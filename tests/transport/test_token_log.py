@@ -7,6 +7,7 @@ reader."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 import redis.asyncio as aioredis
@@ -224,5 +225,46 @@ async def test_a_follower_joining_a_blocked_read_is_served_at_once(redis_url):
         except TimeoutError:
             pass
     finally:
+        await streams.close()
+        await redis.aclose()
+
+
+async def test_a_follower_arms_one_timer_not_one_per_event(redis_url):
+    """The follower's deadline and lost-log check share one timer, re-armed only once it fired:
+    a timeout around every wait made and cancelled a timer per token."""
+    redis = aioredis.from_url(redis_url)
+    streams = TokenStreams(redis, RedisKeys("toklog"), maxlen=1000, ttl_s=60)
+    loop = asyncio.get_running_loop()
+    armed: list[float] = []
+    real_call_at = loop.call_at
+
+    def counting_call_at(when, callback, *args, **kw):
+        # a timer the follower arms itself, directly or through asyncio.timeout (not one of the
+        # Redis client's, which it calls, nor one of this test's)
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.endswith("asyncio/timeouts.py"):
+            frame = frame.f_back
+        if frame is not None and frame.f_code.co_name == "follow" and frame.f_code.co_filename.endswith("streams.py"):
+            armed.append(when)
+        return real_call_at(when, callback, *args, **kw)
+
+    n = 40
+    try:
+        loop.call_at = counting_call_at
+        follower = streams.follow("one-timer", deadline_s=loop.time() + 30)
+        got = []
+        for i in range(n + 1):  # one event at a time, each written while the follower waits for it
+            waiting = asyncio.create_task(anext(follower))
+            await asyncio.sleep(0.01 if i else 0.05)
+            assert not waiting.done()
+            if i < n:
+                assert await streams.append_delta("one-timer", _delta(i), position=i)
+            else:
+                await streams.append("one-timer", _finish(n))
+            got.append(await asyncio.wait_for(waiting, 10))
+        assert [e.seq for e in got[:-1]] == list(range(n)) and isinstance(got[-1], protocol.Finish)
+        assert 1 <= len(armed) <= 2, len(armed)  # a timeout around each wait armed n + 1
+    finally:
+        loop.call_at = real_call_at
         await streams.close()
         await redis.aclose()
