@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.decode.stream import abort_check, read_log, stream_completion
+from services.decode.stream import LOOKAHEAD_TOKENS, abort_check, read_log, stream_completion
 from shared import protocol
 from shared.engines.base import Engine, SampledToken
 from shared.stage import Context, Outcome
@@ -52,7 +52,7 @@ class DecodeHandler:
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=msg.prompt_len,
                                 first_token=first, skip_deltas=log.deltas, cached_tokens=msg.cached_tokens,
                                 aborted=abort_check(ctx, meta),
-                                lookahead_tokens=0 if self._engine.capabilities.decodes_ahead else 2)
+                                lookahead_tokens=0 if self._engine.capabilities.decodes_ahead else LOOKAHEAD_TOKENS)
         if started is not None and not started.began:
             # the completion ended before a token was asked for (eos first, max_tokens 1): read
             # the KV anyway (one discarded token), so the producer frees it now, not at its lease

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 # Tokens prefill writes at most while their text is held back (an incomplete UTF-8 character,
 # the start of a stop string): decode resumes after them as after a crash.
 FIRST_TEXT_MAX_TOKENS = 8
+# How far an in-process engine's decode may run ahead of the appends (stream_completion)
+LOOKAHEAD_TOKENS = 2
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
                             tokenizer, eos_token_ids: frozenset[int], prompt_len: int,
                             first_token: int | None = None, skip_deltas: int = 0, cached_tokens: int = 0,
                             aborted: Callable[[], Awaitable[bool]] | None = None,
-                            abort_check_every: int = 16, lookahead_tokens: int = 2) -> None:
+                            abort_check_every: int = 16, lookahead_tokens: int = LOOKAHEAD_TOKENS) -> None:
     """``lookahead_tokens``: how far the engine may run ahead of the appends (0: in lock-step).
     ``aborted``: polled every ``abort_check_every`` tokens; true ends the request with an
     error event (the client went away; the engine stops when the iterator closes).
