@@ -10,7 +10,6 @@ TOPIC_MEDIA_FETCH = "mm.media-fetch"
 TOPIC_ENCODE = "mm.encode"
 TOPIC_PREFILL = "mm.prefill"
 TOPIC_DECODE = "mm.decode"
-TOPIC_KV_EVENTS = "mm.kv-events"
 TOPIC_DEAD_LETTER = "mm.dead-letter"
 TOPIC_REQUESTS = "mm.requests"
 # error replies to ingress requests that named no reply_to (settings may name another topic)
@@ -18,7 +17,7 @@ TOPIC_REPLY_ERRORS = "mm.replies.errors"
 
 # the topics beside the stages' (each stage names its own in services/<stage>/spec.py;
 # services.stages.fleet_topics lists them all)
-INFRA_TOPICS: tuple[str, ...] = (TOPIC_KV_EVENTS, TOPIC_DEAD_LETTER, TOPIC_REQUESTS, TOPIC_REPLY_ERRORS)
+INFRA_TOPICS: tuple[str, ...] = (TOPIC_DEAD_LETTER, TOPIC_REQUESTS, TOPIC_REPLY_ERRORS)
 
 
 # the Kafka ingress: one consumer group over mm.requests (every gateway joins it); its
@@ -100,7 +99,7 @@ class RedisKeys:
         return f"{self.prefix}:rate:{key_id}:{window}"
 
     def kv_blocks(self, worker_id: str) -> str:
-        """Set of KV block hashes (decimal) a prefill worker's prefix cache holds (from mm.kv-events)."""
+        """Set of KV block hashes (decimal) a prefill worker's prefix cache holds (written by it)."""
         return f"{self.prefix}:kv:blocks:{worker_id}"
 
     def kv_load(self, worker_id: str) -> str:
@@ -117,7 +116,7 @@ class RedisKeys:
         return f"{self.prefix}:kv:route:{request_id}"
 
     def kv_event_lags(self) -> str:
-        """List of recent mm.kv-events produce-to-table lags in ms, newest first, bounded."""
+        """List of recent cache-change-to-table lags in ms (prefill workers' table writes), newest first, bounded."""
         return f"{self.prefix}:stats:kv-event-lags"
 
     def workers_pattern(self) -> str:

@@ -379,16 +379,6 @@ class CarriedRecord(Struct, frozen=True, tag="doorbell.carried"):
     value: bytes
 
 
-class KvEvent(Struct, frozen=True, tag="kv.event"):
-    """prefill → ``mm.kv-events`` (key: worker id, so one worker's events stay in order): KV
-    blocks (u64 hashes, shared.kv.blocks) its prefix cache stored and removed."""
-
-    worker_id: str
-    stored: tuple[int, ...] = ()
-    removed: tuple[int, ...] = ()
-    cleared: bool = False  # the worker's cache was emptied (e.g. start-up): forget all its blocks
-
-
 class WorkerInfo(Struct, frozen=True):
     """A worker's liveness record in Redis (refreshed with a TTL while it holds partitions)."""
 

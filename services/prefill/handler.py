@@ -13,10 +13,10 @@ worker's pool, or (``capabilities.remote_kv``, vLLM) left in the engine with its
 
 Prefix reuse (with a ``PrefixReuse`` and an engine with ``capabilities.prefix_kv``): the
 longest cached prefix of the prompt's KV blocks is reused and only the rest is computed; the
-prompt's blocks are then kept, and what the cache stored / evicted goes out on
-``mm.kv-events`` for the routing table. An engine with its own prefix cache
+prompt's blocks are then kept, and what the cache stored / evicted goes to this worker's row of
+the routing table (``TableWriter``, after the first token). An engine with its own prefix cache
 (``capabilities.kv_events``, with an ``EngineCacheReport``) gets the prompt's block hashes
-instead and reports its cache's changes in them, which go out the same way. ``load`` counts
+instead and reports its cache's changes in them, which go the same way. ``load`` counts
 the positions still to compute.
 """
 
@@ -28,8 +28,9 @@ from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine, MediaEmbeds, PrefillOutput
 from shared.keys import TOPIC_DECODE
 from shared.kv.audit import RouteAudit
+from shared.kv.prefix_cache import CacheChanges
 from shared.kv.reuse import EngineCacheReport, Lookup, PrefixReuse
-from shared.kv.table import LoadTracker
+from shared.kv.table import LoadTracker, TableWriter
 from shared.stage import Context, Outcome, Produce, RequestFailed
 from shared.tracing import timed_transfer
 
@@ -72,11 +73,12 @@ _PLAIN = EmbeddingPuller()
 class PrefillHandler:
     def __init__(self, engine: Engine, prefix: PrefixReuse | None = None, load: LoadTracker | None = None,
                  puller: EmbeddingPuller | None = None, audit: RouteAudit | None = None,
-                 engine_cache: EngineCacheReport | None = None) -> None:
+                 engine_cache: EngineCacheReport | None = None, table: TableWriter | None = None) -> None:
         self._engine = engine
         self._prefix = prefix if engine.capabilities.prefix_kv else None
         self._engine_cache = engine_cache if engine.capabilities.kv_events else None
         self._audit = audit if self._prefix is not None or self._engine_cache is not None else None
+        self._table = table
         self._load = load or LoadTracker()
         self._puller = puller
 
@@ -99,8 +101,9 @@ class PrefillHandler:
         # its Python on this loop would otherwise compete with the forward's thread for the GIL
         if self._audit is not None:
             self._audit.prefilled(msg, ctx.worker_id, lookup.hit_blocks)
-        events = self._prefix.keep(lookup, out.kv, ctx.worker_id) if self._prefix is not None else []
-        return await self._outcome(msg, ctx, out, lookup.prefix_len, events)
+        if self._prefix is not None:
+            self._cache_changed(self._prefix.keep(lookup, out.kv))
+        return await self._outcome(msg, ctx, out, lookup.prefix_len)
 
     async def _handle_engine_cache(self, msg: protocol.PrefillRequest, ctx: Context, total: int,
                                    media: list[MediaEmbeds]) -> Outcome:
@@ -113,8 +116,12 @@ class PrefillHandler:
         await self._first_delta(ctx, meta, out)
         if self._audit is not None:
             self._audit.prefilled(msg, ctx.worker_id, report.hit_blocks(out.cached_tokens))
-        events = report.report(hashes, out.cached_tokens, out.kv_changes, ctx.worker_id)
-        return await self._outcome(msg, ctx, out, out.cached_tokens, events)
+        self._cache_changed(report.report(hashes, out.cached_tokens, out.kv_changes))
+        return await self._outcome(msg, ctx, out, out.cached_tokens)
+
+    def _cache_changed(self, changes: CacheChanges) -> None:
+        if self._table is not None:
+            self._table.changed(changes)
 
     async def _first_delta(self, ctx: Context, meta: protocol.RequestMeta, out: PrefillOutput) -> None:
         more = None
@@ -125,9 +132,9 @@ class PrefillHandler:
         await write_first_delta(ctx.events, meta, out.first_token, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, more=more)
 
-    async def _outcome(self, msg: protocol.PrefillRequest, ctx: Context, out: PrefillOutput, cached_tokens: int,
-                       events: list[Produce]) -> Outcome:
-        """After the first delta is written: the KV handed to decode, the KV events beside it."""
+    async def _outcome(self, msg: protocol.PrefillRequest, ctx: Context, out: PrefillOutput,
+                       cached_tokens: int) -> Outcome:
+        """After the first delta is written: the KV handed to decode."""
         meta = msg.meta
         owner = ctx.transfer.ref()
         if out.engine_kv is not None:  # the KV stays in the engine; decode's engine reads it
@@ -139,4 +146,4 @@ class PrefillHandler:
                                         rope_delta=out.rope_delta, first_token=int(out.first_token),
                                         cached_tokens=cached_tokens, engine_kv=out.engine_kv,
                                         first_logprob=getattr(out.first_token, "logprob", None))
-        return Outcome([Produce(TOPIC_DECODE, meta.request_id, decode), *events], embedding_releases(msg))
+        return Outcome([Produce(TOPIC_DECODE, meta.request_id, decode)], embedding_releases(msg))

@@ -1,8 +1,8 @@
 """The prefill stage: its topic, its message and how a worker builds its handler.
 
-Apart from decode it exports KV (``services.prefill.handler``) and, with a prefix cache, keeps
-the KV-aware routing table fed: its load and partitions (``LoadReporter``, also the runner's
-rebalance listener) and the ``mm.kv-events`` consumer (``KvTableUpdater``). With decode in the
+Apart from decode it exports KV (``services.prefill.handler``) and keeps its row of the KV-aware
+routing table: its load and partitions (``LoadReporter``, also the runner's rebalance listener)
+and, with a prefix cache, its blocks and route notes (``TableWriter``). With decode in the
 same worker it generates (``services.prefill.generate``) under ``decode_concurrency``.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 
 from shared import protocol
-from shared.keys import TOPIC_DECODE, TOPIC_KV_EVENTS, TOPIC_PREFILL
+from shared.keys import TOPIC_DECODE, TOPIC_PREFILL
 from shared.stage import StageBuild, StageParts, StageSpec
 
 
@@ -33,7 +33,7 @@ async def build(parts: StageParts) -> StageBuild:
     from shared.kv.audit import RouteAudit
     from shared.kv.prefix_cache import PrefixCache
     from shared.kv.reuse import EngineCacheReport, PrefixReuse
-    from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker
+    from shared.kv.table import LoadReporter, LoadTracker, TableWriter
     from shared.models.registry import placeholder_token_id
 
     load = LoadTracker()
@@ -49,12 +49,13 @@ async def build(parts: StageParts) -> StageBuild:
     engine_cache = EngineCacheReport(placeholder, settings.kv_block_size, metric_label=label) \
         if caps.kv_events else None
     reporter = LoadReporter(parts.redis, parts.keys, parts.worker_id, load, settings)
-    audit = RouteAudit(parts.redis, parts.keys) if reuse is not None or engine_cache is not None else None
-    handler = PrefillHandler(lm, reuse, load, puller, audit, engine_cache)
-    table = KvTableUpdater(parts.redis, parts.keys, settings, doorbell=parts.doorbell)
-    return StageBuild(handler, listener=reporter, consumers=(table,), background=(reporter.run,))
+    if reuse is None and engine_cache is None:
+        return StageBuild(PrefillHandler(lm, None, load, puller), listener=reporter, background=(reporter.run,))
+    table = TableWriter(parts.redis, parts.keys, parts.worker_id, settings)
+    handler = PrefillHandler(lm, reuse, load, puller, RouteAudit(table, parts.keys), engine_cache, table)
+    return StageBuild(handler, listener=reporter, background=(reporter.run, table.run))
 
 
 # work enters here from media-fetch, encode and (text-only requests) the gateway
 SPEC = StageSpec(name="prefill", topic=TOPIC_PREFILL, message=protocol.PrefillRequest,
-                 produces=(TOPIC_DECODE, TOPIC_KV_EVENTS), part="p", build=build)
+                 produces=(TOPIC_DECODE,), part="p", build=build)

@@ -1,5 +1,6 @@
 """A prefill worker's use of its prefix cache for one request: find the longest cached prefix
-before the forward, keep the new blocks after it, count both, and say so on ``mm.kv-events``.
+before the forward, keep the new blocks after it, count both, and return what the cache changed
+(for the routing table: :class:`shared.kv.table.TableWriter`).
 
 The reused prefix is the cached whole blocks, cut to ``prompt_len - 1`` positions when they
 cover the whole prompt: at least one position is always computed, since its logits give the
@@ -7,8 +8,7 @@ first token. The blocks hashed here are exactly the router's (same function, sam
 
 Engines with a prefix cache of their own (``capabilities.kv_events``: vLLM) use
 :class:`EngineCacheReport` instead: the same hashes go to the engine, which reports its
-cache's changes in those keys; both paths publish through :func:`kv_event_outputs`, i.e. as
-outputs of the prefill handler, produced by the stage runner with the request's decode message.
+cache's changes in those keys, which go to the routing table the same way.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from shared import protocol
-from shared.keys import TOPIC_KV_EVENTS
 from shared.kv.blocks import block_hashes
 from shared.kv.prefix_cache import CacheChanges, PrefixCache
-from shared.stage import Produce
 
 BLOCKS_HIT = Counter("mmfleet_prefix_blocks_hit_total", "Prompt KV blocks reused from the prefix cache", ["worker"])
 BLOCKS_COMPUTED = Counter("mmfleet_prefix_blocks_computed_total",
@@ -59,23 +57,13 @@ class PrefixReuse:
         kv = torch.cat(blocks, dim=3) if len(blocks) > 1 else blocks[0]
         return Lookup(hashes, kv[:, :, :, :prefix_len, :].contiguous(), prefix_len, len(blocks))
 
-    def keep(self, lookup: Lookup, kv: torch.Tensor, worker_id: str) -> list[Produce]:
-        """Store the prompt's blocks from its full packed ``kv``; the KV event to produce, if any."""
+    def keep(self, lookup: Lookup, kv: torch.Tensor) -> CacheChanges:
+        """Store the prompt's blocks from its full packed ``kv``; what the cache changed."""
         BLOCKS_HIT.labels(self._label).inc(lookup.hit_blocks)
         BLOCKS_COMPUTED.labels(self._label).inc(len(lookup.hashes) - lookup.hit_blocks)
         changes = self.cache.store(lookup.hashes, kv)
         CACHE_BYTES.labels(self._label).set(self.cache.bytes)
-        return kv_event_outputs(worker_id, changes)
-
-
-def kv_event_outputs(worker_id: str, changes: CacheChanges | None) -> list[Produce]:
-    """The ``mm.kv-events`` record for a worker's cache changes (none when nothing changed);
-    keyed by worker id, so one worker's events stay in order."""
-    if not changes:
-        return []
-    event = protocol.KvEvent(worker_id=worker_id, stored=tuple(changes.stored), removed=tuple(changes.removed),
-                             cleared=changes.cleared)
-    return [Produce(TOPIC_KV_EVENTS, worker_id, event)]
+        return changes
 
 
 class EngineCacheReport:
@@ -96,9 +84,9 @@ class EngineCacheReport:
     def hit_blocks(self, cached_tokens: int) -> int:
         return cached_tokens // self.block_size
 
-    def report(self, hashes: list[int], cached_tokens: int, changes: CacheChanges | None,
-               worker_id: str) -> list[Produce]:
+    def report(self, hashes: list[int], cached_tokens: int, changes: CacheChanges | None) -> CacheChanges:
+        """Count the request's blocks; the engine's cache changes (none: nothing changed)."""
         hit = min(self.hit_blocks(cached_tokens), len(hashes))
         BLOCKS_HIT.labels(self._label).inc(hit)
         BLOCKS_COMPUTED.labels(self._label).inc(len(hashes) - hit)
-        return kv_event_outputs(worker_id, changes)
+        return changes or CacheChanges()

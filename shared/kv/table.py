@@ -11,9 +11,9 @@ its worker was last heard from, so a crashed worker drops out of routing by itse
 - ``kv_owners(mm.prefill)``: hash partition -> worker, rewritten by the owner on assignment,
   removed (only if still its own) on revocation. A field is trusted only when the named
   worker's ``kv_load`` lists that partition too, so a stale field is never routed on.
-- ``kv_blocks(w)``: set of block hashes, kept by :class:`KvTableUpdater` from ``mm.kv-events``
-  (consumer group ``mmfleet.kv-table``, run by every prefill worker: the group splits the
-  events' partitions among them and a survivor takes over a dead updater's share).
+- ``kv_blocks(w)``: set of block hashes its prefix cache holds, written by the worker itself
+  (:class:`TableWriter`, beside its route notes) a loop turn or a write's round trip after its
+  cache changed.
 """
 
 from __future__ import annotations
@@ -26,12 +26,10 @@ from contextlib import contextmanager
 import redis.asyncio as aioredis
 from aiokafka import ConsumerRebalanceListener
 
-from shared import protocol
 from shared.aio import wait_event
-from shared.consume import ConsumeLoop
-from shared.keys import TOPIC_KV_EVENTS, TOPIC_PREFILL, RedisKeys, consumer_group
-from shared.kv.audit import lag_ops
-from shared.ledger import EpochWatch
+from shared.keys import TOPIC_PREFILL, RedisKeys
+from shared.kv.audit import LAG_SAMPLES, MAX_PENDING, NOTE_TTL_S, lag_ops
+from shared.kv.prefix_cache import CacheChanges
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -42,6 +40,7 @@ log = logging.getLogger(__name__)
 # end: two writes per request, the first one mid-forward. Past the window a prompt prefilled in
 # less has left the load as it was, and nothing is written.
 COALESCE_S = 0.025
+_RETRY_S = 0.1  # after a failed table write
 
 # delete an owner field only if it still names us (the new owner may have written it already)
 _HDEL_IF_MINE = """
@@ -162,54 +161,112 @@ class LoadReporter(ConsumerRebalanceListener):
             log.warning("kv: could not withdraw %s from the routing table: %r", self._worker, exc)
 
 
-class KvTableUpdater:
-    """Applies ``mm.kv-events`` to the ``kv_blocks`` sets (see the module contract).
+class TableWriter:
+    """A prefill worker's writes to the routing table that need no answer: its ``kv_blocks`` set
+    and the route notes (:class:`shared.kv.audit.RouteAudit`), see the module contract.
 
-    Events of one worker share a key, hence a partition, hence their order. Offsets are
-    committed after a batch is applied; a redelivered batch re-applies set operations, which
-    at worst lists a block its worker already dropped (a lost hit, never a wrong answer).
-    """
+    Changes are folded into what is pending and written by one task, in order, one pipeline a
+    write; what comes during a write goes in the next. Redis trouble is logged, never raised: a
+    failed write leaves the set dirty, and the next write replaces it whole from the blocks the
+    cache holds (mirrored here from the changes), so no change is lost to a Redis outage."""
 
-    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, settings: Settings, *, doorbell=None) -> None:
-        """``doorbell``: the process's :class:`shared.doorbell.Doorbell` (prefill rings it after
-        producing events): without it the loop polls the broker every ``fetch_max_wait_ms``,
-        which for every prefill worker of an idle fleet costs ~4 % of a core."""
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, worker_id: str, settings: Settings) -> None:
         self._redis = redis
         self._keys = keys
+        self._worker = worker_id
         self._ttl_ms = settings.kv_report_ttl_ms
-        self._decoder = protocol.decoder_for(protocol.KvEvent)
-        self._loop = ConsumeLoop(settings, TOPIC_KV_EVENTS, consumer_group("kv-table"), name="kv-table",
-                                 concurrency=256, poll_timeout_ms=500, process_batch=self._batch, doorbell=doorbell,
-                                 epoch=EpochWatch(lambda: redis.get(keys.broker_epoch())))
-        self.applied = 0
+        self._held: set[int] = set()  # what the cache holds: the whole set, for a rewrite
+        self._stored: set[int] = set()  # pending, disjoint from _removed
+        self._removed: set[int] = set()
+        self._rewrite = True  # the first write replaces whatever a previous life of this id left
+        self._changed_ms: list[float] = []  # when each pending change was made (lag samples)
+        self._notes: list[tuple[str, dict[str, str]]] = []
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.written = 0  # writes that reached Redis, for tests and stats
 
-    def stop(self) -> None:
-        self._loop.stop()
+    def changed(self, changes: CacheChanges) -> None:
+        """The worker's cache changed: ``cleared`` (applied first), ``stored``, ``removed``."""
+        if not changes:
+            return
+        if changes.cleared:
+            self._held.clear()
+            self._stored.clear()
+            self._removed.clear()
+            self._rewrite = True
+        for h in changes.stored:
+            self._held.add(h)
+            self._removed.discard(h)
+            self._stored.add(h)
+        for h in changes.removed:
+            self._held.discard(h)
+            self._stored.discard(h)
+            self._removed.add(h)
+        if len(self._changed_ms) < LAG_SAMPLES:
+            self._changed_ms.append(time.time() * 1000)
+        self._kick()
+
+    def note(self, key: str, fields: dict[str, str]) -> bool:
+        """Queue a route note (a hash written with a TTL); False when ``MAX_PENDING`` notes are
+        already waiting (the note is dropped: notes are advisory)."""
+        if len(self._notes) >= MAX_PENDING:
+            return False
+        self._notes.append((key, fields))
+        self._kick()
+        return True
+
+    def _kick(self) -> None:
+        self._idle.clear()
+        self._wake.set()
+
+    async def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until nothing queued is left unwritten; False if that took over ``timeout_s``
+        (Redis away: the writer keeps trying)."""
+        return await wait_event(self._idle, timeout_s)
 
     async def run(self) -> None:
-        await self._loop.run()
+        """Write until cancelled; then one last write of what is pending."""
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                await self._write()
+                if not self._wake.is_set():
+                    self._idle.set()
+        finally:
+            await asyncio.shield(self._write())
+            self._idle.set()
 
-    async def _batch(self, records: list) -> None:
-        await self.apply([rec.value for rec in records], [rec.timestamp for rec in records])
-
-    async def apply(self, values: list[bytes], produced_ms: list[int] | None = None) -> None:
-        """``produced_ms``: each record's produce timestamp, for the event-lag samples."""
+    async def _write(self) -> None:
+        if not (self._rewrite or self._stored or self._removed or self._notes):
+            return
+        key = self._keys.kv_blocks(self._worker)
+        rewrite, stored, removed = self._rewrite, self._stored, self._removed
+        notes, changed_ms = self._notes, self._changed_ms
+        self._rewrite, self._stored, self._removed, self._notes, self._changed_ms = False, set(), set(), [], []
         pipe = self._redis.pipeline(transaction=False)
-        for raw in values:
-            try:
-                ev = self._decoder.decode(raw)
-            except Exception as exc:  # msgspec.DecodeError: not ours to fix; skip it loudly
-                log.warning("kv-table: undecodable event skipped: %r", exc)
-                continue
-            key = self._keys.kv_blocks(ev.worker_id)
-            if ev.cleared:  # the worker's cache was emptied (or its events resynchronised)
-                pipe.delete(key)
-            if ev.stored:
-                pipe.sadd(key, *map(str, ev.stored))
-            if ev.removed:
-                pipe.srem(key, *map(str, ev.removed))
+        if rewrite:
+            pipe.delete(key)
+            stored, removed = self._held, set()
+        if stored:
+            pipe.sadd(key, *map(str, stored))
+        if removed:
+            pipe.srem(key, *map(str, removed))
+        if rewrite or stored or removed:
             pipe.pexpire(key, self._ttl_ms)
-            self.applied += 1
+        for note_key, fields in notes:
+            pipe.hset(note_key, mapping=fields)
+            pipe.expire(note_key, NOTE_TTL_S)
         now_ms = time.time() * 1000
-        lag_ops(pipe, self._keys, [max(0.0, now_ms - t) for t in produced_ms or [] if t and t > 0])
-        await pipe.execute()
+        lag_ops(pipe, self._keys, [now_ms - t for t in changed_ms])
+        try:
+            await pipe.execute()
+        except (aioredis.RedisError, OSError) as exc:
+            # the set may now miss changes: the next write replaces it whole (notes are advisory)
+            log.warning("kv: routing-table write failed (%r); the next one rewrites %s's blocks", exc, self._worker)
+            self._rewrite = True
+            self._kick()
+            await asyncio.sleep(_RETRY_S)  # Redis away: not a write attempt per change
+            return
+        self.written += 1

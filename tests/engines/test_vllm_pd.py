@@ -7,6 +7,7 @@ The producer's prefix cache reports to the routing table through vLLM's KV event
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import msgspec
@@ -19,11 +20,11 @@ from shared import protocol  # noqa: E402
 from shared.engines import vllm_pd  # noqa: E402
 from shared.engines.transformers_engine import TransformersEngine  # noqa: E402
 from shared.engines.vllm_engine import VllmEngine  # noqa: E402
-from shared.keys import TOPIC_DECODE, TOPIC_KV_EVENTS, TOPIC_PREFILL, RedisKeys  # noqa: E402
+from shared.keys import TOPIC_DECODE, TOPIC_PREFILL, RedisKeys  # noqa: E402
 from shared.kv.prefix_cache import PrefixCache  # noqa: E402
 from shared.kv.reuse import EngineCacheReport, PrefixReuse  # noqa: E402
 from shared.kv.router import Router  # noqa: E402
-from shared.kv.table import KvTableUpdater, LoadReporter, LoadTracker  # noqa: E402
+from shared.kv.table import LoadReporter, LoadTracker, TableWriter  # noqa: E402
 from shared.models.registry import placeholder_token_id  # noqa: E402
 from shared.settings import Settings  # noqa: E402
 from shared.stage import Context  # noqa: E402
@@ -123,16 +124,29 @@ def kv_request(compute, rid: str, img, mm_hash: str, enc: MemoryTransfer) -> pro
     return protocol.PrefillRequest(meta=meta, items=(item,), owners=(enc.ref(),))
 
 
-async def prefill_and_read(handler, consumer, msg, ctx):
-    """The prefill handler's outcome → (its DecodeRequest, its KvEvent or None); the consumer
-    then reads the KV (which frees the producer's blocks, as decode does in a fleet)."""
+class ChangeLog:
+    """Stands in for the routing table's writer: the cache changes a prefill handler reports."""
+
+    def __init__(self) -> None:
+        self.changes = []
+
+    def changed(self, changes) -> None:
+        self.changes.append(changes)
+
+
+async def prefill_and_read(handler, consumer, msg, ctx, log: ChangeLog):
+    """The prefill handler's outcome → (its DecodeRequest, its cache's changes or None); the
+    consumer then reads the KV (which frees the producer's blocks, as decode does in a fleet)."""
+    before = len(log.changes)
     outcome = await handler.handle(msg, ctx)
     by_topic = {p.topic: p.value for p in outcome.produce}
     decode = by_topic[TOPIC_DECODE]
     if decode.engine_kv is not None:
         await collect(consumer.decode_remote(msg.meta.request_id, list(msg.meta.prompt_token_ids), decode.engine_kv,
                                              decode.first_token, msg.meta.sampling))
-    return decode, by_topic.get(TOPIC_KV_EVENTS)
+    changed = [c for c in log.changes[before:] if c]
+    assert len(changed) <= 1, changed
+    return decode, (changed[0] if changed else None)
 
 
 async def test_prefill_kv_events_land_in_the_routing_table_with_the_transformers_keys(
@@ -153,29 +167,31 @@ async def test_prefill_kv_events_land_in_the_routing_table_with_the_transformers
     world: dict = {}
     enc = MemoryTransfer("encode", world)
     ctx = Context(stage="prefill", worker_id=KV_WORKER, events=ListSink(), transfer=MemoryTransfer("prefill", world))
-    handler = PrefillHandler(producer, engine_cache=EngineCacheReport(placeholder, ours))
+    log = ChangeLog()
+    handler = PrefillHandler(producer, engine_cache=EngineCacheReport(placeholder, ours), table=log)
     rng = np.random.default_rng(5)
     img_a, img_b = (Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)) for _ in range(2))
 
     msg_a = kv_request(compute, "kv-a", img_a, "mm-a", enc)
-    decode_a, ev_a = await prefill_and_read(handler, consumer, msg_a, ctx)
+    decode_a, ev_a = await prefill_and_read(handler, consumer, msg_a, ctx, log)
     whole = decode_a.prompt_len // producer.block_size * (producer.block_size // ours)  # our keys vLLM can hold
-    assert whole >= 4 and ev_a is not None and ev_a.worker_id == KV_WORKER
+    assert whole >= 4 and ev_a is not None
 
     # the transformers path on the same request: its prefix cache's stored keys
     tf = TransformersEngine(model_dir)
     await tf.start()
     try:
-        tf_handler = PrefillHandler(tf, PrefixReuse(PrefixCache(1 << 26, ours), placeholder))
+        tf_log = ChangeLog()
+        tf_handler = PrefillHandler(tf, PrefixReuse(PrefixCache(1 << 26, ours), placeholder), table=tf_log)
         tf_ctx = Context(stage="prefill", worker_id="prefill-tf", events=ListSink(),
                          transfer=MemoryTransfer("prefill-tf", world))
-        tf_out = await tf_handler.handle(kv_request(compute, "kv-a-tf", img_a, "mm-a", enc), tf_ctx)
+        await tf_handler.handle(kv_request(compute, "kv-a-tf", img_a, "mm-a", enc), tf_ctx)
     finally:
         await tf.stop()
-    (tf_ev,) = [p.value for p in tf_out.produce if p.topic == TOPIC_KV_EVENTS]
+    (tf_ev,) = tf_log.changes
     assert list(ev_a.stored) == list(tf_ev.stored[:whole]) and not ev_a.removed
 
-    # into the routing table (the kv-table updater's apply, as from mm.kv-events) and routed on
+    # into the routing table (the worker's table writer) and routed on
     settings = Settings(redis_url=redis_url, redis_prefix=f"vkv{uuid.uuid4().hex[:8]}", kv_block_size=ours)
     redis = aioredis.from_url(redis_url)
     keys = RedisKeys(settings.redis_prefix)
@@ -184,8 +200,12 @@ async def test_prefill_kv_events_land_in_the_routing_table_with_the_transformers
         await reporter.on_partitions_assigned([TopicPartition(TOPIC_PREFILL, 0)])
         other = LoadReporter(redis, keys, "prefill-other", LoadTracker(), settings)
         await other.on_partitions_assigned([TopicPartition(TOPIC_PREFILL, 1)])
-        updater = KvTableUpdater(redis, keys, settings)
-        await updater.apply([protocol.encode(ev_a)])
+        writer = TableWriter(redis, keys, KV_WORKER, settings)
+        writing = asyncio.create_task(writer.run())
+        writer.changed(ev_a)
+        assert await writer.flush()
+        writing.cancel()
+        await asyncio.gather(writing, return_exceptions=True)
         held = {int(x) for x in await redis.smembers(keys.kv_blocks(KV_WORKER))}
         assert held == set(tf_ev.stored[:whole])
         decision = await Router(redis, keys, settings, placeholder).decide(kv_request(compute, "kv-a2", img_a,
@@ -196,14 +216,14 @@ async def test_prefill_kv_events_land_in_the_routing_table_with_the_transformers
 
     # the same prompt again: vLLM's own prefix cache serves it, nothing new to list
     decode_again, ev_again = await prefill_and_read(handler, consumer, kv_request(compute, "kv-a3", img_a, "mm-a",
-                                                                                  enc), ctx)
+                                                                                  enc), ctx, log)
     assert decode_again.cached_tokens >= (whole // (producer.block_size // ours) - 1) * producer.block_size > 0
     assert ev_again is None or not ev_again.stored
     assert decode_again.first_token == decode_a.first_token
 
     # another image behind the same tokens: new keys from the image's block on, text before shared
     msg_b = kv_request(compute, "kv-b", img_b, "mm-b", enc)
-    _decode_b, ev_b = await prefill_and_read(handler, consumer, msg_b, ctx)
+    _decode_b, ev_b = await prefill_and_read(handler, consumer, msg_b, ctx, log)
     keys_b = EngineCacheReport(placeholder, ours).hashes(msg_b)[:whole]
     keys_a = set(tf_ev.stored[:whole])
     assert ev_b is not None and set(ev_b.stored) == set(keys_b) - keys_a

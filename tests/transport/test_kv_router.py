@@ -14,8 +14,9 @@ from aiokafka import TopicPartition
 from shared import protocol
 from shared.keys import TOPIC_PREFILL, RedisKeys
 from shared.kv.blocks import block_hashes
+from shared.kv.prefix_cache import CacheChanges
 from shared.kv.router import Router
-from shared.kv.table import COALESCE_S, KvTableUpdater, LoadReporter, LoadTracker
+from shared.kv.table import COALESCE_S, LoadReporter, LoadTracker, TableWriter
 from shared.settings import Settings
 from tests.roundtrips import count_round_trips
 
@@ -39,9 +40,13 @@ async def table(redis_url):
     reporters = {w: LoadReporter(redis, keys, w, loads[w], settings) for w in loads}
     await reporters["w1"].on_partitions_assigned([TopicPartition(TOPIC_PREFILL, p) for p in (0, 1)])
     await reporters["w2"].on_partitions_assigned([TopicPartition(TOPIC_PREFILL, p) for p in (2, 3)])
-    updater = KvTableUpdater(redis, keys, settings)  # only apply() is used: no broker needed
+    writers = {w: TableWriter(redis, keys, w, settings) for w in ("w1", "w2", "w3")}
+    tasks = [asyncio.create_task(w.run()) for w in writers.values()]
     yield {"settings": settings, "redis": redis, "keys": keys, "loads": loads, "reporters": reporters,
-           "updater": updater}
+           "writers": writers}
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
     await redis.aclose()
 
 
@@ -50,9 +55,10 @@ def router(t, policy: str = "kv", **kw) -> Router:
     return Router(t["redis"], t["keys"], s, PH)
 
 
-async def stored(t, worker: str, hashes: list[int], removed: list[int] = ()) -> None:
-    ev = protocol.KvEvent(worker_id=worker, stored=tuple(hashes), removed=tuple(removed))
-    await t["updater"].apply([protocol.encode(ev)])
+async def stored(t, worker: str, hashes: list[int], removed: list[int] = (), cleared: bool = False) -> None:
+    """``worker``'s cache changed so; wait for its table write."""
+    t["writers"][worker].changed(CacheChanges(list(hashes), list(removed), cleared))
+    assert await t["writers"][worker].flush()
 
 
 async def test_the_worker_holding_the_prefix_wins_on_one_of_its_partitions(table):
@@ -75,14 +81,39 @@ async def test_removed_blocks_stop_attracting(table):
     assert (await router(table).decide(request(prompt))).overlap == 0
 
 
-async def test_a_cleared_event_replaces_what_the_worker_held(table):
+async def test_a_cleared_change_replaces_what_the_worker_held(table):
     """``cleared`` (an engine's AllBlocksCleared, or a resync of its event translation) drops
-    every block the table listed for the worker before the event's own ``stored``."""
+    every block the table listed for the worker before the change's own ``stored``."""
     a, b = (block_hashes(list(range(s, s + 8)), [], placeholder_id=PH, block_size=BLOCK) for s in (300, 400))
     await stored(table, "w1", a)
-    await table["updater"].apply([protocol.encode(protocol.KvEvent(worker_id="w1", stored=tuple(b), cleared=True))])
+    await stored(table, "w1", b, cleared=True)
     held = {int(x) for x in await table["redis"].smembers(table["keys"].kv_blocks("w1"))}
     assert held == set(b)
+
+
+async def test_changes_made_while_a_write_is_out_fold_into_the_next_in_order(table):
+    """One write at a time: what changes meanwhile is folded (a block stored then removed is
+    not listed) and goes in one pipeline, and the set ends as the cache holds it."""
+    w = table["writers"]["w1"]
+    await stored(table, "w1", [1])
+    written = w.written
+    w.changed(CacheChanges([2, 3]))  # the write of these starts on the next loop turn
+    w.changed(CacheChanges([4], removed=[2]))
+    w.changed(CacheChanges([], removed=[1]))
+    assert await w.flush()
+    held = {int(x) for x in await table["redis"].smembers(table["keys"].kv_blocks("w1"))}
+    assert held == {3, 4} and w.written == written + 1
+
+
+async def test_a_failed_write_is_followed_by_a_whole_rewrite_of_the_workers_blocks(table):
+    """A write Redis refused leaves the set unknown: the next replaces it with every block the
+    worker's cache holds, the failed write's changes included."""
+    w, key = table["writers"]["w2"], table["keys"].kv_blocks("w2")
+    await stored(table, "w2", [1, 2])
+    await table["redis"].set(key, "not a set")  # SADD fails on it (WRONGTYPE) until the key is replaced
+    w.changed(CacheChanges([3], removed=[1]))
+    assert await w.flush()
+    assert {int(x) for x in await table["redis"].smembers(key)} == {2, 3}
 
 
 async def test_with_no_information_load_is_spread_and_a_loaded_worker_avoided(table):
@@ -182,8 +213,6 @@ def test_unknown_policy_is_refused():
 
 
 async def test_routing_notes_say_why_a_prefill_missed_and_event_lag_is_sampled(table):
-    import time
-
     from shared.kv import audit
 
     prompt = list(range(300, 316))  # 4 blocks
@@ -192,7 +221,7 @@ async def test_routing_notes_say_why_a_prefill_missed_and_event_lag_is_sampled(t
     r = router(table)
     partition, msg = await r.route(request(prompt))  # the decision travels in the record
     assert partition in (2, 3)
-    notes = audit.RouteAudit(table["redis"], table["keys"])
+    notes = audit.RouteAudit(table["writers"]["w2"], table["keys"])
     notes.prefilled(msg, "w2", 1)  # one of the two listed blocks was gone
     await notes.drain()
     note = await audit.read_notes(table["settings"].redis_url, table["settings"].redis_prefix, [msg.meta.request_id])
@@ -207,10 +236,15 @@ async def test_routing_notes_say_why_a_prefill_missed_and_event_lag_is_sampled(t
                                   [unrouted.meta.request_id])
     assert note[unrouted.meta.request_id] == {"ran_on": "w1", "hit": "0", "cause": "unrouted"}
 
-    ev = protocol.KvEvent(worker_id="w1", stored=(1, 2))
-    await table["updater"].apply([protocol.encode(ev)], [int(time.time() * 1000) - 250])
     lags = await audit.read_lags(table["settings"].redis_url, table["settings"].redis_prefix)
-    assert len(lags) == 1 and 250 <= lags[0] < 60_000
+    assert len(lags) == 1 and 0 <= lags[0] < 60_000  # w2's change above, into the table
+    w1 = table["writers"]["w1"]
+    w1.changed(CacheChanges([1]))
+    w1.changed(CacheChanges([2]))
+    time.sleep(0.2)  # the loop blocked: both changes wait 200 ms for their write
+    assert await w1.flush()
+    lags = await audit.read_lags(table["settings"].redis_url, table["settings"].redis_prefix)
+    assert len(lags) == 3 and all(200 <= lag < 60_000 for lag in lags[:2])
 
 
 async def test_a_change_of_load_writes_the_load_alone_and_the_interval_writes_everything(table):

@@ -353,16 +353,22 @@ async def test_prefill_writes_the_first_token_before_keeping_its_prefix(engine, 
     from shared.kv.prefix_cache import PrefixCache
     from shared.kv.reuse import PrefixReuse
 
-    sink, seen = ListSink(), []
+    sink, seen, table = ListSink(), [], []
 
     class Recording(PrefixReuse):
-        def keep(self, lookup, kv, worker_id):
+        def keep(self, lookup, kv):
             seen.append([e for e in sink.events.get("pk", []) if isinstance(e, protocol.TokenDelta)])
-            return super().keep(lookup, kv, worker_id)
+            return super().keep(lookup, kv)
+
+    class Table:  # the routing table's writer: what the cache changed
+        def changed(self, changes):
+            table.append(changes)
 
     ids = compute.render_prompt_ids([{"role": "user", "content": "Say something about prefixes, please."}])
     ctx = Context(stage="prefill", worker_id="prefill", events=sink, transfer=MemoryTransfer("prefill", {}))
-    handler = PrefillHandler(engine, prefix=Recording(PrefixCache(1 << 24, 8), compute.placeholder_token_id))
+    handler = PrefillHandler(engine, prefix=Recording(PrefixCache(1 << 24, 8), compute.placeholder_token_id),
+                             table=Table())
     outcome = await handler.handle(protocol.PrefillRequest(meta=_meta("pk", ids), items=()), ctx)
     assert [len(deltas) for deltas in seen] == [1]  # kept once, the first delta already written
-    assert len(outcome.produce) > 1  # the decode request and the KV events of the kept blocks
+    assert [p.topic for p in outcome.produce] == ["mm.decode"]
+    assert len(table) == 1 and len(table[0].stored) == len(ids) // 8  # the kept blocks, for the routing table

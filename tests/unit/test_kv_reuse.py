@@ -51,7 +51,7 @@ def test_reused_prefix_gives_the_same_output(compute):
     full1 = compute.prefill(ids1, images)
     look = reuse.lookup(turn1, full1.prompt_len)
     assert look.prefix_kv is None
-    assert reuse.keep(look, full1.kv, "w")  # a KV event for the stored blocks
+    assert reuse.keep(look, full1.kv).stored  # the blocks stored: for the routing table
 
     # the same prompt again: all whole blocks hit, at least one position is computed
     look = reuse.lookup(turn1, full1.prompt_len)
@@ -74,7 +74,7 @@ def test_another_image_behind_the_same_tokens_reuses_nothing_past_the_text(compu
     reuse = PrefixReuse(PrefixCache(1 << 24, BLOCK), compute.placeholder_token_id)
     red, blue = Image.new("RGB", (64, 64), (255, 0, 0)), Image.new("RGB", (64, 64), (0, 0, 255))
     msg_r, ids, images_r = request(compute, red, ["Which colour?"], "red")
-    reuse.keep(reuse.lookup(msg_r, len(ids)), compute.prefill(ids, images_r).kv, "w")
+    reuse.keep(reuse.lookup(msg_r, len(ids)), compute.prefill(ids, images_r).kv)
     msg_b, _ids, _images_b = request(compute, blue, ["Which colour?"], "blue")
     image_start = list(msg_b.meta.prompt_token_ids).index(compute.placeholder_token_id)
     look = reuse.lookup(msg_b, 10_000)
