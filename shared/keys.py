@@ -112,7 +112,7 @@ class RedisKeys:
         return f"{self.prefix}:kv:owners:{topic}"
 
     def kv_route(self, request_id: str) -> str:
-        """Hash: one routing decision for ``request_id`` and what its prefill met (``shared.kv.audit``)."""
+        """JSON object: one routing decision for ``request_id`` and what its prefill met (``shared.kv.audit``)."""
         return f"{self.prefix}:kv:route:{request_id}"
 
     def kv_event_lags(self) -> str:

@@ -6,7 +6,8 @@ Contract:
   ``policy``, ``worker`` (the winner), ``overlap`` (blocks the table said the winner held),
   ``best`` (the most any candidate held), ``cost`` / ``load`` of the winner (cost units:
   blocks), ``candidates``, ``blocks`` (the prompt's whole blocks), ``t_ms``.
-- The prefill worker writes ``kv_route(request_id)`` (a hash, ``NOTE_TTL_S``) in the background,
+- The prefill worker writes ``kv_route(request_id)`` (a JSON object of strings, ``NOTE_TTL_S``;
+  one value, not a hash: ~24 arguments fewer to pack a request) in the background,
   in its routing-table writer's next pipeline: those fields, ``ran_on``, ``hit`` (blocks its
   prefix cache gave) and ``cause`` (:func:`classify`): ``hit`` (reused at least what the table
   promised), ``cold`` (no worker listed any block: a first turn, or the previous turn's blocks
@@ -27,6 +28,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import msgspec
+import orjson
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Histogram
 
@@ -102,12 +104,11 @@ async def read_notes(redis_url: str, prefix: str, request_ids: list[str]) -> dic
     try:
         pipe = r.pipeline(transaction=False)
         for rid in request_ids:
-            pipe.hgetall(keys.kv_route(rid))
+            pipe.get(keys.kv_route(rid))
         replies = await pipe.execute()
     finally:
         await r.aclose()
-    return {rid: {k.decode(): v.decode() for k, v in raw.items()}
-            for rid, raw in zip(request_ids, replies, strict=True) if raw}
+    return {rid: orjson.loads(raw) for rid, raw in zip(request_ids, replies, strict=True) if raw}
 
 
 async def read_lags(redis_url: str, prefix: str) -> list[float]:

@@ -23,6 +23,7 @@ import logging
 import time
 from contextlib import contextmanager
 
+import orjson
 import redis.asyncio as aioredis
 from aiokafka import ConsumerRebalanceListener
 
@@ -208,7 +209,7 @@ class TableWriter:
         self._kick()
 
     def note(self, key: str, fields: dict[str, str]) -> bool:
-        """Queue a route note (a hash written with a TTL); False when ``MAX_PENDING`` notes are
+        """Queue a route note (written as one JSON value with a TTL); False when ``MAX_PENDING`` notes are
         already waiting (the note is dropped: notes are advisory)."""
         if len(self._notes) >= MAX_PENDING:
             return False
@@ -256,8 +257,7 @@ class TableWriter:
         if rewrite or stored or removed:
             pipe.pexpire(key, self._ttl_ms)
         for note_key, fields in notes:
-            pipe.hset(note_key, mapping=fields)
-            pipe.expire(note_key, NOTE_TTL_S)
+            pipe.set(note_key, orjson.dumps(fields), ex=NOTE_TTL_S)
         now_ms = time.time() * 1000
         lag_ops(pipe, self._keys, [now_ms - t for t in changed_ms])
         try:
