@@ -4,22 +4,28 @@ request in flight), instead of one XREAD per stream per token.
 Contract: ``subscribe(key)`` starts following ``key`` from its first entry and returns a
 :class:`Subscription` whose ``entries`` fill in order as the reader sees them; ``event`` is set
 whenever entries arrive or the reader fails (``error``). ``unsubscribe`` stops it. One follower
-per key per process. A follower joining while the read blocks wakes it: every read also waits
-on the process's wake stream (``wake_key``, one entry, expiring), and ``subscribe`` adds to it
-(one round trip), so the next read includes the new key at once. A read that fails hands its
-error to every subscription of that moment and ends them; later subscriptions start a new
-reader. At most ``count`` entries per stream per read; a stream's entries are bounded by its
-``MAXLEN``.
+per key per process. A follower joining while the read blocks is in the next read; if no read
+has returned ``wake_delay_s`` after it joined, it wakes the one blocking: every read also waits
+on the process's wake stream (``wake_key``, one entry, expiring), and a wake adds to it (one
+round trip). Under load reads return every few ms, so joining costs nothing; a request's first
+event comes tens of ms after its follower joins (the stages run first), so the delay costs
+nothing either. A read that fails hands its error to every subscription of that moment and
+ends them; later subscriptions start a new reader. At most ``count`` entries per stream per
+read; a stream's entries are bounded by its ``MAXLEN``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 
 import redis.asyncio as aioredis
 
 __all__ = ["StreamMux", "Subscription"]
+
+log = logging.getLogger(__name__)
+WAKE_DELAY_S = 0.002
 
 
 class Subscription:
@@ -34,7 +40,7 @@ class Subscription:
 
 class StreamMux:
     def __init__(self, redis: aioredis.Redis, wake_key: str, *, ttl_s: int, block_ms: int = 1000,
-                 count: int = 256) -> None:
+                 count: int = 256, wake_delay_s: float = WAKE_DELAY_S) -> None:
         self._redis = redis
         self._wake = wake_key.encode()
         self._ttl_s = ttl_s
@@ -42,37 +48,60 @@ class StreamMux:
         self._count = count
         self._subs: dict[bytes, Subscription] = {}
         self._task: asyncio.Task | None = None
+        self._wake_delay_s = wake_delay_s
+        self._wake_timer: asyncio.TimerHandle | None = None  # armed while a follower waits for the next read
+        self._waking: set[asyncio.Task] = set()
+        self.wakes = 0  # wakes sent, for tests and stats
 
     async def subscribe(self, key: str) -> Subscription:
         k = key.encode()
         if k in self._subs:
             raise ValueError(f"{key} is followed already")
         sub = self._subs[k] = Subscription()
-        if self._task is None:
+        if self._task is None:  # the first read includes it
             self._task = asyncio.create_task(self._read(), name="stream-mux")
-        try:  # wakes a read blocked on the keys of before (one round trip)
+        elif self._wake_timer is None:  # a read blocks on the keys of before: the next one includes it
+            self._wake_timer = asyncio.get_running_loop().call_later(self._wake_delay_s, self._wake_read)
+        return sub
+
+    def _wake_read(self) -> None:
+        """No read returned since a follower joined: wake the one blocking (one round trip)."""
+        self._wake_timer = None
+        task = asyncio.create_task(self._send_wake(), name="stream-mux-wake")
+        self._waking.add(task)
+        task.add_done_callback(self._waking.discard)
+
+    async def _send_wake(self) -> None:
+        try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.xadd(self._wake, {b"w": b"1"}, maxlen=1, approximate=False)
                 pipe.expire(self._wake, self._ttl_s)
                 await pipe.execute()
-        except BaseException:
-            self.unsubscribe(key)
-            raise
-        return sub
+            self.wakes += 1
+        except Exception as exc:  # noqa: BLE001 - the read fails too then, and its followers see why
+            log.debug("stream mux: wake not sent: %r", exc)
 
     def unsubscribe(self, key: str) -> None:
         self._subs.pop(key.encode(), None)
 
     async def close(self) -> None:
+        self._disarm()
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for t in [task, *self._waking]:
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*[t for t in [task, *self._waking] if t is not None], return_exceptions=True)
+
+    def _disarm(self) -> None:
+        if self._wake_timer is not None:
+            self._wake_timer.cancel()
+            self._wake_timer = None
 
     async def _read(self) -> None:
         try:
             while self._subs:
                 asked = dict(self._subs)  # a key followed again meanwhile is a new subscription
+                self._disarm()  # every follower so far is in this read
                 streams: dict[bytes, bytes | str] = {self._wake: "$"}
                 streams.update((k, s.after) for k, s in asked.items())
                 try:
@@ -93,3 +122,4 @@ class StreamMux:
         finally:
             if self._task is asyncio.current_task():
                 self._task = None
+                self._disarm()
