@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 # end: two writes per request, the first one mid-forward. Past the window a prompt prefilled in
 # less has left the load as it was, and nothing is written.
 COALESCE_S = 0.025
-_RETRY_S = 0.1  # after a failed table write
+# after a failed table write: the first retry, doubled per failure up to the last
+_RETRY_S, _RETRY_MAX_S = 0.1, 5.0
 
 # delete an owner field only if it still names us (the new owner may have written it already)
 _HDEL_IF_MINE = """
@@ -186,6 +187,7 @@ class TableWriter:
         self._idle = asyncio.Event()
         self._idle.set()
         self.written = 0  # writes that reached Redis, for tests and stats
+        self._failures = 0  # consecutive failed writes
 
     def changed(self, changes: CacheChanges) -> None:
         """The worker's cache changed: ``cleared`` (applied first), ``stored``, ``removed``."""
@@ -209,8 +211,8 @@ class TableWriter:
         self._kick()
 
     def note(self, key: str, fields: dict[str, str]) -> bool:
-        """Queue a route note (written as one JSON value with a TTL); False when ``MAX_PENDING`` notes are
-        already waiting (the note is dropped: notes are advisory)."""
+        """Queue a route note (written as one JSON value with a TTL); False when ``MAX_PENDING``
+        notes are already waiting (the note is dropped: notes are advisory)."""
         if len(self._notes) >= MAX_PENDING:
             return False
         self._notes.append((key, fields))
@@ -259,14 +261,20 @@ class TableWriter:
         for note_key, fields in notes:
             pipe.set(note_key, orjson.dumps(fields), ex=NOTE_TTL_S)
         now_ms = time.time() * 1000
-        lag_ops(pipe, self._keys, [now_ms - t for t in changed_ms])
+        lag_ops(pipe, self._keys, [max(0.0, now_ms - t) for t in changed_ms])
         try:
             await pipe.execute()
         except (aioredis.RedisError, OSError) as exc:
             # the set may now miss changes: the next write replaces it whole (notes are advisory)
-            log.warning("kv: routing-table write failed (%r); the next one rewrites %s's blocks", exc, self._worker)
+            self._failures += 1
+            (log.warning if self._failures == 1 else log.debug)(
+                "kv: routing-table write failed (%r); the next one rewrites %s's blocks", exc, self._worker)
             self._rewrite = True
             self._kick()
-            await asyncio.sleep(_RETRY_S)  # Redis away: not a write attempt per change
+            # Redis away: not a write attempt per change
+            await asyncio.sleep(min(_RETRY_S * 2 ** (self._failures - 1), _RETRY_MAX_S))
             return
+        if self._failures:
+            log.info("kv: routing-table writes of %s work again (%d failed)", self._worker, self._failures)
+            self._failures = 0
         self.written += 1
