@@ -26,6 +26,7 @@ __all__ = ["StreamMux", "Subscription"]
 
 log = logging.getLogger(__name__)
 WAKE_DELAY_S = 0.002
+_CANCEL_GRACE_S = 0.05  # a reader not gone this long after its cancel is woken
 
 
 class Subscription:
@@ -51,7 +52,8 @@ class StreamMux:
         self._wake_delay_s = wake_delay_s
         self._wake_timer: asyncio.TimerHandle | None = None  # armed while a follower waits for the next read
         self._waking: set[asyncio.Task] = set()
-        self.wakes = 0  # wakes sent, for tests and stats
+        self.wakes = 0  # wakes sent (their round trips begun), for tests and stats
+        self._closing = False
 
     async def subscribe(self, key: str) -> Subscription:
         k = key.encode()
@@ -67,6 +69,7 @@ class StreamMux:
     def _wake_read(self) -> None:
         """No read returned since a follower joined: wake the one blocking (one round trip)."""
         self._wake_timer = None
+        self.wakes += 1
         task = asyncio.create_task(self._send_wake(), name="stream-mux-wake")
         self._waking.add(task)
         task.add_done_callback(self._waking.discard)
@@ -77,7 +80,6 @@ class StreamMux:
                 pipe.xadd(self._wake, {b"w": b"1"}, maxlen=1, approximate=False)
                 pipe.expire(self._wake, self._ttl_s)
                 await pipe.execute()
-            self.wakes += 1
         except Exception as exc:  # noqa: BLE001 - the read fails too then, and its followers see why
             log.debug("stream mux: wake not sent: %r", exc)
 
@@ -85,12 +87,18 @@ class StreamMux:
         self._subs.pop(key.encode(), None)
 
     async def close(self) -> None:
+        """Stop the reader; followers still subscribed get no more entries. (A later subscribe
+        starts a new reader.)"""
         self._disarm()
-        task, self._task = self._task, None
-        for t in [task, *self._waking]:
-            if t is not None:
-                t.cancel()
-        await asyncio.gather(*[t for t in [task, *self._waking] if t is not None], return_exceptions=True)
+        self._closing = True  # a cancel swallowed inside redis-py's read must not keep the loop going
+        tasks = [t for t in [self._task, *self._waking] if t is not None]
+        reader, self._task = self._task, None
+        for t in tasks:
+            t.cancel()
+        if reader is not None and not (await asyncio.wait({reader}, timeout=_CANCEL_GRACE_S))[0]:
+            await self._send_wake()  # the cancel was lost (Python 3.11's wait_for in redis-py): end the read
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._closing = False
 
     def _disarm(self) -> None:
         if self._wake_timer is not None:
@@ -99,7 +107,7 @@ class StreamMux:
 
     async def _read(self) -> None:
         try:
-            while self._subs:
+            while self._subs and not self._closing:
                 asked = dict(self._subs)  # a key followed again meanwhile is a new subscription
                 self._disarm()  # every follower so far is in this read
                 streams: dict[bytes, bytes | str] = {self._wake: "$"}
