@@ -181,8 +181,9 @@ def by_thread_md(runs: list[dict]) -> list[str]:
     out = ["## CPU per request by thread", "",
            "The table above split by thread (Linux): each process's event loop (its main thread), its "
            "compute lanes (the decode core's main thread is its compute), and its other threads (NIXL, "
-           "UCX, tokenizers, executors). CPU milliseconds per finished request; the last row, the event "
-           "loops' CPU over the compute's, moves little with the machine's speed.", "",
+           "UCX, tokenizers, executors). A lane's job run inline (`compute_inline_max_ms`: on the event loop, "
+           "its thread idle) counts as event loop. CPU milliseconds per finished request; the last row, the "
+           "event loops' CPU over the compute's, moves little with the machine's speed at a fixed setting.", "",
            "| process | thread | " + " | ".join(f"`{r['target']}` {r['label']}" for r in runs) + " |",
            "|---|---|" + "---:|" * len(runs)]
     for role, cls in rows:

@@ -100,7 +100,7 @@ async def _lifecycle(app: web.Application):
     await engine.start()
     # as the gateway builds it, for the modality this baseline serves (images)
     builder = PromptBuilder.for_model(model_dir, s, only=frozenset({"image"}))
-    lane = ComputeLane("media")
+    lane = ComputeLane("media", inline_max_ms=s.compute_inline_max_ms)  # as media-fetch builds it
     async with MediaFetcher.from_settings(s) as fetcher:
         app[STATE] = InprocState(s, engine, builder, fetcher, ImagePreprocessor(model_dir), lane)
         log.info("inproc server ready (model %s)", model_dir)
@@ -207,7 +207,7 @@ async def _images(state: InprocState, prepared: Prepared) -> tuple[list[tuple[to
             def prep(raw=raw, param=m.param):
                 return state.preprocess(decode_image(raw, max_pixels=s.max_image_pixels, param=param))
 
-            pixels.append(await state.lane.run(prep))
+            pixels.append(await state.lane.run(prep, size=len(raw)))
     except MediaError as exc:
         raise RequestFailed(exc.status, str(exc), code=exc.code) from None
     t1 = time.perf_counter()

@@ -80,7 +80,8 @@ def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...
         return cls(model_dir, encode_max_batch_items=settings.encode_max_batch_items,
                    encode_batch_wait_ms=settings.encode_batch_wait_ms, device=settings.device, dtype=settings.dtype,
                    decode_max_batch=settings.decode_max_batch,
-                   prefill_max_batch=settings.prefill_max_batch, parts=parts_for(stages, settings.engine))
+                   prefill_max_batch=settings.prefill_max_batch, parts=parts_for(stages, settings.engine),
+                   inline_max_ms=settings.compute_inline_max_ms)
     from shared.engines import vllm_pd
 
     role = None

@@ -3,7 +3,11 @@
 ``ComputeLane``: one worker thread per process. Torch releases the GIL inside kernels, so the
 loop keeps serving Kafka, Redis and NIXL progress while a forward runs; one thread (and
 ``torch.set_num_threads(settings.torch_threads)``) keeps a process from oversubscribing the
-machine's cores.
+machine's cores. With ``inline_max_ms``, a job runs on the caller's thread (the event loop)
+instead when the lane has no job in flight and jobs of its kind (the function's qualified name
+and the caller's ``size`` hint within a factor of two) have lately taken at most that long: a
+short job then costs no thread hand-over and no GIL ping-pong with the loop (README, "Fleet
+overhead"), at the price of the loop waiting for it. A kind not seen yet runs on the thread.
 
 ``MicroBatcher``: callers ``submit`` single items; a loop collects up to ``max_items`` items,
 waiting at most ``max_wait_ms`` after the first, runs ONE batched call on the lane and resolves
@@ -21,13 +25,16 @@ arrive while the lane is busy share one call, and a lone call starts at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import ctypes
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
+
+from shared.metrics import COMPUTE_JOBS
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -48,15 +55,54 @@ def name_os_thread(name: str) -> None:
         pass
 
 
-class ComputeLane:
-    def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{name}",
-                                        initializer=name_os_thread, initargs=(LANE_THREAD_PREFIX + name,))
+_EWMA_NEW = 0.25  # weight of a job's latest wall time in its kind's estimate
 
-    async def run(self, fn: Callable[..., R], *args: Any) -> R:
-        loop = asyncio.get_running_loop()
+
+class ComputeLane:
+    def __init__(self, name: str, *, inline_max_ms: float = 0.0) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"compute-{name}", initializer=name_os_thread,
+            initargs=(LANE_THREAD_PREFIX + name,))
+        self._inline_max_s = inline_max_ms / 1000
+        # jobs handed to the thread and not finished (a cancelled caller's job may still run)
+        self._jobs: set[concurrent.futures.Future] = set()
+        self._wall_s: dict[str, float] = {}  # job kind -> its recent wall time (EWMA); unknown kinds use the thread
+        self.inlined = 0  # jobs run on the caller's thread (for stats and tests)
+        self.threaded = 0
+        self._count_inline = COMPUTE_JOBS.labels(name, "inline")
+        self._count_thread = COMPUTE_JOBS.labels(name, "thread")
+
+    async def run(self, fn: Callable[..., R], *args: Any, size: int = 0) -> R:
+        """``size``: how big the job is (tokens, bytes: what its time grows with), for inlining."""
         ctx = contextvars.copy_context()
-        return await loop.run_in_executor(self._pool, lambda: ctx.run(fn, *args))
+        key = f"{getattr(fn, '__qualname__', None) or type(fn).__qualname__}/{max(size, 0).bit_length()}"
+        wall_s = self._wall_s.get(key)
+        if not self._jobs and wall_s is not None and wall_s <= self._inline_max_s:
+            # one loop turn first: what is ready goes out before the loop is held (a claim's
+            # command, a fetch a ring woke), and a batcher's callers ready now join this job
+            await asyncio.sleep(0)
+        if not self._jobs and wall_s is not None and wall_s <= self._inline_max_s:
+            # nothing on the thread to race with: the same order and exclusion as a threaded job
+            self.inlined += 1
+            self._count_inline.inc()
+            return self._timed(key, ctx, fn, args)
+        self.threaded += 1
+        self._count_thread.inc()
+        job = self._pool.submit(self._timed, key, ctx, fn, args)
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)  # run, failed or cancelled before it ran
+        return await asyncio.wrap_future(job)
+
+    def _timed(self, key: str, ctx: contextvars.Context, fn: Callable[..., R], args: tuple) -> R:
+        if not self._inline_max_s:
+            return ctx.run(fn, *args)
+        t0 = time.perf_counter()
+        try:
+            return ctx.run(fn, *args)
+        finally:
+            took = time.perf_counter() - t0
+            old = self._wall_s.get(key)
+            self._wall_s[key] = took if old is None else old + _EWMA_NEW * (took - old)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -64,8 +110,9 @@ class ComputeLane:
 
 class MicroBatcher(Generic[T, R]):
     def __init__(self, fn: Callable[[Sequence[T]], Sequence[R]], lane: ComputeLane, *, max_items: int,
-                 max_wait_ms: float, max_pending: int = 1024) -> None:
+                 max_wait_ms: float, max_pending: int = 1024, size_of: Callable[[T], int] | None = None) -> None:
         self._fn = fn
+        self._size_of = size_of  # an item's size hint for the lane (ComputeLane.run's ``size``)
         self._lane = lane
         self._max_items = max_items
         self._max_wait_s = max_wait_ms / 1000
@@ -106,7 +153,9 @@ class MicroBatcher(Generic[T, R]):
             if not live:
                 continue
             try:
-                results = await self._lane.run(self._fn, [item for item, _ in live])
+                items = [item for item, _ in live]
+                size = sum(map(self._size_of, items)) if self._size_of is not None else 0
+                results = await self._lane.run(self._fn, items, size=size)
             except Exception as exc:  # one bad batch fails its callers, not the loop
                 for _, fut in live:
                     if not fut.done():
@@ -134,8 +183,9 @@ class LaneBatcher(Generic[T, R]):
     batch. At most ``max_pending`` callers wait at once; more wait for room."""
 
     def __init__(self, fn: Callable[[Sequence[T]], Sequence[R | Exception]], lane: ComputeLane, *, max_items: int,
-                 max_pending: int = 1024) -> None:
+                 max_pending: int = 1024, size_of: Callable[[T], int] | None = None) -> None:
         self._fn = fn
+        self._size_of = size_of  # as MicroBatcher's
         self._lane = lane
         self._max_items = max(1, max_items)
         self._pending: deque[_Slot] = deque()  # appended on the loop, taken on the lane (deque ops are atomic)
@@ -148,9 +198,10 @@ class LaneBatcher(Generic[T, R]):
             slot = _Slot(item)
             self._pending.append(slot)
             # the lane runs jobs in order, so when this job is done, this item's batch has run:
-            # in this job or in an earlier one that found it queued
+            # in this job or in an earlier one that found it queued (a job the lane runs inline runs
+            # with none queued: it takes this item, its size the hint)
             try:
-                await self._lane.run(self._drain)
+                await self._lane.run(self._drain, size=self._size_of(item) if self._size_of is not None else 0)
             except asyncio.CancelledError:
                 slot.dropped = True  # caller gone: a later batch skips it if it is still queued
                 raise

@@ -60,6 +60,9 @@ EARLY_STARTS = Counter("mmfleet_early_starts_total",
                        "records a stage started on the copy a doorbell ring carried (shared.early), by "
                        "outcome: started, adopted (its record came and it finished the record), dropped "
                        "(its record did not come in time, or its partition went)", ["stage", "outcome"])
+COMPUTE_JOBS = Counter("mmfleet_compute_jobs_total",
+                       "jobs a compute lane ran, by where: thread (the lane's compute thread) or inline (the "
+                       "event loop's, the thread being idle and the job short: shared.compute)", ["lane", "where"])
 CONSUMER_LAG = Gauge("mmfleet_consumer_lag_records",
                      "records behind the partition's high watermark (highwater - position)",
                      ["stage", "partition"])

@@ -162,6 +162,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         "auto (the worker's device) | cuda (NIXL reads GPU memory: fast only where UCX has a GPU transport, see "
         "`mmfleet doctor`) | cpu (vLLM stages the blocks through host memory)")] = "auto"
     torch_threads: Annotated[int, _d("torch intra-op threads per worker")] = 1
+    compute_inline_max_ms: Annotated[float, _d(
+        "CPU compute (media decode, encoder, prefill, decode steps) runs on the worker's event loop instead "
+        "of its compute thread when that thread is idle and jobs of the same kind and size have lately "
+        "taken at most this long: no thread hand-over; 0: always the compute thread")] = 20.0
     device: Annotated[str, _d("where this worker's encoder, prefill and decode compute: cpu | cuda | cuda:N "
                               "(a GPU asked for and not visible is a start-up error)")] = "cpu"
     dtype: Annotated[str, _d("model dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | "

@@ -122,7 +122,7 @@ class MediaFetchHandler:
                 if index in cached:
                     continue
                 _, decode = self._kind(src)
-                px = await self._lane.run(decode, raw, src)
+                px = await self._lane.run(decode, raw, src, size=len(raw))
                 with timed_transfer():
                     ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000,
                                                       keep_source=self._encode_here)

@@ -57,7 +57,7 @@ async def build(parts: StageParts) -> StageBuild:
 
     settings, model_dir = parts.settings, parts.model_dir
     fetcher = await parts.stack.enter_async_context(MediaFetcher.from_settings(settings))
-    lane = ComputeLane("media")
+    lane = ComputeLane("media", inline_max_ms=settings.compute_inline_max_ms)  # decoding is CPU work wherever
     parts.stack.callback(lane.close)
     fingerprint = ""
     if parts.index is not None:

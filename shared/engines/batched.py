@@ -192,7 +192,8 @@ class DecodeBatcher:
             if not live:
                 continue
             try:
-                logits = await self._lane.run(decode_steps, self._compute, [(s, t) for s, t, _ in live], self.stack)
+                logits = await self._lane.run(decode_steps, self._compute, [(s, t) for s, t, _ in live], self.stack,
+                                              size=len(live))
             except Exception as exc:  # noqa: BLE001 - each caller sees the failure of its step
                 for _, _, fut in live:
                     if not fut.done():

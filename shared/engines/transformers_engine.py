@@ -73,8 +73,9 @@ class TransformersEngine:
     def __init__(self, model_dir: str | Path, *, encode_max_batch_items: int = 16,
                  encode_batch_wait_ms: float = 2.0, device: str = "cpu", dtype: str = "auto",
                  decode_max_batch: int = 16, prefill_max_batch: int = 8,
-                 parts: frozenset[str] | None = None) -> None:
+                 parts: frozenset[str] | None = None, inline_max_ms: float = 0.0) -> None:
         self._model_dir = Path(model_dir)
+        self._inline_max_ms = inline_max_ms  # ComputeLane's; CPU only (below)
         self._parts = parts  # None: the whole model
         self._device, self._dtype = device, dtype  # settings device / dtype (shared.device)
         self._batch_items = encode_max_batch_items
@@ -96,7 +97,10 @@ class TransformersEngine:
             return
         from shared.engines.qwen2_vl import MediaPixels
 
-        self._lane = ComputeLane(f"transformers-{self._model_dir.name}")
+        # On a GPU a job's wall time is mostly the device's, and CUDA's current device is per thread:
+        # only CPU compute runs inline
+        inline_ms = self._inline_max_ms if str(self._device).startswith("cpu") else 0.0
+        self._lane = ComputeLane(f"transformers-{self._model_dir.name}", inline_max_ms=inline_ms)
         cls = compute_class(self._model_dir)
         self.compute = await self._lane.run(lambda: cls(self._model_dir, device=self._device, dtype=self._dtype,
                                                         parts=self._parts))
@@ -109,11 +113,11 @@ class TransformersEngine:
             return compute.encode_media([MediaPixels(*item) for item in items])
 
         self._batcher = MicroBatcher(encode_batch, self._lane, max_items=self._batch_items,
-                                     max_wait_ms=self._batch_wait_ms)
+                                     max_wait_ms=self._batch_wait_ms, size_of=lambda item: int(item[0].shape[0]))
         await self._batcher.start()
         self._decoder = DecodeBatcher(compute, self._lane, max_batch=self._decode_max_batch)
         self._prefiller = LaneBatcher(lambda items: prefill_many(compute, items), self._lane,
-                                      max_items=self._prefill_max_batch)
+                                      max_items=self._prefill_max_batch, size_of=_prefill_positions)
 
     async def stop(self) -> None:
         if self._decoder is not None:
@@ -193,7 +197,7 @@ class TransformersEngine:
         if seq.finished:
             return
         self._aborted.discard(request_id)
-        state = await self._lane.run(self.compute.start_decode, kv, rope_delta, prompt_len)
+        state = await self._lane.run(self.compute.start_decode, kv, rope_delta, prompt_len, size=prompt_len)
         decoder = self._decoder
         decoder.open()
         try:
@@ -202,6 +206,12 @@ class TransformersEngine:
         finally:
             decoder.close()
             self._aborted.discard(request_id)
+
+
+def _prefill_positions(item: tuple) -> int:
+    """A prefill's size for the lane: its prompt's positions with the media's."""
+    prompt_ids, media, _prefix_kv = item
+    return len(prompt_ids) + sum(int(m[0].shape[0]) for m in media)  # MediaEmbeds, or (embeds, grid_thw)
 
 
 def _report_memory(compute) -> None:
