@@ -123,16 +123,14 @@ async def send_retrying(producer: AIOKafkaProducer, topic: str, value: bytes, ke
     is restarting refuses connections, and one that came back empty answers "unknown topic"
     or an unknown error until the topics are created again) with backoff until
     ``deadline_unix_ms``; then the last error is raised. ``first_try``: an already-sent
-    record's future to wait on before retrying."""
+    record's future to wait on before retrying. Returns the broker's ``RecordMetadata``."""
     delay_s = 0.1
     while True:
         try:
             if first_try is not None:
                 fut, first_try = first_try, None
-                await fut
-            else:
-                await producer.send_and_wait(topic, value, key=key, partition=partition)
-            return
+                return await fut
+            return await producer.send_and_wait(topic, value, key=key, partition=partition)
         except KafkaError as exc:
             left_s = deadline_unix_ms / 1000 - time.time()
             if left_s <= delay_s:
@@ -176,30 +174,39 @@ async def produce_all(producer: AIOKafkaProducer, produces: list[Produce], *, de
     every broker ack (:func:`send_retrying` until ``deadline_unix_ms``). ``doorbell`` is rung
     for each record as it goes out, the ring carrying a copy of a stage record (one with a
     ``meta``) when ``carry``; and again, bare, when an ack came late or a record was not even
-    queued at first (see :mod:`shared.doorbell`, :mod:`shared.early`)."""
+    queued at first; a carried record's ack rings too, with a ``protocol.AckedRecord`` (see
+    :mod:`shared.doorbell`, :mod:`shared.early`)."""
     sent_at, sent_unix_ms = time.monotonic(), int(time.time() * 1000)
     sends, rings = [], {}
     for p in produces:
         partition, value = await routed(router, p)
-        stage_record = hasattr(value, "meta")
+        meta = getattr(value, "meta", None)  # a stage record's
         value, key = protocol.encode(value), p.key.encode()
         try:
             fut = await producer.send(p.topic, value, key=key, partition=partition)
         except KafkaError:
             fut = None  # not even queued (e.g. no metadata for the topic yet): retried below
-        sends.append((p.topic, value, key, partition, fut))
+        payload = b""
         if fut is not None and doorbell is not None:
             payload = _carried(producer, p.topic, partition, key, value, sent_unix_ms) \
-                if carry and stage_record else b""
+                if carry and meta is not None else b""
             rings.setdefault(p.topic, []).append(payload)
+        sends.append((p.topic, value, key, partition, fut, meta if payload else None))
     for topic, payloads in rings.items():  # on their way: the next stage fetches while the broker acks
         for payload in [x for x in payloads if x] or [b""]:  # one ring per topic unless records ride on it
             doorbell.ring(topic, payload)
-    for topic, value, key, partition, fut in sends:
-        await send_retrying(producer, topic, value, key, deadline_unix_ms=deadline_unix_ms, first_try=fut,
-                            partition=partition)
-    if doorbell is not None and (doorbell.late(sent_at) or any(fut is None for *_, fut in sends)):
-        for topic in {topic for topic, *_ in sends}:  # the consumers stopped expecting them: wake them again
+    acked = []
+    for topic, value, key, partition, fut, carried_meta in sends:
+        md = await send_retrying(producer, topic, value, key, deadline_unix_ms=deadline_unix_ms, first_try=fut,
+                                 partition=partition)
+        if carried_meta is not None and md is not None:
+            acked.append((topic, protocol.encode(protocol.AckedRecord(
+                partition=md.partition, offset=md.offset, request_id=carried_meta.request_id,
+                attempt=carried_meta.attempt))))
+    for topic, payload in acked:  # in Kafka now: an early run of it may show its stream writes
+        doorbell.ring(topic, payload)
+    if doorbell is not None and (doorbell.late(sent_at) or any(s[4] is None for s in sends)):
+        for topic in {s[0] for s in sends} - {topic for topic, _ in acked}:  # wake again: no longer expected
             doorbell.ring(topic)
 
 

@@ -16,7 +16,8 @@ Contract:
   are written on a connection of their own with replies off (:class:`_RingWire`): a ring is
   one socket write, not a pooled command whose reply is parsed.
 - A ring may carry a copy of the stage record produced with it (``ring(topic, carried)``,
-  a ``protocol.CarriedRecord``); ``on_carried(topic, callback)`` hands those to the topic's
+  a ``protocol.CarriedRecord``), and a second ring, once the broker acked it, a
+  ``protocol.AckedRecord``; ``on_carried(topic, callback)`` hands those payloads to the topic's
   runner, which may start the work early (``shared.early``). A ring is heard as a ring either way.
 - ``Doorbell.attach(consumer, topic)`` is called after ``consumer.start()``: it wraps the
   consumer's fetcher so that an empty fetch waits for the doorbell (the ring counter is read
@@ -204,7 +205,7 @@ class Doorbell:
 
     # ------------------------------------------------------------------ publisher
     def ring(self, topic: str, carried: bytes = b"") -> None:
-        """``carried``: an encoded ``protocol.CarriedRecord`` of the record just sent, or nothing."""
+        """``carried``: an encoded ``protocol.RingPayload`` (a record just sent, or acked), or nothing."""
         self._wire.send(self.channel(topic), carried)
 
     @property

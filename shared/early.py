@@ -9,9 +9,12 @@ Contract (the runner's side is ``StageRunner``; why and what it measured: README
   overlaps the work (:meth:`EarlyRun.claim`): what it shows waits for the claim too. A claim held
   elsewhere, a done-mark or an abort drops the run with nothing shown (``handled`` False) and
   the record, when it comes, takes the usual path.
-- Its token-stream writes, outputs, releases, done-mark and error events wait for the record
-  itself (:meth:`EarlyRun.confirmed`): Kafka stays the record of truth, and a copy whose produce
-  never lands changes nothing anyone sees. Caches it fills (embeddings, prefix KV) may stay.
+- Its outputs, releases, done-mark and error events wait for the record itself
+  (:meth:`EarlyRun.confirmed`): Kafka stays the record of truth, and a copy whose produce never
+  lands changes nothing anyone sees. Its token-stream writes wait for the record to be in Kafka:
+  delivered here, or acked by the broker (a second ring, ``protocol.AckedRecord``: :meth:`acked`),
+  whichever comes first (:meth:`EarlyRun.durable`); the log's compare-and-append keeps a write a
+  later owner of the record repeats from showing twice. Caches it fills (embeddings, prefix KV) may stay.
 - The runner adopts the run when it consumes the record (``adopt``): the record's offset is done
   when the run is. Not delivered within ``confirm_ms``, or its partition revoked, the run is
   dropped (its claim released; tensor slots it put lapse with their leases).
@@ -56,6 +59,7 @@ class EarlyRun:
         self.dropped = False
         self.task: asyncio.Task | None = None
         self._record: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._in_kafka = asyncio.Event()  # the broker acked the record, or delivered it here
         self._claim: asyncio.Future | None = None
         self._give_up = time.monotonic() + confirm_s
 
@@ -97,12 +101,18 @@ class EarlyRun:
         if self.dropped or self._record.done():
             return False
         self._record.set_result((tp, rec))
+        self._in_kafka.set()
         return True
+
+    def acked(self) -> None:
+        """The broker acked the record (its producer's second ring): it is in Kafka."""
+        self._in_kafka.set()
 
     def drop(self) -> None:
         if not self._record.done():
             self.dropped = True
             self._record.cancel()
+            self._in_kafka.set()  # wakes durable(), which sees the run dropped
 
     async def confirmed(self):
         """``(tp, rec)`` of the delivered record, the claim held; raises :class:`Unconfirmed` past
@@ -121,8 +131,21 @@ class EarlyRun:
             raise Unconfirmed(f"record not delivered by Kafka (partition {self.partition})")
         return self._record.result()
 
+    async def durable(self) -> None:
+        """Returns once the record is in Kafka (acked or delivered) and the run holds the claim;
+        raises as :meth:`confirmed` does past the bound or without the claim."""
+        await self.claimed()
+        if not self._in_kafka.is_set():
+            try:
+                await asyncio.wait_for(self._in_kafka.wait(), max(self._give_up - time.monotonic(), 0.0))
+            except TimeoutError:
+                pass
+        if self.dropped or not self._in_kafka.is_set():
+            self.drop()
+            raise Unconfirmed(f"record not in Kafka in time (partition {self.partition})")
+
     def gated(self, events):
-        """``events`` (an EventSink) whose writes wait for :meth:`confirmed`."""
+        """``events`` (an EventSink) whose writes wait for :meth:`durable`."""
         return _GatedEvents(events, self)
 
 
@@ -137,11 +160,11 @@ class _GatedEvents:
         self._run = run
 
     async def append(self, request_id, event):
-        await self._run.confirmed()
+        await self._run.durable()
         return await self._inner.append(request_id, event)
 
     async def append_delta(self, request_id, delta, position):
-        await self._run.confirmed()
+        await self._run.durable()
         return await self._inner.append_delta(request_id, delta, position)
 
     def __getattr__(self, name):  # reads (history, follow) need no record
@@ -156,19 +179,25 @@ class EarlyStarts:
                  owns: Callable[[int], bool], free: Callable[[], int], confirm_ms: int, stage: str = "") -> None:
         self._stage = stage
         self._decoder = decoder
-        self._carried = protocol.decoder_for(protocol.CarriedRecord)
+        self._rings = protocol.decoder_for(protocol.RingPayload)
         self._start = start
         self._owns = owns
         self._free = free
         self._confirm_s = confirm_ms / 1000
         self._runs: dict[bytes, EarlyRun] = {}
+        self._by_request: dict[tuple[str, int], EarlyRun] = {}  # (request id, attempt): for acked rings
         self._seen: OrderedDict[int, None] = OrderedDict()
         self.started = 0  # for stats and tests
         self.adopted = 0
 
     def offer(self, payload: bytes) -> None:
         try:
-            carried = self._carried.decode(payload)
+            carried = self._rings.decode(payload)
+            if isinstance(carried, protocol.AckedRecord):
+                run = self._by_request.get((carried.request_id, carried.attempt))
+                if run is not None and run.partition == carried.partition:
+                    run.acked()
+                return
             if (carried.value in self._runs or hash(carried.value) in self._seen
                     or not self._owns(carried.partition) or self._free() - len(self._runs) <= 0):
                 return
@@ -177,6 +206,7 @@ class EarlyStarts:
             return  # not for this stage (or not decodable): the record's own delivery deals with it
         run = EarlyRun(carried, msg, self._confirm_s)
         self._runs[run.value] = run
+        self._by_request[(msg.meta.request_id, msg.meta.attempt)] = run
         run.task = asyncio.create_task(self._run(run), name="early-start")
         self.started += 1
         metrics.EARLY_STARTS.labels(self._stage, "started").inc()
@@ -194,6 +224,9 @@ class EarlyStarts:
         finally:
             if self._runs.get(run.value) is run:
                 del self._runs[run.value]
+            key = (run.msg.meta.request_id, run.msg.meta.attempt)
+            if self._by_request.get(key) is run:
+                del self._by_request[key]
 
     def adopt(self, tp, rec) -> EarlyRun | None:
         """The run started for this delivered record, now waiting on it; None: run it as usual."""

@@ -379,6 +379,20 @@ class CarriedRecord(Struct, frozen=True, tag="doorbell.carried"):
     value: bytes
 
 
+class AckedRecord(Struct, frozen=True, tag="doorbell.acked"):
+    """A second ring's payload, once the broker acked a carried record (``CarriedRecord``): the
+    record is in Kafka (``partition``, ``offset``), so an early run of it (``request_id`` at
+    ``attempt``) may show its stream writes before its own fetch delivers it (``shared.early``)."""
+
+    partition: int
+    offset: int
+    request_id: str
+    attempt: int
+
+
+RingPayload = CarriedRecord | AckedRecord
+
+
 class WorkerInfo(Struct, frozen=True):
     """A worker's liveness record in Redis (refreshed with a TTL while it holds partitions)."""
 

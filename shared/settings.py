@@ -110,8 +110,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # Early start (shared/early.py): a ring carries a copy of the stage record produced with it and
     # the stage begins on the copy, holding every effect until Kafka delivers the record itself.
     early_start: Annotated[bool, _d("with the doorbell: rings carry a copy of each stage record and the next "
-                                    "stage starts on it before Kafka delivers the record (its outputs and "
-                                    "stream writes wait for the record)")] = True
+                                    "stage starts on it before Kafka delivers the record (its outputs wait for "
+                                    "the record; its stream writes for the record or the broker's ack of it, "
+                                    "which rings again)")] = True
     early_start_confirm_ms: Annotated[int, _d("an early-started record not delivered by Kafka within this is "
                                               "dropped (its claim released); the record runs when it comes")] = 5_000
     max_poll_records: Annotated[int, _d("records fetched per poll at most")] = 16

@@ -13,9 +13,11 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from shared.bus import ensure_topics, make_producer
+from shared import protocol
+from shared.bus import ensure_topics, make_producer, produce_all
 from shared.doorbell import RING_CLIENT_NAME, Doorbell, _Bell
 from shared.settings import Settings
+from shared.stage import Produce
 
 
 @pytest.fixture
@@ -314,3 +316,35 @@ async def test_a_consumer_asleep_on_the_bell_stops_cleanly(bell_env):
         await asyncio.wait_for(consumer.stop(), 10)  # raised CancelledError before the fix
     finally:
         await bell.close()
+
+
+async def test_a_carried_record_rings_again_once_acked_with_its_offset(bell_env):
+    """``produce_all`` with ``carry``: a ring with the record's copy as it goes out, then one with
+    a ``protocol.AckedRecord`` (its partition and offset, the request and attempt) once the broker
+    acked it: what lets an early run show its stream writes before its own fetch (shared.early)."""
+    settings, topic, producer, redis = bell_env
+    sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    pub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    heard: list[bytes] = []
+    sub.on_carried(topic, heard.append)
+    sub._listener = asyncio.create_task(sub._listen())
+    now = int(time.time() * 1000)
+    msg = protocol.PrefillRequest(meta=protocol.RequestMeta(request_id="acked-1", model="m", created_unix_ms=now,
+                                                            deadline_unix_ms=now + 60_000, prompt_token_ids=(1,),
+                                                            attempt=2))
+    try:
+        await _ring_until_heard(pub, sub, topic)
+        heard.clear()
+        for _ in range(2):
+            await produce_all(producer, [Produce(topic, "k", msg)], deadline_unix_ms=now + 60_000, doorbell=pub,
+                              carry=True)
+        await _until(lambda: len(heard) >= 4, 10, lambda: f"heard {heard}")
+        rings = [protocol.decoder_for(protocol.RingPayload).decode(p) for p in heard]
+        assert [type(r).__name__ for r in rings] == ["CarriedRecord", "AckedRecord"] * 2
+        assert rings[0].value == protocol.encode(msg)
+        offsets = [r.offset for r in rings[1::2]]
+        assert offsets[1] == offsets[0] + 1  # each its own record's offset
+        assert all((r.partition, r.request_id, r.attempt) == (0, "acked-1", 2) for r in rings[1::2])
+    finally:
+        await sub.close()
+        await pub.close()

@@ -140,3 +140,66 @@ async def test_revoked_partitions_and_close_end_the_runs_not_adopted():
     assert a.task.cancelled() and not b.task.done()
     await env.early.close()
     assert b.task.cancelled() and not env.early._runs
+
+
+def _acked(msg, partition: int = 0, attempt: int | None = None) -> bytes:
+    return protocol.encode(protocol.AckedRecord(partition=partition, offset=7, request_id=msg.meta.request_id,
+                                                attempt=msg.meta.attempt if attempt is None else attempt))
+
+
+async def test_the_brokers_ack_releases_stream_writes_and_only_delivery_the_rest():
+    env = _Env()
+    msg = _msg()
+    payload, value = _payload(msg)
+    env.early.offer(payload)
+    await asyncio.sleep(0)
+    run = env.started[0]
+    written = []
+
+    class Sink:
+        async def append_delta(self, rid, delta, position):
+            written.append((delta, position))
+            return True
+
+    gated = run.gated(Sink())
+    writer = asyncio.create_task(gated.append_delta("r1", "d0", 0))
+    confirmed = asyncio.create_task(run.confirmed())
+    env.early.offer(_acked(msg, partition=1))  # another partition's record: not this run's
+    env.early.offer(_acked(msg, attempt=1))  # another attempt's
+    await asyncio.sleep(0.05)
+    assert written == [] and not confirmed.done()
+    env.early.offer(_acked(msg))  # in Kafka now: the stream write goes, the rest still waits for delivery
+    await writer
+    assert written == [("d0", 0)]
+    await asyncio.sleep(0.05)
+    assert not confirmed.done()
+    tp, rec = _rec(value)
+    assert env.early.adopt(tp, rec) is run
+    assert await confirmed == (tp, rec)
+    env.gate.set()
+    await run.task
+    assert not env.early._runs and not env.early._by_request
+
+
+async def test_a_dropped_run_writes_nothing_even_once_acked():
+    env = _Env(confirm_ms=100)
+    msg = _msg()
+    env.early.offer(_payload(msg)[0])
+    await asyncio.sleep(0)
+    run = env.started[0]
+    written = []
+
+    class Sink:
+        async def append(self, rid, event):
+            written.append(event)
+
+    gated = run.gated(Sink())
+    with pytest.raises(Unconfirmed):  # neither acked nor delivered within the bound
+        await gated.append("r1", "ev")
+    assert run.dropped
+    env.early.offer(_acked(msg))  # late: the run is gone
+    with pytest.raises(Unconfirmed):
+        await gated.append("r1", "ev")
+    assert written == []
+    env.gate.set()
+    await asyncio.gather(run.task, return_exceptions=True)
