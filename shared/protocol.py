@@ -205,6 +205,9 @@ class PixelItem(Struct, frozen=True):
     meta: tuple[int, ...] = ()
     # Qwen2.5-VL videos: seconds one temporal patch spans (its M-RoPE time step); 0 otherwise
     second_per_grid_t: float = 0.0
+    # the embedding cache's encode lease for ``cache_key``, taken by media-fetch in its index
+    # round trip when encode runs in its worker (shared.embcache.coalesce); empty: encode takes its own
+    lease_holder: str = ""
 
 
 class EmbeddingItem(Struct, frozen=True):

@@ -32,6 +32,7 @@ one item meet in one encode worker and coalesce there.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 
@@ -70,6 +71,7 @@ class MediaFetchHandler:
         # encode runs in this process (its message handed over in memory): it may read the
         # pixels put here as they are, without copying them out of the pool
         self._encode_here = encode_here
+        self._lease_ids = itertools.count()  # encode leases this worker takes (holder ids)
         # kinds whose whole geometry an index entry holds: a request of only such items, all
         # cached, skips encode (Qwen2.5-VL's video time step is not in the entry: not its videos)
         self._shortcut_kinds = index_shortcut_kinds
@@ -110,13 +112,14 @@ class MediaFetchHandler:
         hashes = [self._mm_hash(raw, src) for raw, src in zip(raws, msg.items, strict=True)]
         keys = [cache_key(self._fingerprint, h, src.kind) if self._fingerprint and src.kind != "image_embeds" else ""
                 for h, src in zip(hashes, msg.items, strict=True)]
-        cached = await self._cached(msg, hashes, keys)
+        cached, leases = await self._cached(msg, hashes, keys, ctx.worker_id)
         owners = tuple({e.owner.name: e.owner for e in cached.values()}.values())
         hits = tuple(self._hit_item(i, hashes[i], keys[i], msg.items[i], e) for i, e in sorted(cached.items()))
         if cached and len(cached) == len(msg.items):
             return Outcome([Produce(TOPIC_PREFILL, msg.meta.request_id,
                                     protocol.PrefillRequest(meta=msg.meta, owners=owners, items=hits))])
         items: list[protocol.PixelItem] = []
+        handed_over = False
         try:
             for index, (src, raw) in enumerate(zip(msg.items, raws, strict=True)):
                 if index in cached:
@@ -129,34 +132,50 @@ class MediaFetchHandler:
                 items.append(protocol.PixelItem(index=index, mm_hash=hashes[index], grid_thw=px.grid_thw,
                                                 n_tokens=px.n_tokens, pixels=ref, cache_key=keys[index],
                                                 kind=src.kind, meta=tuple(getattr(px, "meta", ())),
-                                                second_per_grid_t=float(getattr(px, "second_per_grid_t", 0.0))))
+                                                second_per_grid_t=float(getattr(px, "second_per_grid_t", 0.0)),
+                                                lease_holder=leases.get(index, "")))
+            out = protocol.EncodeRequest(meta=msg.meta, owner=ctx.transfer.ref(), items=tuple(items), cached=hits,
+                                         cached_owners=owners)
+            handed_over = True
         except BaseException as exc:
             for item in items:  # nobody will read these slots: free them now, not at TTL
                 ctx.transfer.free_local(item.pixels.lease)
             if isinstance(exc, MediaError):
                 raise RequestFailed(exc.status, str(exc), param=_param_of(msg, exc), code=exc.code) from None
             raise
-        out = protocol.EncodeRequest(meta=msg.meta, owner=ctx.transfer.ref(), items=tuple(items), cached=hits,
-                                     cached_owners=owners)
+        finally:
+            if not handed_over and leases:  # nobody will encode under them: others need not wait for the TTL
+                await gather(*(self._index.release_lease(keys[i], h) for i, h in leases.items()))
         first = items[0].index if items else 0
         route = (keys[first] or hashes[first]) if items else msg.meta.request_id
         return Outcome([Produce(TOPIC_ENCODE, route, out)])
 
-    async def _cached(self, msg: protocol.MediaFetchRequest, hashes: list[str],
-                      keys: list[str]) -> dict[int, protocol.EmbeddingIndexEntry]:
-        """Item index -> its live index entry, for the items that need no decode. Only images
-        and videos (their geometry is in the entry; audio items carry encoder meta)."""
+    async def _cached(self, msg: protocol.MediaFetchRequest, hashes: list[str], keys: list[str], worker_id: str
+                      ) -> tuple[dict[int, protocol.EmbeddingIndexEntry], dict[int, str]]:
+        """(item index -> its live index entry, for the items that need no decode; item index ->
+        the encode lease taken for it). Only images and videos (their geometry is in the entry;
+        audio items carry encoder meta). With encode in this worker, each lookup also takes the
+        item's encode lease in the same round trip (``lookup_or_lease``): encode then needs no
+        round trip of its own before it starts (``PixelItem.lease_holder``)."""
         if self._index is None or msg.meta.attempt > 0:
-            return {}
+            return {}, {}
         wanted = [i for i, (k, src) in enumerate(zip(keys, msg.items, strict=True))
                   if k and src.kind in self._shortcut_kinds]
-        entries = await gather(*(self._index.lookup_live(keys[i]) for i in wanted))
+        leases: dict[int, str] = {}
+        if self._encode_here:
+            holders = {i: f"{worker_id}#m{next(self._lease_ids)}" for i in wanted}
+            answers = await gather(*(self._index.lookup_or_lease(keys[i], holders[i]) for i in wanted))
+            entries = [entry for entry, _ in answers]
+            leases = {i: holders[i] for i, (entry, leased) in zip(wanted, answers, strict=True)
+                      if entry is None and leased}
+        else:
+            entries = await gather(*(self._index.lookup_live(keys[i]) for i in wanted))
         found = {i: e for i, e in zip(wanted, entries, strict=True) if e is not None}
         if len(found) < len(wanted):
             MISSES.labels(stage="media-fetch").inc(len(wanted) - len(found))
         if found:
             HITS.labels(stage="media-fetch", source="index").inc(len(found))
-        return found
+        return found, leases
 
     @staticmethod
     def _hit_item(index: int, mm_hash: str, key: str, src: protocol.MediaSource,

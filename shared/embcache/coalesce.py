@@ -8,7 +8,8 @@ Order for an item with a cache key:
    validates after its pull);
 4. (``fleet_ok``) the ``SET NX PX`` lease: if another worker holds it, poll the index for its
    result until ``wait_ms`` or the request's deadline; a holder that dies lets its lease
-   expire and the next waiter takes over;
+   expire and the next waiter takes over. (An item whose lease media-fetch already took in
+   this worker, ``PixelItem.lease_holder``, skips 3 and 4; served by 1 or 2 instead, it frees it.)
 5. encode, cache (pin + publish), release the lease, wake local waiters.
 Nothing here turns into a request error: every failure of the cache path ends in step 5.
 ``fleet_ok`` is False for a request restarted after a lost tensor (its previous fleet hit
@@ -53,13 +54,17 @@ class EncodeCache:
                     fleet_ok: bool, deadline_unix_ms: int) -> Owned:
         """The item's embedding and its owner; ``encode`` puts a fresh one (a leased ref)."""
         key = item.cache_key
+        taken = item.lease_holder if fleet_ok else ""  # the encode lease media-fetch took for this item
         while True:
             c = self._store.get(key)
+            fut = self._inflight.get(key) if c is None else None
+            if taken and (c is not None or fut is not None):  # served without encoding here: free the lease
+                await self._index.release_lease(key, taken)
+                taken = ""
             if c is not None:
                 HITS.labels(stage="encode", source="local").inc()
                 await self._store.republish_if_old(c)
                 return self._agent.ref(), self._item(item, self._store.lease(c))
-            fut = self._inflight.get(key)
             if fut is None:
                 break
             res = await asyncio.shield(fut)
@@ -75,7 +80,9 @@ class EncodeCache:
         result: _Result = None
         try:
             holder = None
-            if fleet_ok:
+            if taken:  # the lease is ours already (media-fetch's lookup missed a moment ago): no round trip
+                holder = taken
+            elif fleet_ok:
                 holder = f"{self._worker}#{next(self._ids)}"
                 entry, leased = await self._index.lookup_or_lease(key, holder)  # one round trip
                 if entry is not None:

@@ -284,3 +284,60 @@ async def test_index_hits_are_not_decoded_and_go_on_beside_the_misses(world):
     retry = protocol.MediaFetchRequest(meta=msgspec.structs.replace(retry.meta, attempt=1), items=retry.items)
     out = (await handler.handle(retry, w["ctx"])).produce[0]
     assert out.topic == TOPIC_ENCODE and pre.calls == 3 and out.value.cached == ()
+
+
+class _LeasingIndex(_Index):
+    """As _Index, with the encode lease (``lookup_or_lease``: one holder per key)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leases: dict[str, str] = {}
+        self.released: list[str] = []
+
+    async def lookup_live(self, key: str) -> protocol.EmbeddingIndexEntry | None:
+        raise AssertionError("with encode in the worker the lookup takes the lease in the same round trip")
+
+    async def lookup_or_lease(self, key: str, holder: str) -> tuple[protocol.EmbeddingIndexEntry | None, bool]:
+        if key in self.entries:
+            return self.entries[key], False
+        if key in self.leases:
+            return None, False
+        self.leases[key] = holder
+        return None, True
+
+    async def release_lease(self, key: str, holder: str) -> None:
+        if self.leases.get(key) == holder:
+            del self.leases[key]
+            self.released.append(key)
+
+
+class _FailingSecond(_Counting):
+    def __call__(self, img) -> Pixels:
+        if self.calls == 1:
+            self.calls += 1
+            raise ValueError("refused")
+        return super().__call__(img)
+
+
+async def test_with_encode_here_the_lookup_takes_each_misses_encode_lease(world):
+    """The index round trip also takes the encode lease of each item it misses (one holder per
+    key: a repeat of an item in the request gets none), handed to encode on the item; a request
+    that fails before its hand-over frees the leases it took."""
+    w, base = world, world["server"].base
+    settings = Settings(media_allow_hosts=(f"127.0.0.1:{base.rsplit(':', 1)[1]}",), max_image_bytes=1 << 20,
+                        max_image_pixels=1_000_000)
+    index = _LeasingIndex()
+    handler = MediaFetchHandler(settings, w["handler"]._fetcher, _Counting(), w["handler"]._lane, index=index,
+                                fingerprint="fp", encode_here=True)
+    out = (await handler.handle(_request("r1", [base + "/a.png", base + "/b.png", base + "/a.png"]),
+                                w["ctx"])).produce[0]
+    a, b, a_again = out.value.items
+    assert a.lease_holder.startswith("mf#") and b.lease_holder.startswith("mf#") and a_again.lease_holder == ""
+    assert index.leases == {a.cache_key: a.lease_holder, b.cache_key: b.lease_holder}
+
+    index.leases.clear()
+    failing = MediaFetchHandler(settings, w["handler"]._fetcher, _FailingSecond(), w["handler"]._lane, index=index,
+                                fingerprint="fp", encode_here=True)
+    with pytest.raises(RequestFailed):
+        await failing.handle(_request("r2", [base + "/a.png", base + "/b.png"]), w["ctx"])
+    assert index.leases == {} and sorted(index.released) == sorted([a.cache_key, b.cache_key])

@@ -299,3 +299,46 @@ async def test_finish_encode_publishes_then_releases_only_its_own_lease_then_cou
     await redis.script_flush()  # a Redis that lost its scripts (restart, SCRIPT FLUSH): loaded again
     assert await index.finish_encode(key, entry, None, 2)
     assert int(await redis.get(keys.encoder_items())) == 3
+
+
+async def test_a_lease_media_fetch_took_is_used_without_a_round_trip_and_freed_when_not_needed(env) -> None:
+    """``PixelItem.lease_holder``: media-fetch took the encode lease in its own index round trip.
+    Encode then starts without one (no ``lookup_or_lease``) and releases the lease after
+    publishing. An item whose key this worker is already working on (a request without the
+    lease got there first and waits for the holder) frees its lease at once: the waiter takes it
+    over at its next poll instead of waiting out the coalescing bound."""
+    import msgspec
+
+    redis, keys, index, (a, _, _) = env
+    rounds = 0
+    real = index.lookup_or_lease
+
+    async def counting(k: str, holder: str):
+        nonlocal rounds
+        rounds += 1
+        return await real(k, holder)
+
+    index.lookup_or_lease = counting
+    cache, _ = make_cache(index, a, wait_ms=60_000)
+    enc = CountingEncoder(a, delay_s=0)
+    key = cache_key("fp", "pre-leased")
+    assert (await real(key, "mf#m1"))[1]  # media-fetch's round trip: a miss, the lease taken
+    owner, item = await cache.embed(msgspec.structs.replace(pixel_item(key), lease_holder="mf#m1"), enc(5),
+                                    fleet_ok=True, deadline_unix_ms=2**62)
+    await cache.drain()
+    assert rounds == 0 and enc.calls == 1 and owner.name == a.name
+    assert await redis.get(keys.embedding_lease(key)) is None and (await index.lookup(key)) is not None
+
+    late = cache_key("fp", "lease-holder-second")
+    assert (await real(late, "mf#m2"))[1]
+    waiter = asyncio.ensure_future(cache.embed(pixel_item(late), enc(6), fleet_ok=True, deadline_unix_ms=2**62))
+    await asyncio.sleep(0.05)  # no lease for it: it polls for the holder's entry
+    t0 = time.monotonic()
+    holder = await cache.embed(msgspec.structs.replace(pixel_item(late), lease_holder="mf#m2"), enc(6),
+                               fleet_ok=True, deadline_unix_ms=2**62)
+    got = await waiter
+    await cache.drain()
+    # taken over at the next 5 ms poll and encoded once: not when the lease expires (400 ms here)
+    assert time.monotonic() - t0 < 0.25 and enc.calls == 2
+    assert got[1].embeds.addr == holder[1].embeds.addr
+    assert await redis.get(keys.embedding_lease(late)) is None
