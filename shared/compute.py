@@ -198,8 +198,8 @@ class LaneBatcher(Generic[T, R]):
             slot = _Slot(item)
             self._pending.append(slot)
             # the lane runs jobs in order, so when this job is done, this item's batch has run:
-            # in this job or in an earlier one that found it queued (a job the lane runs inline runs
-            # with none queued: it takes this item, its size the hint)
+            # in this job or in an earlier one that found it queued (a job run inline, the lane's
+            # thread idle, takes this item and those queued during its one-turn yield)
             try:
                 await self._lane.run(self._drain, size=self._size_of(item) if self._size_of is not None else 0)
             except asyncio.CancelledError:
