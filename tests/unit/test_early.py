@@ -46,6 +46,30 @@ def _count(outcome: str) -> float:
     return REGISTRY.get_sample_value("mmfleet_early_starts_total", {"stage": "unit", "outcome": outcome}) or 0.0
 
 
+class _Sink:
+    """An EventSink recording what is written (appends and compare-and-appends alike)."""
+
+    def __init__(self) -> None:
+        self.written: list = []
+
+    async def append(self, rid, event):
+        self.written.append(event)
+
+    async def append_delta(self, rid, delta, position):
+        self.written.append((delta, position))
+        return True
+
+    async def history(self, rid):
+        return list(self.written)
+
+
+async def _started(env: _Env, msg) -> object:
+    """Offer ``msg``'s carried copy; the run it started."""
+    env.early.offer(_payload(msg)[0])
+    await asyncio.sleep(0)
+    return env.started[-1]
+
+
 def _rec(value: bytes, partition: int = 0):
     return SimpleNamespace(partition=partition), SimpleNamespace(value=value, offset=0)
 
@@ -85,20 +109,11 @@ async def test_slots_taken_by_early_runs_count_against_the_concurrency():
 async def test_adopt_hands_the_record_to_the_waiting_run_and_its_stream_writes():
     env = _Env()
     before = _count("started"), _count("adopted")
-    payload, value = _payload(_msg())
-    env.early.offer(payload)
-    await asyncio.sleep(0)
-    run = env.started[0]
-    written = []
-
-    class Sink:
-        async def append(self, rid, event):
-            written.append(event)
-
-        async def history(self, rid):
-            return list(written)
-
-    gated = run.gated(Sink())
+    run = await _started(env, _msg())
+    value = run.value
+    sink = _Sink()
+    written = sink.written
+    gated = run.gated(sink)
     writer = asyncio.create_task(gated.append("r1", "ev"))
     await asyncio.sleep(0.05)
     assert written == [] and await gated.history("r1") == []  # reads go through, writes wait
@@ -150,18 +165,11 @@ def _acked(msg, partition: int = 0, attempt: int | None = None) -> bytes:
 async def test_the_brokers_ack_releases_stream_writes_and_only_delivery_the_rest():
     env = _Env()
     msg = _msg()
-    payload, value = _payload(msg)
-    env.early.offer(payload)
-    await asyncio.sleep(0)
-    run = env.started[0]
-    written = []
-
-    class Sink:
-        async def append_delta(self, rid, delta, position):
-            written.append((delta, position))
-            return True
-
-    gated = run.gated(Sink())
+    run = await _started(env, msg)
+    value = run.value
+    sink = _Sink()
+    written = sink.written
+    gated = run.gated(sink)
     writer = asyncio.create_task(gated.append_delta("r1", "d0", 0))
     confirmed = asyncio.create_task(run.confirmed())
     env.early.offer(_acked(msg, partition=1))  # another partition's record: not this run's
@@ -184,16 +192,10 @@ async def test_the_brokers_ack_releases_stream_writes_and_only_delivery_the_rest
 async def test_a_dropped_run_writes_nothing_even_once_acked():
     env = _Env(confirm_ms=100)
     msg = _msg()
-    env.early.offer(_payload(msg)[0])
-    await asyncio.sleep(0)
-    run = env.started[0]
-    written = []
-
-    class Sink:
-        async def append(self, rid, event):
-            written.append(event)
-
-    gated = run.gated(Sink())
+    run = await _started(env, msg)
+    sink = _Sink()
+    written = sink.written
+    gated = run.gated(sink)
     with pytest.raises(Unconfirmed):  # neither acked nor delivered within the bound
         await gated.append("r1", "ev")
     assert run.dropped
