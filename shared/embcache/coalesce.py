@@ -61,6 +61,7 @@ class EncodeCache:
             if taken and (c is not None or fut is not None):  # served without encoding here: free the lease
                 await self._index.release_lease(key, taken)
                 taken = ""
+                continue  # (that await let the store and the encodes in flight change: look again)
             if c is not None:
                 HITS.labels(stage="encode", source="local").inc()
                 await self._store.republish_if_old(c)
