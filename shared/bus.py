@@ -205,8 +205,8 @@ async def produce_all(producer: AIOKafkaProducer, produces: list[Produce], *, de
                 attempt=carried_meta.attempt))))
     for topic, payload in acked:  # in Kafka now: an early run of it may show its stream writes
         doorbell.ring(topic, payload)
-    if doorbell is not None and (doorbell.late(sent_at) or any(s[4] is None for s in sends)):
-        for topic in {s[0] for s in sends} - {topic for topic, _ in acked}:  # wake again: no longer expected
+    if doorbell is not None and (doorbell.late(sent_at) or any(fut is None for *_, fut, _ in sends)):
+        for topic in {topic for topic, *_ in sends} - {topic for topic, _ in acked}:  # wake again: no longer expected
             doorbell.ring(topic)
 
 

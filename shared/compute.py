@@ -77,11 +77,12 @@ class ComputeLane:
         ctx = contextvars.copy_context()
         key = f"{getattr(fn, '__qualname__', None) or type(fn).__qualname__}/{max(size, 0).bit_length()}"
         wall_s = self._wall_s.get(key)
-        if not self._jobs and wall_s is not None and wall_s <= self._inline_max_s:
+        short = wall_s is not None and wall_s <= self._inline_max_s
+        if short and not self._jobs:
             # one loop turn first: what is ready goes out before the loop is held (a claim's
             # command, a fetch a ring woke), and a batcher's callers ready now join this job
             await asyncio.sleep(0)
-        if not self._jobs and wall_s is not None and wall_s <= self._inline_max_s:
+        if short and not self._jobs:  # (again: the turn may have handed a job to the thread)
             # nothing on the thread to race with: the same order and exclusion as a threaded job
             self.inlined += 1
             self._count_inline.inc()
