@@ -9,6 +9,8 @@ import contextvars
 import threading
 import time
 
+import pytest
+
 from shared.compute import ComputeLane, LaneBatcher, MicroBatcher
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="caller")
@@ -23,91 +25,94 @@ def sleeper(seconds: float) -> int:
     return threading.get_ident()
 
 
-async def test_without_a_bound_every_job_runs_on_the_thread():
-    lane = ComputeLane("t")
-    try:
-        loop_thread = threading.get_ident()
-        assert loop_thread not in {await lane.run(where) for _ in range(3)}
-        assert (lane.inlined, lane.threaded) == (0, 3)
-    finally:
+@pytest.fixture
+def lanes():
+    """``lanes(inline_max_ms)``: a new lane, closed after the test."""
+    made: list[ComputeLane] = []
+
+    def make(inline_max_ms: float = 0.0) -> ComputeLane:
+        made.append(ComputeLane("t", inline_max_ms=inline_max_ms))
+        return made[-1]
+
+    yield make
+    for lane in made:
         lane.close()
 
 
-async def test_a_known_short_kind_runs_inline_and_a_new_size_on_the_thread_first():
-    lane = ComputeLane("t", inline_max_ms=50)
-    try:
-        loop_thread = threading.get_ident()
-        assert await lane.run(where, size=100) != loop_thread  # kind not seen yet: the thread
-        assert await lane.run(where, size=100) == loop_thread
-        assert await lane.run(where, size=120) == loop_thread  # within a factor of two: the same size class
-        assert await lane.run(where, size=1000) != loop_thread  # a bigger class: measured on the thread first
-        assert await lane.run(where, size=1000) == loop_thread
-        assert (lane.inlined, lane.threaded) == (3, 2)
-    finally:
-        lane.close()
+@pytest.fixture
+def gate(lanes):
+    """An event a lane job can block on; set before the lanes close (their close waits for it)."""
+    event = threading.Event()
+    yield event
+    event.set()
 
 
-async def test_a_kind_slower_than_the_bound_stays_on_the_thread():
-    lane = ComputeLane("t", inline_max_ms=5)
-    try:
-        loop_thread = threading.get_ident()
-        for _ in range(3):
-            assert await lane.run(sleeper, 0.02) != loop_thread
-        assert lane.inlined == 0
-    finally:
-        lane.close()
+async def test_without_a_bound_every_job_runs_on_the_thread(lanes):
+    lane = lanes()
+    loop_thread = threading.get_ident()
+    assert loop_thread not in {await lane.run(where) for _ in range(3)}
+    assert (lane.inlined, lane.threaded) == (0, 3)
 
 
-async def test_a_busy_thread_keeps_later_jobs_off_the_loop_and_in_order():
-    lane = ComputeLane("t", inline_max_ms=50)
-    gate = threading.Event()
+async def test_a_known_short_kind_runs_inline_and_a_new_size_on_the_thread_first(lanes):
+    lane = lanes(50)
+    loop_thread = threading.get_ident()
+    assert await lane.run(where, size=100) != loop_thread  # kind not seen yet: the thread
+    assert await lane.run(where, size=100) == loop_thread
+    assert await lane.run(where, size=120) == loop_thread  # within a factor of two: the same size class
+    assert await lane.run(where, size=1000) != loop_thread  # a bigger class: measured on the thread first
+    assert await lane.run(where, size=1000) == loop_thread
+    assert (lane.inlined, lane.threaded) == (3, 2)
+
+
+async def test_a_kind_slower_than_the_bound_stays_on_the_thread(lanes):
+    lane = lanes(5)
+    loop_thread = threading.get_ident()
+    for _ in range(3):
+        assert await lane.run(sleeper, 0.02) != loop_thread
+    assert lane.inlined == 0
+
+
+async def test_a_busy_thread_keeps_later_jobs_off_the_loop_and_in_order(lanes, gate):
+    lane = lanes(50)
     order: list[str] = []
 
     def mark(name: str) -> int:
         order.append(name)
         return threading.get_ident()
 
-    try:
-        loop_thread = threading.get_ident()
-        await lane.run(mark, "warm")  # the kind is known and short from here on
-        busy = asyncio.ensure_future(lane.run(gate.wait))
-        await asyncio.sleep(0.01)
-        later = asyncio.ensure_future(lane.run(mark, "after the busy job"))
-        await asyncio.sleep(0.01)
-        assert not later.done()  # queued behind the busy job, not run on the loop beside it
-        gate.set()
-        await busy
-        assert await later != loop_thread
-        assert await lane.run(mark, "idle again") == loop_thread
-        assert order == ["warm", "after the busy job", "idle again"]
-    finally:
-        gate.set()
-        lane.close()
+    loop_thread = threading.get_ident()
+    await lane.run(mark, "warm")  # the kind is known and short from here on
+    busy = asyncio.ensure_future(lane.run(gate.wait))
+    await asyncio.sleep(0.01)
+    later = asyncio.ensure_future(lane.run(mark, "after the busy job"))
+    await asyncio.sleep(0.01)
+    assert not later.done()  # queued behind the busy job, not run on the loop beside it
+    gate.set()
+    await busy
+    assert await later != loop_thread
+    assert await lane.run(mark, "idle again") == loop_thread
+    assert order == ["warm", "after the busy job", "idle again"]
 
 
-async def test_a_cancelled_callers_job_still_holds_the_thread():
-    lane = ComputeLane("t", inline_max_ms=50)
-    gate = threading.Event()
-    try:
-        loop_thread = threading.get_ident()
-        await lane.run(where)
-        busy = asyncio.ensure_future(lane.run(gate.wait))
-        await asyncio.sleep(0.01)
-        busy.cancel()  # its job keeps running on the thread: nothing may run beside it
-        await asyncio.sleep(0.01)
-        nxt = asyncio.ensure_future(lane.run(where))
-        await asyncio.sleep(0.01)
-        assert not nxt.done()
-        gate.set()
-        assert await nxt != loop_thread
-        assert await lane.run(where) == loop_thread
-    finally:
-        gate.set()
-        lane.close()
+async def test_a_cancelled_callers_job_still_holds_the_thread(lanes, gate):
+    lane = lanes(50)
+    loop_thread = threading.get_ident()
+    await lane.run(where)
+    busy = asyncio.ensure_future(lane.run(gate.wait))
+    await asyncio.sleep(0.01)
+    busy.cancel()  # its job keeps running on the thread: nothing may run beside it
+    await asyncio.sleep(0.01)
+    nxt = asyncio.ensure_future(lane.run(where))
+    await asyncio.sleep(0.01)
+    assert not nxt.done()
+    gate.set()
+    assert await nxt != loop_thread
+    assert await lane.run(where) == loop_thread
 
 
-async def test_an_inline_job_sees_a_copy_of_the_callers_context_and_raises_as_usual():
-    lane = ComputeLane("t", inline_max_ms=50)
+async def test_an_inline_job_sees_a_copy_of_the_callers_context_and_raises_as_usual(lanes):
+    lane = lanes(50)
 
     def setter(value: str) -> str:
         VAR.set(value)
@@ -115,24 +120,21 @@ async def test_an_inline_job_sees_a_copy_of_the_callers_context_and_raises_as_us
             raise ValueError(value)
         return VAR.get()
 
+    await lane.run(setter, "warm")
+    assert lane.inlined == 0
+    assert await lane.run(setter, "inside") == "inside"
+    assert lane.inlined == 1
+    assert VAR.get() == "caller"  # the job's context was a copy, as on the thread
     try:
-        await lane.run(setter, "warm")
-        assert lane.inlined == 0
-        assert await lane.run(setter, "inside") == "inside"
-        assert lane.inlined == 1
-        assert VAR.get() == "caller"  # the job's context was a copy, as on the thread
-        try:
-            await lane.run(setter, "boom")
-        except ValueError as exc:
-            assert str(exc) == "boom"
-        else:
-            raise AssertionError("the inline job's exception was lost")
-    finally:
-        lane.close()
+        await lane.run(setter, "boom")
+    except ValueError as exc:
+        assert str(exc) == "boom"
+    else:
+        raise AssertionError("the inline job's exception was lost")
 
 
-async def test_batchers_pass_their_size_hints_and_inline_keeps_their_results():
-    lane = ComputeLane("t", inline_max_ms=50)
+async def test_batchers_pass_their_size_hints_and_inline_keeps_their_results(lanes):
+    lane = lanes(50)
     sizes: list[int] = []
     real_run = lane.run
 
@@ -152,11 +154,10 @@ async def test_batchers_pass_their_size_hints_and_inline_keeps_their_results():
         assert lane.inlined >= 2  # the LaneBatcher's second and third ran on the loop
     finally:
         await micro.stop()
-        lane.close()
 
 
-async def test_callers_ready_together_share_one_inline_batch():
-    lane = ComputeLane("t", inline_max_ms=50)
+async def test_callers_ready_together_share_one_inline_batch(lanes):
+    lane = lanes(50)
     seen: list[list[int]] = []
     loop_thread = threading.get_ident()
     threads: list[int] = []
@@ -167,11 +168,8 @@ async def test_callers_ready_together_share_one_inline_batch():
         return [i * 10 for i in items]
 
     batcher = LaneBatcher(fn, lane, max_items=8, size_of=lambda i: 1)
-    try:
-        assert await batcher.submit(1) == 10  # the kind's first job: on the thread, measured
-        assert await asyncio.gather(*(batcher.submit(i) for i in (2, 3, 4))) == [20, 30, 40]
-        # the inline job yields one loop turn before it holds the loop: the callers ready by then join it
-        assert seen == [[1], [2, 3, 4]]
-        assert threads[0] != loop_thread and threads[1] == loop_thread
-    finally:
-        lane.close()
+    assert await batcher.submit(1) == 10  # the kind's first job: on the thread, measured
+    assert await asyncio.gather(*(batcher.submit(i) for i in (2, 3, 4))) == [20, 30, 40]
+    # the inline job yields one loop turn before it holds the loop: the callers ready by then join it
+    assert seen == [[1], [2, 3, 4]]
+    assert threads[0] != loop_thread and threads[1] == loop_thread
