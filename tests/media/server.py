@@ -22,6 +22,7 @@ class MediaServer:
         self.connections = 0
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
+        self._handlers: set[asyncio.Task] = set()  # connections being served (stop() ends them)
 
     @property
     def base(self) -> str:
@@ -39,6 +40,11 @@ class MediaServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        # on 3.11 wait_closed() does not wait for handlers: one still trickling or endless would be
+        # torn down by the garbage collector after its loop closed (an unraisable RuntimeError)
+        for task in self._handlers:
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
 
     @contextmanager
     def in_thread(self):
@@ -57,6 +63,8 @@ class MediaServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        handler = asyncio.current_task()
+        self._handlers.add(handler)
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             lines = head.decode("latin-1").split("\r\n")
@@ -68,6 +76,7 @@ class MediaServer:
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             pass
         finally:
+            self._handlers.discard(handler)
             try:
                 writer.close()
                 await writer.wait_closed()

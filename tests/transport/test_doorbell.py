@@ -44,8 +44,11 @@ async def _consume(settings, topic, bell, got: list, fetches: list):
     inner = consumer._fetcher._proc_fetch_request  # the method the doorbell wraps must exist
 
     async def counting(*args):
-        fetches.append(time.monotonic())
-        return await inner(*args)
+        entry = [time.monotonic(), None, None]  # began, came back, what aiokafka's method returned
+        fetches.append(entry)
+        entry[2] = await inner(*args)
+        entry[1] = time.monotonic()
+        return entry[2]
 
     consumer._fetcher._proc_fetch_request = counting
     bell.attach(consumer, topic)
@@ -73,6 +76,17 @@ async def _warm_up(producer, topic: str, pub: Doorbell, got: list, task: asyncio
         await asyncio.sleep(0.1)
 
 
+def _since_ring(rung_at: float, sub: Doorbell, heard: int, fetches: list, task: asyncio.Task) -> str:
+    """What happened after a ring whose record never came: was it heard, which fetches went out
+    and what they brought (aiokafka's method returns True when it buffered records), and whether
+    the consumer died."""
+    ms = lambda t: "in flight" if t is None else f"{(t - rung_at) * 1000:.1f} ms"  # noqa: E731
+    sent = "; ".join(f"sent {ms(b)}, back {ms(e)}, returned {r!r}" for b, e, r in fetches) or "none"
+    died = task.done() and not task.cancelled() and task.exception()
+    return (f"rings heard {sub.rings_heard - heard}; fetches since the ring: {sent}"
+            + (f"; consumer died: {died!r}" if died else ""))
+
+
 async def _until(pred, timeout_s: float, why=lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
@@ -98,8 +112,7 @@ async def test_ring_wakes_an_idle_consumer_and_no_ring_waits_the_interval(bell_e
         assert [v for v, _ in got] == [b"warm"], "a record was fetched without a ring before the idle interval"
         rung_at, heard, fetched = time.monotonic(), sub.rings_heard, len(fetches)
         pub.ring(topic)
-        await _until(lambda: len(got) == 2, 10,
-                     lambda: f"rings heard {sub.rings_heard - heard}, fetches {len(fetches) - fetched} since the ring")
+        await _until(lambda: len(got) == 2, 10, lambda: _since_ring(rung_at, sub, heard, fetches[fetched:], task))
         assert got[1][0] == b"unrung" and got[1][1] - rung_at < 10
         assert sub.rings_heard >= 1 and pub.rings_sent >= 1
     finally:
