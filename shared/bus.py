@@ -200,11 +200,11 @@ async def produce_all(producer: AIOKafkaProducer, produces: list[Produce], *, de
         md = await send_retrying(producer, topic, value, key, deadline_unix_ms=deadline_unix_ms, first_try=fut,
                                  partition=partition)
         if carried_meta is not None and md is not None:
-            acked.append((topic, protocol.encode(protocol.AckedRecord(
-                partition=md.partition, offset=md.offset, request_id=carried_meta.request_id,
-                attempt=carried_meta.attempt))))
-    for topic, payload in acked:  # in Kafka now: an early run of it may show its stream writes
-        doorbell.ring(topic, payload)
+            acked.append((topic, protocol.AckedRecord(partition=md.partition, offset=md.offset,
+                                                      request_id=carried_meta.request_id,
+                                                      attempt=carried_meta.attempt)))
+    for topic, record in acked:  # in Kafka now: an early run of it may show its stream writes
+        doorbell.ring_acked(topic, record)
     if doorbell is not None and (doorbell.late(sent_at) or any(fut is None for *_, fut, _ in sends)):
         for topic in {topic for topic, *_ in sends} - {topic for topic, _ in acked}:  # wake again: no longer expected
             doorbell.ring(topic)

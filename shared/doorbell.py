@@ -19,6 +19,8 @@ Contract:
   a ``protocol.CarriedRecord``), and a second ring, once the broker acked it, a
   ``protocol.AckedRecord``; ``on_carried(topic, callback)`` hands those payloads to the topic's
   runner, which may start the work early (``shared.early``). A ring is heard as a ring either way.
+  The ack's ring (``ring_acked``) sets ``RedisKeys.acked`` for the record in the same write, for
+  ``ACKED_TTL_MS``: an early run's guarded stream write checks it in Redis (``shared.stage.WriteGuard``).
 - ``Doorbell.attach(consumer, topic)`` is called after ``consumer.start()``: it wraps the
   consumer's fetcher so that an empty fetch waits for the doorbell (the ring counter is read
   before the fetch is sent, so a ring landing during the fetch is never missed), except for
@@ -39,7 +41,9 @@ import time
 
 from redis.exceptions import ResponseError
 
+from shared import protocol
 from shared.aio import wait_event
+from shared.keys import RedisKeys
 from shared.redis_conn import write_at_once
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,9 @@ _FIRST_REPLY_CHECK_S = 0.05  # the first check: after a new connection's replies
 # (~1 ms on tansu), and a ring reaches the consumer ~0.5 ms after it is sent. Short, because
 # every worker of the stage hears the ring and only one of them gets the record.
 EXPECT_MS = 3.0
+# How long the key saying a carried record was acked lives: past any early run's wait for its
+# record (early_start_confirm_ms, 5 s by default), which is all that reads it
+ACKED_TTL_MS = 60_000
 
 
 class _Bell:
@@ -90,7 +97,7 @@ class _RingWire:
     def __init__(self, redis) -> None:
         self._redis = redis
         self._conn = None
-        self._queue: list[tuple[str, bytes]] = []  # (channel, payload)
+        self._queue: list[tuple[str, bytes, tuple[str, str] | None]] = []  # (channel, payload, acked key + value)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._check_at = 0.0
@@ -99,22 +106,23 @@ class _RingWire:
         self._writing = False  # the ring task is writing (or reconnecting): later rings queue behind it
         self._closed = False
 
-    def send(self, channel: str, payload: bytes = b"") -> None:
-        if self._closed or len(self._queue) >= _MAX_PENDING_RINGS or self._write_now(channel, payload):
+    def send(self, channel: str, payload: bytes = b"", mark: tuple[str, str] | None = None) -> None:
+        """``mark``: (key, value) to SET (``ACKED_TTL_MS``) in the same write, before the ring."""
+        if self._closed or len(self._queue) >= _MAX_PENDING_RINGS or self._write_now(channel, payload, mark):
             return
-        self._queue.append((channel, payload))
+        self._queue.append((channel, payload, mark))
         self._wake.set()
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="doorbell-rings")
 
-    def _write_now(self, channel: str, payload: bytes) -> bool:
+    def _write_now(self, channel: str, payload: bytes, mark: tuple[str, str] | None) -> bool:
         """Write the ring within this call when the connection is up and idle (nothing queued or
         being written, no reply check due): the ring task would write it a loop turn later, behind
         what is ready by then (the producer's own Kafka request first). False: queue it."""
         conn = self._conn
         if (conn is None or self.pooled or self._queue or self._writing
                 or asyncio.get_running_loop().time() >= self._check_at
-                or not write_at_once(conn, conn.pack_commands([("PUBLISH", channel, payload)]))):
+                or not write_at_once(conn, conn.pack_commands(_commands([(channel, payload, mark)])))):
             return False
         self.sent += 1
         return True
@@ -129,19 +137,21 @@ class _RingWire:
             self._writing = True
             try:
                 if self.pooled:
-                    for channel, payload in rings:
+                    for channel, payload, mark in rings:
+                        if mark is not None:
+                            await self._redis.set(mark[0], mark[1], px=ACKED_TTL_MS)
                         await self._redis.publish(channel, payload)
                 else:
                     await self._write(rings)
                 self.sent += len(rings)
             except Exception as exc:  # noqa: BLE001 - a ring is a hint; the idle interval covers its loss
-                log.debug("doorbell rings %s lost: %r", [c for c, _ in rings], exc)
+                log.debug("doorbell rings %s lost: %r", [c for c, *_ in rings], exc)
                 await self._drop()
                 await asyncio.sleep(_RECONNECT_S)  # Redis away: not a connect attempt per ring
             finally:
                 self._writing = False
 
-    async def _write(self, rings: list[tuple[str, bytes]]) -> None:
+    async def _write(self, rings: list[tuple[str, bytes, tuple[str, str] | None]]) -> None:
         loop = asyncio.get_running_loop()
         if self._conn is None:
             pool = self._redis.connection_pool
@@ -151,8 +161,7 @@ class _RingWire:
                                                                ("CLIENT", "SETNAME", RING_CLIENT_NAME)]),
                                            check_health=False)
             self._conn, self._check_at = conn, loop.time() + _FIRST_REPLY_CHECK_S
-        await self._conn.send_packed_command(self._conn.pack_commands([("PUBLISH", c, p) for c, p in rings]),
-                                             check_health=False)
+        await self._conn.send_packed_command(self._conn.pack_commands(_commands(rings)), check_health=False)
         if loop.time() >= self._check_at:
             self._check_at = loop.time() + _REPLY_CHECK_S
             if await self._conn.can_read():  # a reply, or the server closed the connection
@@ -182,12 +191,22 @@ class _RingWire:
         await self._drop()
 
 
+def _commands(rings: list[tuple[str, bytes, tuple[str, str] | None]]) -> list[tuple]:
+    out: list[tuple] = []
+    for channel, payload, mark in rings:
+        if mark is not None:
+            out.append(("SET", mark[0], mark[1], "PX", ACKED_TTL_MS))
+        out.append(("PUBLISH", channel, payload))
+    return out
+
+
 class Doorbell:
     """Per process: rings topics (publisher) and wakes this process's consumers (subscriber)."""
 
     def __init__(self, redis, prefix: str, *, idle_fetch_interval_ms: int, expect_ms: float = EXPECT_MS) -> None:
         self._redis = redis
         self._prefix = prefix
+        self._keys = RedisKeys(prefix)
         self._idle_s = idle_fetch_interval_ms / 1000
         self._expect_s = expect_ms / 1000
         self._bells: dict[str, _Bell] = {}
@@ -207,6 +226,12 @@ class Doorbell:
     def ring(self, topic: str, carried: bytes = b"") -> None:
         """``carried``: an encoded ``protocol.RingPayload`` (a record just sent, or acked), or nothing."""
         self._wire.send(self.channel(topic), carried)
+
+    def ring_acked(self, topic: str, acked: protocol.AckedRecord) -> None:
+        """The ring for a carried record the broker acked: carries ``acked`` and sets
+        ``RedisKeys.acked`` (its partition) in the same write."""
+        key = self._keys.acked(topic, acked.request_id, acked.attempt)
+        self._wire.send(self.channel(topic), protocol.encode(acked), (key, str(acked.partition)))
 
     @property
     def rings_sent(self) -> int:  # for tests and stats

@@ -14,7 +14,10 @@ Contract (the runner's side is ``StageRunner``; why and what it measured: README
   lands changes nothing anyone sees. Its token-stream writes wait for the record to be in Kafka:
   delivered here, or acked by the broker (a second ring, ``protocol.AckedRecord``: :meth:`acked`),
   whichever comes first (:meth:`EarlyRun.durable`); the log's compare-and-append keeps a write a
-  later owner of the record repeats from showing twice. Caches it fills (embeddings, prefix KV) may stay.
+  later owner of the record repeats from showing twice. A delta written before the run has seen
+  both (their replies still unread behind a forward that held the loop) is a guarded append: Redis
+  writes it only if it shows the claim this run's and the record acked (``shared.stage.WriteGuard``),
+  else the write waits as above. Caches it fills (embeddings, prefix KV) may stay.
 - The runner adopts the run when it consumes the record (``adopt``): the record's offset is done
   when the run is. Not delivered within ``confirm_ms``, or its partition revoked, the run is
   dropped (its claim released; tensor slots it put lapse with their leases).
@@ -33,6 +36,7 @@ import msgspec
 from shared import metrics, protocol
 from shared.aio import succeeded
 from shared.ledger import CLAIMED
+from shared.stage import WriteGuard
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +65,23 @@ class EarlyRun:
         self._record: asyncio.Future = asyncio.get_running_loop().create_future()
         self._in_kafka = asyncio.Event()  # the broker acked the record, or delivered it here
         self._claim: asyncio.Future | None = None
+        self._guard: WriteGuard | None = None
         self._give_up = time.monotonic() + confirm_s
 
-    def claim(self, enter: Awaitable[int]) -> None:
+    def claim(self, enter: Awaitable[int], guard: WriteGuard | None = None) -> None:
         """Take the stage's claim (``enter``: the ledger's round trip) while the work starts:
-        :meth:`confirmed`, which every effect awaits, waits for it too."""
+        :meth:`confirmed`, which every effect awaits, waits for it too. ``guard``: what Redis shows
+        once the claim is this run's and the record acked (for guarded stream writes)."""
         self._claim = asyncio.ensure_future(enter)
         self._claim.add_done_callback(self._claim_done)
+        self._guard = guard
+
+    def write_guard(self) -> WriteGuard | None:
+        """The guard for a stream write Redis may check instead of this run, while the run does not
+        know yet that it may write (claim or ack not seen, nothing failed); None: write as usual."""
+        if self._guard is None or self.dropped or (self._in_kafka.is_set() and self._claim.done()):
+            return None
+        return self._guard
 
     def _claim_done(self, fut: asyncio.Future) -> None:
         self.handled = _won(fut)
@@ -164,6 +178,11 @@ class _GatedEvents:
         return await self._inner.append(request_id, event)
 
     async def append_delta(self, request_id, delta, position):
+        guard = self._run.write_guard()
+        if guard is not None and hasattr(self._inner, "append_delta_if"):
+            done = await self._inner.append_delta_if(request_id, delta, position, guard)
+            if done is not None:  # Redis showed the claim ours and the record in Kafka
+                return done
         await self._run.durable()
         return await self._inner.append_delta(request_id, delta, position)
 

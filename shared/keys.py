@@ -53,6 +53,11 @@ class RedisKeys:
         """``SET NX PX`` claim on (request, stage) for idempotent redelivery."""
         return f"{self.prefix}:lease:{stage}:{request_id}"
 
+    def acked(self, topic: str, request_id: str, attempt: int) -> str:
+        """A carried stage record the broker acked: its partition, written by the producer with
+        its ack's ring; an early run's guarded stream writes read it (``shared.early``)."""
+        return f"{self.prefix}:acked:{topic}:{request_id}:{attempt}"
+
     def done(self, request_id: str, stage: str) -> str:
         """Set once (request, stage)'s outputs are acknowledged: redeliveries skip the work."""
         return f"{self.prefix}:done:{stage}:{request_id}"

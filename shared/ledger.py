@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 
 from shared.keys import RedisKeys
+from shared.stage import WriteGuard
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,13 @@ class StageLedger:
     @property
     def lease_ms(self) -> int:
         return self._lease_ms
+
+    def write_guard(self, request_id: str, stage: str, attempt: int, owner: str, topic: str,
+                    partition: int) -> WriteGuard:
+        """What Redis shows once ``owner`` holds the claim and the broker acked the stage's record
+        (``topic``, ``partition``): an early run's guarded stream writes check it."""
+        return WriteGuard(self._key(request_id, stage, attempt), owner, self._keys.acked(topic, request_id, attempt),
+                          partition)
 
     def _key(self, request_id: str, stage: str, attempt: int) -> str:
         return self._keys.lease(request_id, f"{stage}#{attempt}")

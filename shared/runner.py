@@ -119,7 +119,9 @@ class StageRunner:
             return
         t_claim = time.perf_counter()
         if run is not None:  # the claim's round trip overlaps the work; all the run shows waits for it
-            run.claim(ledger.enter(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id))
+            run.claim(ledger.enter(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id),
+                      ledger.write_guard(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id, self.topic,
+                                         run.partition))
             state = CLAIMED
         else:  # past the deadline an unclaimed record goes on: the deadline check ends it with a 504
             state = await ledger.enter_waiting(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id,

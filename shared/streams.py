@@ -5,7 +5,8 @@ terminal event (``Finish`` or ``ErrorEvent``) in normal operation. Streams are b
 (``MAXLEN ~``) and expire ``ttl_s`` after the last write, so an abandoned request cannot
 grow Redis without bound. Readers resume from the last entry id they saw; a process's followers
 share one blocking read. Compare-and-appends issued in one event-loop turn (a batched decode
-step's sequences) go to Redis in one script call.
+step's sequences) go to Redis in one script call. A guarded append (``append_delta_if``,
+``shared.stage.WriteGuard``) is written only if Redis shows its guard met, in the same call.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import RedisKeys
-from shared.stage import LogLost
+from shared.stage import LogLost, WriteGuard
 from shared.stream_mux import StreamMux
 
 _FIELD = b"e"
@@ -27,15 +28,21 @@ _FIELD = b"e"
 LOST_CHECK_S = 2.0
 log = logging.getLogger(__name__)
 
-# KEYS: (stream, position counter) per append; ARGV: maxlen, ttl_s, then (position, encoded delta)
-# per append. Per append, in order: 1 appended; 0 another writer has that position; 2 the log is
-# gone (flushed) past position 0. One call for a whole decode step: a call costs more than its work.
+# KEYS: (stream, position counter, claim, acked) per append; ARGV: maxlen, ttl_s, then (position,
+# encoded delta, owner, partition) per append: an append with an owner is guarded (WriteGuard: the
+# claim must hold the owner, the acked key the partition; unguarded ones pass the counter as both).
+# Per append, in order: 1 appended; 0 another writer has that position; 2 the log is gone
+# (flushed) past position 0; 3 the guard is not met (nothing written). One call for a whole
+# decode step: a call costs more than its work.
 _APPEND_AT_SEQ = """
 local out = {}
-for i = 1, #KEYS, 2 do
+for i = 1, #KEYS, 4 do
   local pos = tonumber(ARGV[i + 2])
+  local owner = ARGV[i + 4]
   local nxt = redis.call('get', KEYS[i + 1])
-  if nxt and tonumber(nxt) ~= pos then
+  if owner ~= '' and (redis.call('get', KEYS[i + 2]) ~= owner or redis.call('get', KEYS[i + 3]) ~= ARGV[i + 5]) then
+    out[#out + 1] = 3
+  elseif nxt and tonumber(nxt) ~= pos then
     out[#out + 1] = 0
   elseif not nxt and pos > 0 then
     out[#out + 1] = 2
@@ -48,6 +55,7 @@ for i = 1, #KEYS, 2 do
 end
 return out
 """
+_UNGUARDED = ""  # an append's owner when it has no WriteGuard
 
 
 class TokenStreams:
@@ -60,8 +68,9 @@ class TokenStreams:
         self._maxlen = maxlen
         self._ttl_s = ttl_s
         self._cas = redis.register_script(_APPEND_AT_SEQ)
-        # appends waiting for the next script call: at most one per writer, each awaits its own
-        self._batch: list[tuple[tuple[str, str], tuple[int, bytes], asyncio.Future]] = []
+        # appends waiting for the next script call: at most one per writer, each awaits its own;
+        # keys (stream, counter, claim, acked) and args (position, delta, owner, partition)
+        self._batch: list[tuple[tuple[str, str, str, str], tuple[int, bytes, str, int], asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._mux = StreamMux(redis, keys.stream_wake(uuid.uuid4().hex), ttl_s=ttl_s, block_ms=read_block_ms)
 
@@ -79,20 +88,36 @@ class TokenStreams:
         request wrote that position first. A missing counter (Redis flushed, or the log expired)
         accepts position 0 only; past it, :class:`~shared.stage.LogLost`. Appends of one loop
         turn share one script call (:meth:`_flush`)."""
+        return bool(await self._append(request_id, delta, position, None))
+
+    async def append_delta_if(self, request_id: str, delta: protocol.StreamEvent, position: int,
+                              guard: WriteGuard) -> bool | None:
+        """:meth:`append_delta` if Redis shows ``guard`` met (checked in the same script call);
+        None: it is not, and nothing was written."""
+        res = await self._append(request_id, delta, position, guard)
+        return None if res == 3 else bool(res)
+
+    async def _append(self, request_id: str, delta: protocol.StreamEvent, position: int,
+                      guard: WriteGuard | None) -> int:
         fut = asyncio.get_running_loop().create_future()
-        self._batch.append(((self._keys.token_stream(request_id), self._keys.token_seq(request_id)),
-                            (position, protocol.encode(delta)), fut))
+        stream, seq = self._keys.token_stream(request_id), self._keys.token_seq(request_id)
+        if guard is None:
+            keys, args = (stream, seq, seq, seq), (position, protocol.encode(delta), _UNGUARDED, 0)
+        else:
+            keys = (stream, seq, guard.claim_key, guard.acked_key)
+            args = (position, protocol.encode(delta), guard.owner, guard.partition)
+        self._batch.append((keys, args, fut))
         if self._flusher is None:  # runs after the writers already woken this turn have queued theirs
             self._flusher = asyncio.create_task(self._flush(), name="token-appends")
         res = await fut
         if res == 2:
             raise LogLost(f"the token log of {request_id} is gone (Redis flushed?) at position {position}")
-        return bool(res)
+        return res
 
     async def _flush(self) -> None:
         batch, self._batch, self._flusher = self._batch, [], None
         keys = [k for ks, _, _ in batch for k in ks]
-        args = [self._maxlen, self._ttl_s, *(v for _, pair, _ in batch for v in pair)]
+        args = [self._maxlen, self._ttl_s, *(v for _, each, _ in batch for v in each)]
         try:  # EVALSHA; a Redis that restarted or flushed its scripts gets the script loaded again
             results = await self._cas(keys=keys, args=args)
         except BaseException as exc:  # noqa: BLE001 - every writer of the batch sees the failure

@@ -15,7 +15,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from shared import protocol
 from shared.bus import ensure_topics, make_producer, produce_all
-from shared.doorbell import RING_CLIENT_NAME, Doorbell, _Bell
+from shared.doorbell import ACKED_TTL_MS, RING_CLIENT_NAME, Doorbell, _Bell
+from shared.keys import RedisKeys
 from shared.settings import Settings
 from shared.stage import Produce
 
@@ -306,6 +307,10 @@ async def test_a_server_that_keeps_replying_gets_plain_publishes(bell_env, redis
             pub.ring(topic)
             await asyncio.sleep(0.02)
         await _ring_until_heard(pub, sub, topic)
+        heard = sub.rings_heard
+        pub.ring_acked(topic, protocol.AckedRecord(partition=3, offset=9, request_id="pooled-1", attempt=0))
+        await _until(lambda: sub.rings_heard > heard, 10)  # heard, and its acked key written before it
+        assert await redis.get(RedisKeys(settings.redis_prefix).acked(topic, "pooled-1", 0)) == b"3"
     finally:
         await sub.close()
         await pub.close()
@@ -334,7 +339,8 @@ async def test_a_consumer_asleep_on_the_bell_stops_cleanly(bell_env):
 async def test_a_carried_record_rings_again_once_acked_with_its_offset(bell_env):
     """``produce_all`` with ``carry``: a ring with the record's copy as it goes out, then one with
     a ``protocol.AckedRecord`` (its partition and offset, the request and attempt) once the broker
-    acked it: what lets an early run show its stream writes before its own fetch (shared.early)."""
+    acked it, written with the record's acked key: what lets an early run show its stream writes
+    before its own fetch (shared.early)."""
     settings, topic, producer, redis = bell_env
     sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
     pub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
@@ -358,6 +364,9 @@ async def test_a_carried_record_rings_again_once_acked_with_its_offset(bell_env)
         offsets = [r.offset for r in rings[1::2]]
         assert offsets[1] == offsets[0] + 1  # each its own record's offset
         assert all((r.partition, r.request_id, r.attempt) == (0, "acked-1", 2) for r in rings[1::2])
+        # the ack's ring wrote, before it, the key an early run's guarded write checks in Redis
+        acked_key = RedisKeys(settings.redis_prefix).acked(topic, "acked-1", 2)
+        assert await redis.get(acked_key) == b"0" and 0 < await redis.pttl(acked_key) <= ACKED_TTL_MS
     finally:
         await sub.close()
         await pub.close()

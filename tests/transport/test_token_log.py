@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import RedisKeys
-from shared.stage import LogLost
+from shared.stage import LogLost, WriteGuard
 from shared.streams import TokenStreams
 from tests.roundtrips import count_round_trips
 
@@ -141,6 +141,38 @@ async def test_appends_of_one_loop_turn_share_a_round_trip(redis_url, monkeypatc
         assert executed == ["EVALSHA"]
         assert [e.seq for e in await streams.history("b1")] == [0, 1]
         assert [e.seq for e in await streams.history("b2")] == [0]
+    finally:
+        await redis.aclose()
+
+
+async def test_a_guarded_append_is_written_only_if_redis_shows_its_guard(redis_url, monkeypatch):
+    """``append_delta_if``: written only while the claim key holds the owner and the acked key the
+    record's partition, checked in the same script call as the append (and as unguarded appends
+    of the same loop turn); None, with nothing written, when either is not so."""
+    redis = aioredis.from_url(redis_url)
+    keys = RedisKeys("toklog")
+    streams = TokenStreams(redis, keys, maxlen=1000, ttl_s=60)
+    claim, acked = keys.lease("g1", "prefill#0"), keys.acked("mm.prefill", "g1", 0)
+    guard = WriteGuard(claim, "worker-a", acked, 2)
+    executed = count_round_trips(monkeypatch, redis)
+    try:
+        assert await streams.append_delta_if("g1", _delta(0), 0, guard) is None  # neither there
+        await redis.set(claim, "worker-a")
+        assert await streams.append_delta_if("g1", _delta(0), 0, guard) is None  # not acked yet
+        await redis.set(acked, "1")
+        assert await streams.append_delta_if("g1", _delta(0), 0, guard) is None  # another partition's record
+        await redis.set(acked, "2")
+        await redis.set(claim, "worker-b")
+        assert await streams.append_delta_if("g1", _delta(0), 0, guard) is None  # another worker's claim
+        assert await streams.history("g1") == []
+        await redis.set(claim, "worker-a")
+        executed.clear()
+        got = await asyncio.gather(streams.append_delta_if("g1", _delta(0), 0, guard),
+                                   streams.append_delta("g2", _delta(0), position=0),
+                                   streams.append_delta_if("g3", _delta(0), 0, guard._replace(owner="worker-b")))
+        assert got == [True, True, None] and executed == ["EVALSHA"]
+        assert await streams.append_delta_if("g1", _delta(0), 0, guard) is False  # met, but position 0 is taken
+        assert [e.seq for e in await streams.history("g1")] == [0] and await streams.history("g3") == []
     finally:
         await redis.aclose()
 

@@ -12,6 +12,8 @@ from prometheus_client import REGISTRY
 
 from shared import protocol
 from shared.early import EarlyStarts, Unconfirmed
+from shared.ledger import CLAIMED
+from shared.stage import WriteGuard
 
 
 def _msg(rid: str = "r1") -> protocol.PrefillRequest:
@@ -61,6 +63,19 @@ class _Sink:
 
     async def history(self, rid):
         return list(self.written)
+
+
+class _GuardedSink(_Sink):
+    """A sink whose Redis checks a write's guard itself: ``shows`` is whether it is met there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shows = False
+        self.guards: list[WriteGuard] = []
+
+    async def append_delta_if(self, rid, delta, position, guard):
+        self.guards.append(guard)
+        return await self.append_delta(rid, delta, position) if self.shows else None
 
 
 async def _started(env: _Env, msg) -> object:
@@ -203,5 +218,51 @@ async def test_a_dropped_run_writes_nothing_even_once_acked():
     with pytest.raises(Unconfirmed):
         await gated.append("r1", "ev")
     assert written == []
+    env.gate.set()
+    await asyncio.gather(run.task, return_exceptions=True)
+
+
+async def test_a_delta_the_run_cannot_vouch_for_yet_is_a_guarded_append():
+    """Before the run has seen its claim's reply and its record's ack, a delta goes as a guarded
+    append: written at once when Redis shows the guard met (the claim the run's, the record
+    acked); when not, the write waits for the claim and the ack as before. Once the run has seen
+    both, its appends are plain ones."""
+    env = _Env()
+    msg = _msg()
+    run = await _started(env, msg)
+    claim = asyncio.get_running_loop().create_future()
+    guard = WriteGuard("claim-key", "w1", "acked-key", 0)
+    run.claim(claim, guard)
+    sink = _GuardedSink()
+    gated = run.gated(sink)
+    sink.shows = True
+    assert await gated.append_delta("r1", "d0", 0) is True
+    assert sink.written == [("d0", 0)] and sink.guards == [guard]
+    sink.shows = False  # (say the ack is not in Redis yet)
+    writer = asyncio.create_task(gated.append_delta("r1", "d1", 1))
+    await asyncio.sleep(0.05)
+    assert not writer.done() and sink.written == [("d0", 0)] and len(sink.guards) == 2
+    claim.set_result(CLAIMED)
+    env.early.offer(_acked(msg))
+    assert await writer is True and sink.written == [("d0", 0), ("d1", 1)]
+    assert await gated.append_delta("r1", "d2", 2) and len(sink.guards) == 2  # known now: unguarded
+    env.gate.set()
+    assert env.early.adopt(*_rec(run.value)) is run
+    await run.task
+
+
+async def test_a_dropped_run_makes_no_guarded_append():
+    env = _Env(confirm_ms=100)
+    run = await _started(env, _msg())
+    claim = asyncio.get_running_loop().create_future()
+    claim.set_result(CLAIMED)
+    run.claim(claim, WriteGuard("c", "w1", "a", 0))
+    sink = _GuardedSink()
+    sink.shows = True
+    gated = run.gated(sink)
+    run.drop()
+    with pytest.raises(Unconfirmed):
+        await gated.append_delta("r1", "d0", 0)
+    assert sink.guards == [] and sink.written == []
     env.gate.set()
     await asyncio.gather(run.task, return_exceptions=True)
