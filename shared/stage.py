@@ -100,7 +100,9 @@ class WriteGuard(NamedTuple):
 
 
 class EventSink(Protocol):
-    """Where token-stream events go (Redis in production, a list in handler tests)."""
+    """Where token-stream events go (Redis in production, a list in handler tests). A sink may
+    also offer ``append_delta_if(request_id, delta, position, guard) -> bool | None`` (Redis's
+    does): ``append_delta`` only if the store shows ``guard`` met, None if not (``shared.early``)."""
 
     async def append(self, request_id: str, event: protocol.StreamEvent) -> None: ...
 
