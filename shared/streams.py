@@ -101,12 +101,8 @@ class TokenStreams:
                       guard: WriteGuard | None) -> int:
         fut = asyncio.get_running_loop().create_future()
         stream, seq = self._keys.token_stream(request_id), self._keys.token_seq(request_id)
-        if guard is None:
-            keys, args = (stream, seq, seq, seq), (position, protocol.encode(delta), _UNGUARDED, 0)
-        else:
-            keys = (stream, seq, guard.claim_key, guard.acked_key)
-            args = (position, protocol.encode(delta), guard.owner, guard.partition)
-        self._batch.append((keys, args, fut))
+        claim, owner, acked, partition = guard if guard is not None else (seq, _UNGUARDED, seq, 0)
+        self._batch.append(((stream, seq, claim, acked), (position, protocol.encode(delta), owner, partition), fut))
         if self._flusher is None:  # runs after the writers already woken this turn have queued theirs
             self._flusher = asyncio.create_task(self._flush(), name="token-appends")
         res = await fut
