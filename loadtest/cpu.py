@@ -9,7 +9,8 @@ window also splits them by process role (``process_role``: a worker's stages, th
 broker, ...), reported as CPU milliseconds per finished request (:func:`by_process_md`), and each
 Python process's CPU by thread class (:func:`thread_class`: its event loop, its compute lanes, the
 rest; Linux), so that a fleet's messaging cost shows apart from its model work (:func:`by_thread_md`).
-A thread that ends within the window is not counted in the split (its process total has it).
+A thread that ends within the window is not counted in the split (its process total has it);
+threads are timed to the nanosecond, processes to the clock tick.
 """
 
 from __future__ import annotations
@@ -78,16 +79,25 @@ def thread_class(role: str, pid: int, tid: int, os_name: str) -> str:
 
 
 def _threads(p) -> dict[int, tuple[str, float]]:
-    """tid -> (OS name, CPU seconds) of ``p``'s live threads; empty where psutil or /proc cannot say."""
+    """tid -> (OS name, CPU seconds) of ``p``'s live threads; empty where psutil or /proc cannot say.
+
+    A thread's CPU comes from its ``schedstat`` (nanoseconds) where the kernel has it: psutil's
+    per-thread times are whole clock ticks (10 ms), and a small window's lane could read 0."""
     out = {}
     try:
         for t in p.threads():
+            task = f"/proc/{p.pid}/task/{t.id}"
             try:
-                with open(f"/proc/{p.pid}/task/{t.id}/comm") as f:
+                with open(f"{task}/comm") as f:
                     name = f.read().strip()
             except OSError:
                 name = ""
-            out[t.id] = (name, t.user_time + t.system_time)
+            try:
+                with open(f"{task}/schedstat") as f:
+                    sec = int(f.read().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                sec = t.user_time + t.system_time
+            out[t.id] = (name, sec)
     except (psutil.Error, OSError):
         return {}
     return out
