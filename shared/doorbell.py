@@ -18,7 +18,9 @@ Contract:
 - A ring may carry a copy of the stage record produced with it (``ring(topic, carried)``,
   a ``protocol.CarriedRecord``), and a second ring, once the broker acked it, a
   ``protocol.AckedRecord``; ``on_carried(topic, callback)`` hands those payloads to the topic's
-  runner, which may start the work early (``shared.early``). A ring is heard as a ring either way.
+  runner, which may start the work early (``shared.early``). A ring wakes the consumer either way,
+  unless the callback returns False: the ring announces nothing to fetch (an ack for a record
+  Kafka already delivered there; waking would only send empty fetches for ``expect_ms``).
   The ack's ring (``ring_acked``) sets ``RedisKeys.acked`` for the record in the same write, for
   ``ACKED_TTL_MS``: an early run's guarded stream write checks it in Redis (``shared.stage.WriteGuard``).
 - ``Doorbell.attach(consumer, topic)`` is called after ``consumer.start()``: it wraps the
@@ -240,7 +242,8 @@ class Doorbell:
     # ------------------------------------------------------------------ subscriber
     def on_carried(self, topic: str, callback) -> None:
         """Hand the records rings on ``topic`` carry to ``callback(payload: bytes)`` (called on the
-        listener's task: it must not block); :meth:`attach` is still what makes a ring a wake-up."""
+        listener's task: it must not block); :meth:`attach` is still what makes a ring a wake-up,
+        unless ``callback`` returns False for it (nothing to fetch)."""
         self._bell(topic).on_carried = callback
 
     def _bell(self, topic: str) -> _Bell:
@@ -293,12 +296,14 @@ class Doorbell:
                         self.rings_heard += 1
                         # the carried record first: its early run is then queued on the loop ahead
                         # of the fetch the ring wakes, and starts before that fetch is sent
+                        wake = True
                         if msg["data"] and bell.on_carried is not None:
                             try:
-                                bell.on_carried(msg["data"])
+                                wake = bell.on_carried(msg["data"]) is not False
                             except Exception:  # noqa: BLE001 - a carried copy is a hint: the record still comes
                                 log.exception("doorbell: a carried record's handler failed")
-                        bell.ring()
+                        if wake:
+                            bell.ring()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - Redis away: consumers poll at the idle interval

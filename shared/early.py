@@ -12,12 +12,13 @@ Contract (the runner's side is ``StageRunner``; why and what it measured: README
 - Its outputs, releases, done-mark and error events wait for the record itself
   (:meth:`EarlyRun.confirmed`): Kafka stays the record of truth, and a copy whose produce never
   lands changes nothing anyone sees. Its token-stream writes wait for the record to be in Kafka:
-  delivered here, or acked by the broker (a second ring, ``protocol.AckedRecord``: :meth:`acked`),
-  whichever comes first (:meth:`EarlyRun.durable`); the log's compare-and-append keeps a write a
-  later owner of the record repeats from showing twice. A delta written before the run has seen
-  both (their replies still unread behind a forward that held the loop) is a guarded append: Redis
-  writes it only if it shows the claim this run's and the record acked (``shared.stage.WriteGuard``),
-  else the write waits as above. Caches it fills (embeddings, prefix KV) may stay.
+  delivered here, or acked by the broker (a second ring, ``protocol.AckedRecord``: :meth:`acked`;
+  ``offer`` answers False for one whose record was delivered here, and the doorbell wakes no
+  fetch for it), whichever comes first (:meth:`EarlyRun.durable`); the log's compare-and-append
+  keeps a write a later owner of the record repeats from showing twice. A delta written before
+  the run has seen both (their replies still unread behind a forward that held the loop) is a
+  guarded append: Redis writes it only if it shows the claim this run's and the record acked
+  (``shared.stage.WriteGuard``), else the write waits as above. Caches it fills (embeddings, prefix KV) may stay.
 - The runner adopts the run when it consumes the record (``adopt``): the record's offset is done
   when the run is. Not delivered within ``confirm_ms``, or its partition revoked, the run is
   dropped (its claim released; tensor slots it put lapse with their leases).
@@ -206,29 +207,33 @@ class EarlyStarts:
         self._runs: dict[bytes, EarlyRun] = {}
         self._by_request: dict[tuple[str, int], EarlyRun] = {}  # (request id, attempt): for acked rings
         self._seen: OrderedDict[int, None] = OrderedDict()
+        self._delivered: dict[int, int] = {}  # partition -> the highest offset Kafka delivered here
         self.started = 0  # for stats and tests
         self.adopted = 0
 
-    def offer(self, payload: bytes) -> None:
+    def offer(self, payload: bytes) -> bool:
+        """Take a ring's payload; False when the ring announces nothing to fetch (an acked record
+        Kafka already delivered here): the doorbell then does not wake the consumer for it."""
         try:
             carried = self._rings.decode(payload)
             if isinstance(carried, protocol.AckedRecord):
                 run = self._by_request.get((carried.request_id, carried.attempt))
                 if run is not None and run.partition == carried.partition:
                     run.acked()
-                return
+                return carried.offset > self._delivered.get(carried.partition, -1)
             if (carried.value in self._runs or hash(carried.value) in self._seen
                     or not self._owns(carried.partition) or self._free() - len(self._runs) <= 0):
-                return
+                return True
             msg = self._decoder.decode(carried.value)
         except msgspec.DecodeError:
-            return  # not for this stage (or not decodable): the record's own delivery deals with it
+            return True  # not for this stage (or not decodable): the record's own delivery deals with it
         run = EarlyRun(carried, msg, self._confirm_s)
         self._runs[run.value] = run
         self._by_request[(msg.meta.request_id, msg.meta.attempt)] = run
         run.task = asyncio.create_task(self._run(run), name="early-start")
         self.started += 1
         metrics.EARLY_STARTS.labels(self._stage, "started").inc()
+        return True
 
     async def _run(self, run: EarlyRun) -> None:
         try:
@@ -250,6 +255,8 @@ class EarlyStarts:
     def adopt(self, tp, rec) -> EarlyRun | None:
         """The run started for this delivered record, now waiting on it; None: run it as usual."""
         self._seen[hash(rec.value)] = None
+        if rec.offset > self._delivered.get(tp.partition, -1):
+            self._delivered[tp.partition] = rec.offset
         while len(self._seen) > _SEEN_MAX:
             self._seen.popitem(last=False)
         run = self._runs.get(rec.value)
@@ -261,6 +268,8 @@ class EarlyStarts:
 
     def drop_partitions(self, partitions: set[int]) -> None:
         """Partitions revoked: their runs not yet adopted end (their records go to the new owner)."""
+        for partition in partitions:
+            self._delivered.pop(partition, None)
         self._drop([run for run in self._runs.values() if run.partition in partitions])
 
     async def close(self) -> None:

@@ -336,6 +336,29 @@ async def test_a_consumer_asleep_on_the_bell_stops_cleanly(bell_env):
         await bell.close()
 
 
+async def test_a_ring_its_callback_finds_nothing_to_fetch_in_wakes_nobody(bell_env):
+    """``on_carried``'s callback returning False (an ack for a record delivered already) keeps the
+    ring from waking the consumer; any other answer wakes it as before."""
+    settings, topic, producer, redis = bell_env
+    sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    pub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
+    answers = [False, None, True]
+    sub.on_carried(topic, lambda payload: answers.pop(0))
+    sub._listener = asyncio.create_task(sub._listen())
+    bell = sub._bells[topic]
+    try:
+        await _ring_until_heard(pub, sub, topic)  # bare rings: no callback, they wake
+        await asyncio.sleep(0.2)  # a second bare ring of that loop, if any, is heard by now
+        woken, heard = bell.rings, sub.rings_heard
+        for k in range(3):
+            pub.ring(topic, b"payload")
+            await _until(lambda k=k: sub.rings_heard == heard + k + 1, 10)
+        assert bell.rings == woken + 2  # the first ring woke nobody, the other two did
+    finally:
+        await sub.close()
+        await pub.close()
+
+
 async def test_a_carried_record_rings_again_once_acked_with_its_offset(bell_env):
     """``produce_all`` with ``carry``: a ring with the record's copy as it goes out, then one with
     a ``protocol.AckedRecord`` (its partition and offset, the request and attempt) once the broker

@@ -85,8 +85,8 @@ async def _started(env: _Env, msg) -> object:
     return env.started[-1]
 
 
-def _rec(value: bytes, partition: int = 0):
-    return SimpleNamespace(partition=partition), SimpleNamespace(value=value, offset=0)
+def _rec(value: bytes, partition: int = 0, offset: int = 0):
+    return SimpleNamespace(partition=partition), SimpleNamespace(value=value, offset=offset)
 
 
 async def test_a_copy_for_an_owned_partition_with_a_free_slot_starts_once():
@@ -172,8 +172,8 @@ async def test_revoked_partitions_and_close_end_the_runs_not_adopted():
     assert b.task.cancelled() and not env.early._runs
 
 
-def _acked(msg, partition: int = 0, attempt: int | None = None) -> bytes:
-    return protocol.encode(protocol.AckedRecord(partition=partition, offset=7, request_id=msg.meta.request_id,
+def _acked(msg, partition: int = 0, attempt: int | None = None, offset: int = 7) -> bytes:
+    return protocol.encode(protocol.AckedRecord(partition=partition, offset=offset, request_id=msg.meta.request_id,
                                                 attempt=msg.meta.attempt if attempt is None else attempt))
 
 
@@ -202,6 +202,24 @@ async def test_the_brokers_ack_releases_stream_writes_and_only_delivery_the_rest
     env.gate.set()
     await run.task
     assert not env.early._runs and not env.early._by_request
+
+
+async def test_an_ack_for_a_record_delivered_here_asks_for_no_fetch():
+    """``offer`` answers whether a ring is worth a fetch: an ack's ring for a record Kafka has
+    delivered here already is not (the doorbell then wakes nobody), one still to come is."""
+    env = _Env(owned=(0, 1))
+    msg = _msg()
+    assert env.early.offer(_payload(msg)[0]) is True  # a carried copy always wakes
+    assert env.early.offer(_acked(msg, offset=5)) is True  # acked, not delivered yet: fetch it
+    env.early.adopt(*_rec(b"some record", offset=5))  # Kafka delivered offset 5 of partition 0
+    assert env.early.offer(_acked(msg, offset=5)) is False
+    assert env.early.offer(_acked(msg, offset=4)) is False
+    assert env.early.offer(_acked(msg, offset=6)) is True  # a later record of that partition
+    assert env.early.offer(_acked(msg, partition=1, offset=2)) is True  # nothing delivered from partition 1
+    env.early.drop_partitions({0})  # revoked: what was delivered here says nothing any more
+    assert env.early.offer(_acked(msg, offset=5)) is True
+    env.gate.set()
+    await asyncio.gather(*(r.task for r in env.started), return_exceptions=True)
 
 
 async def test_a_dropped_run_writes_nothing_even_once_acked():
