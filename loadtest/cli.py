@@ -11,6 +11,7 @@
                 our client and vLLM's own (vllm.benchmarks.serve); what `make bench` runs
   split         a Qwen2-VL's encode / prefill / decode split in one process (the bench model's
                 proportions against Qwen2-VL-2B's shapes)
+  steps         a batched decode step's CPU cost by batch width (the engine's decode_steps)
   media-server  serve deterministic images at /img/<seed>-<w>x<h>.png (latency injection)
   inproc        the in-process OpenAI server (the same engine without the fleet)
 
@@ -168,6 +169,9 @@ def _parser() -> argparse.ArgumentParser:
     from loadtest import split
 
     split.add_arguments(sub.add_parser("split", help="encode / prefill / decode split of a Qwen2-VL, in one process"))
+    from loadtest import stepcost
+
+    stepcost.add_arguments(sub.add_parser("steps", help="a batched decode step's CPU cost by batch width"))
     media_server.add_arguments(sub.add_parser("media-server", help="serve deterministic test images"))
     inproc_server.add_arguments(sub.add_parser("inproc", help="run the in-process OpenAI server"))
     return p
@@ -185,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(args)
     if args.command == "split":
         from loadtest.split import run
+
+        return run(args)
+    if args.command == "steps":
+        from loadtest.stepcost import run
 
         return run(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
