@@ -207,7 +207,7 @@ class EarlyStarts:
         self._runs: dict[bytes, EarlyRun] = {}
         self._by_request: dict[tuple[str, int], EarlyRun] = {}  # (request id, attempt): for acked rings
         self._seen: OrderedDict[int, None] = OrderedDict()
-        self._delivered: dict[int, int] = {}  # partition -> the highest offset Kafka delivered here
+        self._delivered: dict[int, int] = {}  # partition -> the offset Kafka delivered here last
         self.started = 0  # for stats and tests
         self.adopted = 0
 
@@ -255,8 +255,9 @@ class EarlyStarts:
     def adopt(self, tp, rec) -> EarlyRun | None:
         """The run started for this delivered record, now waiting on it; None: run it as usual."""
         self._seen[hash(rec.value)] = None
-        if rec.offset > self._delivered.get(tp.partition, -1):
-            self._delivered[tp.partition] = rec.offset
+        # the latest, not the highest: a broker that lost its log (tansu in memory) starts offsets
+        # again at 0, and a stale high mark would keep the acks of its new records from waking
+        self._delivered[tp.partition] = rec.offset
         while len(self._seen) > _SEEN_MAX:
             self._seen.popitem(last=False)
         run = self._runs.get(rec.value)

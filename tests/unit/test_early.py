@@ -218,6 +218,9 @@ async def test_an_ack_for_a_record_delivered_here_asks_for_no_fetch():
     assert env.early.offer(_acked(msg, partition=1, offset=2)) is True  # nothing delivered from partition 1
     env.early.drop_partitions({0})  # revoked: what was delivered here says nothing any more
     assert env.early.offer(_acked(msg, offset=5)) is True
+    env.early.adopt(*_rec(b"another record", offset=9))
+    env.early.adopt(*_rec(b"after a broker lost its log", offset=0))  # offsets start again
+    assert env.early.offer(_acked(msg, offset=1)) is True
     env.gate.set()
     await asyncio.gather(*(r.task for r in env.started), return_exceptions=True)
 
