@@ -10,6 +10,13 @@ from __future__ import annotations
 from statistics import median
 
 
+def spread(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per key of the first run: the median, min and max of that key over ``runs`` (the in-process
+    measurements' repeats, ``split`` and ``steps``)."""
+    return {k: {"median": median(r[k] for r in runs), "min": min(r[k] for r in runs), "max": max(r[k] for r in runs)}
+            for k in runs[0]}
+
+
 def _ttft(run: dict, stat: str):
     return run["aggregates"].get("ttft_ms", {}).get(stat)
 

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import torch
+
+from loadtest.repeats import spread
 
 # Qwen2-VL-2B-Instruct's config.json (vision 675 M params, LM 1.5 B): the shapes only
 ARCH_2B = {
@@ -152,8 +153,7 @@ def measure(model, *, device: str, image_side: int, text_tokens: int, long_token
         x["encode_share"] = x["encode_ms"] / x["ttft_ms"]
         x["decode_over_ttft"] = x["decode_ms_per_token"] / x["ttft_ms"]
         x["long_prefill_share"] = x["long_prefill_ms"] / (x["encode_ms"] + x["long_prefill_ms"])
-    summary = {k: {"median": statistics.median(x[k] for x in runs), "min": min(x[k] for x in runs),
-                   "max": max(x[k] for x in runs)} for k in runs[0]}
+    summary = spread(runs)
     params = {"vision": sum(p.numel() for n, p in model.named_parameters() if "visual" in n),
               "language": sum(p.numel() for n, p in model.named_parameters() if "visual" not in n)}
     return {"image_side": image_side, "image_tokens": image_tokens, "prompt_tokens": short.shape[1],

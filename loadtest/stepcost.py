@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from loadtest.repeats import spread
+
 
 def _median_cpu_ms(fn, n: int) -> float:
     times = []
@@ -64,10 +66,7 @@ def measure(compute, *, widths: list[int], prompt_tokens: int, steps: int, repea
         for _ in range(repeats):
             for w in widths:
                 runs[w].append(_one_width(compute, prefilled, w, steps))
-    by_width = {}
-    for w, rs in runs.items():
-        by_width[str(w)] = {k: {"median": statistics.median(r[k] for r in rs), "min": min(r[k] for r in rs),
-                                "max": max(r[k] for r in rs)} for k in rs[0]}
+    by_width = {str(w): spread(rs) for w, rs in runs.items()}
     return {"prompt_tokens": prompt_tokens, "steps": steps, "repeats": repeats, "widths": widths,
             "by_width": by_width, "runs": {str(w): rs for w, rs in runs.items()}}
 
