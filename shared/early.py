@@ -159,6 +159,12 @@ class EarlyRun:
             self.drop()
             raise Unconfirmed(f"record not in Kafka in time (partition {self.partition})")
 
+    def writable(self) -> bool:
+        """The record is in Kafka and the claim this run's, as far as the run has seen:
+        :meth:`durable` would return at once."""
+        return (not self.dropped and self._in_kafka.is_set()
+                and (self._claim is None or (self._claim.done() and _won(self._claim))))
+
     def gated(self, events):
         """``events`` (an EventSink) whose writes wait for :meth:`durable`."""
         return _GatedEvents(events, self)
@@ -186,6 +192,11 @@ class _GatedEvents:
                 return done
         await self._run.durable()
         return await self._inner.append_delta(request_id, delta, position)
+
+    def append_delta_soon(self, request_id, delta, position):
+        """The inner sink's, once the run may write (None before: await ``append_delta``)."""
+        soon = getattr(self._inner, "append_delta_soon", None)
+        return soon(request_id, delta, position) if soon is not None and self._run.writable() else None
 
     def __getattr__(self, name):  # reads (history, follow) need no record
         return getattr(self._inner, name)

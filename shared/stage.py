@@ -102,7 +102,10 @@ class WriteGuard(NamedTuple):
 class EventSink(Protocol):
     """Where token-stream events go (Redis in production, a list in handler tests). A sink may
     also offer ``append_delta_if(request_id, delta, position, guard) -> bool | None`` (Redis's
-    does): ``append_delta`` only if the store shows ``guard`` met, None if not (``shared.early``)."""
+    does): ``append_delta`` only if the store shows ``guard`` met, None if not (``shared.early``);
+    and ``append_delta_soon(request_id, delta, position) -> asyncio.Future | None``: the append
+    queued without waiting for it, its future's result 1 appended, 0 another writer has the
+    position, 2 the log is gone; None: not now (await ``append_delta``)."""
 
     async def append(self, request_id: str, event: protocol.StreamEvent) -> None: ...
 

@@ -97,15 +97,27 @@ class TokenStreams:
         res = await self._append(request_id, delta, position, guard)
         return None if res == 3 else bool(res)
 
-    async def _append(self, request_id: str, delta: protocol.StreamEvent, position: int,
-                      guard: WriteGuard | None) -> int:
+    def append_delta_soon(self, request_id: str, delta: protocol.StreamEvent, position: int) -> asyncio.Future:
+        """:meth:`append_delta` queued for this loop turn's script call, not awaited: the writer
+        goes on meanwhile (a decode's next token) and reads the outcome later. The future's
+        result: 1 appended, 0 another writer has the position, 2 the log is gone past position
+        0. A writer keeps one in flight per log: two could reach Redis out of order (the calls
+        share no connection)."""
+        return self._queue(request_id, delta, position, None)
+
+    def _queue(self, request_id: str, delta: protocol.StreamEvent, position: int,
+               guard: WriteGuard | None) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         stream, seq = self._keys.token_stream(request_id), self._keys.token_seq(request_id)
         claim, owner, acked, partition = guard if guard is not None else (seq, _UNGUARDED, seq, 0)
         self._batch.append(((stream, seq, claim, acked), (position, protocol.encode(delta), owner, partition), fut))
         if self._flusher is None:  # runs after the writers already woken this turn have queued theirs
             self._flusher = asyncio.create_task(self._flush(), name="token-appends")
-        res = await fut
+        return fut
+
+    async def _append(self, request_id: str, delta: protocol.StreamEvent, position: int,
+                      guard: WriteGuard | None) -> int:
+        res = await self._queue(request_id, delta, position, guard)
         if res == 2:
             raise LogLost(f"the token log of {request_id} is gone (Redis flushed?) at position {position}")
         return res

@@ -4,6 +4,7 @@ assert on them; the real ones are tested against real NIXL and Redis in tests/tr
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import torch
@@ -86,3 +87,36 @@ class ListSink:
 
     def text(self, request_id: str) -> str:
         return "".join(e.text for e in self.events[request_id] if isinstance(e, protocol.TokenDelta))
+
+
+class QueuedAppends:
+    """For a ``ListSink``: ``append_delta_soon`` as Redis's sink offers it. Each append is applied
+    a loop turn later (a round trip), its future's result 1 appended, 0 another writer has the
+    position, 2 the log is gone. ``queued``: appends queued so far; ``in_flight_max``: the most
+    of one request in flight at once."""
+
+    def append_delta_soon(self, request_id: str, delta: protocol.TokenDelta, position: int) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.queued = getattr(self, "queued", 0) + 1
+        flying = self.__dict__.setdefault("_flying", {})
+        flying[request_id] = flying.get(request_id, 0) + 1
+        self.in_flight_max = max(getattr(self, "in_flight_max", 0), flying[request_id])
+
+        async def apply() -> None:
+            await asyncio.sleep(0)
+            try:
+                res = 1 if await self.append_delta(request_id, delta, position) else 0
+            except LogLost:
+                res = 2
+            flying[request_id] -= 1
+            fut.set_result(res)
+
+        task = loop.create_task(apply())
+        self.__dict__.setdefault("_tasks", set()).add(task)
+        task.add_done_callback(self._tasks.discard)
+        return fut
+
+
+class SoonSink(QueuedAppends, ListSink):
+    """A ``ListSink`` whose appends may be queued without waiting (as Redis's)."""

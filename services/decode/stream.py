@@ -15,6 +15,12 @@ Deltas are a deterministic function of the token sequence, so the client sees ea
 that vanishes mid-request (Redis flushed) is written again whole from position 0 at the next
 append, since deltas the reader had not read yet went with it; the reader drops positions it has.
 
+Queued appends: with a sink that can queue an append without waiting for it (Redis's), each
+delta's append is queued and its outcome read when the next delta goes out (or before the
+Finish): the writer waits for its next token only, and a batched step's sequences append in one
+script call. One append per request is in flight at a time, so they reach Redis in order; a
+position found taken stops the writer a token later, before it queues anything more.
+
 Look-ahead: from the second token on, the engine's iterator is pulled by a task of its own, up
 to ``lookahead_tokens`` ahead of the writer, so the next decode step runs while this token's
 append is in flight (and a batched step does not wait for sequences busy appending). Tokens
@@ -135,12 +141,34 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
     generated, reason = 0, "length"
     written: list[protocol.StreamEvent] = []  # the whole log, skipped deltas too: a lost log is written again
 
+    # A sink that can queue an append without waiting (Redis's) gets each delta's append queued
+    # and its outcome read when the next delta goes out: the writer waits for the next token only,
+    # not for the call as well (one wake per token instead of two), and the sequences of a
+    # decode step append in the same script call. One in flight at a time, so they stay in order.
+    soon = getattr(events, "append_delta_soon", None)
+    pending: list[tuple[asyncio.Future, int]] = []  # the append in flight: (future, position)
+
+    async def _settle() -> None:
+        """The outcome of the append in flight, as ``_append`` would have given it."""
+        if not pending:
+            return
+        fut, position = pending.pop()
+        res = await fut  # done by now as a rule: a decode step takes longer than the call
+        if res == 0 or (res == 2 and not await _append(meta.request_id, events, written[:position + 1], lost=True)):
+            raise _Superseded(position)
+
     async def _send(seq: int, token_ids: tuple[int, ...], text: str) -> None:
         written.append(_delta(seq, token_ids, text))
         if len(written) > skip_deltas:  # the log already holds the first skip_deltas deltas
-            if not await _append(meta.request_id, events, written):
-                raise _Superseded(len(written) - 1)
-            if len(written) == 1:
+            await _settle()
+            position = len(written) - 1
+            fut = soon(meta.request_id, written[-1], position) if soon is not None else None
+            if fut is not None:
+                pending.append((fut, position))
+            elif not await _append(meta.request_id, events, written):
+                raise _Superseded(position)
+            if position == 0:
+                await _settle()  # the first output's time is when it is in the log
                 tracing.mark_first_output()
 
     if lookahead_tokens > 0:
@@ -169,6 +197,7 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
             if generated >= sampling.max_tokens:
                 break
             if aborted is not None and generated % abort_check_every == 0 and await aborted():
+                await _settle()
                 await events.append(meta.request_id, protocol.ErrorEvent(
                     status=499, type="invalid_request_error", message="the client closed the request",
                     code="client_closed_request"))
@@ -179,11 +208,14 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
             reason = "stop" if res.stopped else reason
             if tail:
                 await _send(generated, (), tail)
+        await _settle()
     except _Superseded as sup:
         log.info("request %s: another decode already wrote delta %d of its token log; this one stops",
                  meta.request_id, sup.seq)
         return
     finally:
+        for fut, _ in pending:  # left by an error: its outcome no longer matters, nor its failure
+            fut.add_done_callback(_discard)
         await stream.aclose()
         await tokens.aclose()
     usage = protocol.Usage(prompt_tokens=prompt_len, completion_tokens=generated, cached_tokens=cached_tokens)
@@ -196,11 +228,21 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
 _LOG_REWRITES = 3
 
 
-async def _append(request_id: str, events: EventSink, written: list[protocol.StreamEvent]) -> bool:
+def _discard(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: not logged as never retrieved
+
+
+async def _append(request_id: str, events: EventSink, written: list[protocol.StreamEvent], *,
+                  lost: bool = False) -> bool:
     """Append the last of ``written`` at its position; if the log is gone (Redis flushed, so
-    deltas no reader had seen may be gone with it), append the whole log again from position 0
-    first. False: another writer holds a position."""
-    position = start = len(written) - 1
+    deltas no reader had seen may be gone with it; ``lost``: known already), append the whole
+    log again from position 0 first. False: another writer holds a position."""
+    position = len(written) - 1
+    start = 0 if lost else position
+    if lost:
+        log.warning("request %s: its token log is gone (Redis flushed?); writing its %d deltas again",
+                    request_id, position + 1)
     for _ in range(_LOG_REWRITES + 1):
         try:
             for i in range(start, position + 1):

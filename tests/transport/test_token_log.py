@@ -190,6 +190,76 @@ async def test_appends_go_on_after_redis_forgets_its_scripts(redis_url):
         await redis.aclose()
 
 
+class _Stepper:
+    """A batched decode step's tokens: every ``step_s`` one token for each sequence, as the
+    decode core hands them to the worker."""
+
+    def __init__(self, ids: list[int], sequences: int, step_s: float = 0.004) -> None:
+        self.ids, self.step_s = ids, step_s
+        self.queues = [asyncio.Queue() for _ in range(sequences)]
+
+    async def run(self) -> None:
+        for t in self.ids:
+            for q in self.queues:
+                q.put_nowait(t)
+            await asyncio.sleep(self.step_s)
+
+    async def tokens(self, i: int):
+        for _ in self.ids:
+            yield await self.queues[i].get()
+
+
+async def test_decodes_queue_their_appends_and_a_step_shares_one_call(redis_url, monkeypatch, model_dir):
+    """Three decodes stepped together through ``stream_completion`` on Redis's sink: each step's
+    deltas go in one script call, the writers await no delta's append (only the Finish's), and
+    every log is whole and in order. A second decode of one request, behind the first, stops
+    without writing."""
+    from transformers import AutoTokenizer
+
+    from services.decode.stream import stream_completion
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok.encode(" the sea is blue and calm today", add_special_tokens=False)
+    redis = aioredis.from_url(redis_url)
+    streams = TokenStreams(redis, RedisKeys("toklog"), maxlen=1000, ttl_s=60)
+    awaited = []
+    append_delta = streams.append_delta
+
+    async def counted(request_id, delta, position):
+        awaited.append(type(delta).__name__)
+        return await append_delta(request_id, delta, position)
+
+    monkeypatch.setattr(streams, "append_delta", counted)
+    stepper = _Stepper(ids, 3)
+
+    def meta(rid):
+        return protocol.RequestMeta(request_id=rid, model="m", deadline_unix_ms=1, created_unix_ms=0,
+                                    prompt_token_ids=(1,), sampling=protocol.Sampling(max_tokens=len(ids)))
+
+    async def decode(i):
+        await stream_completion(streams, meta(f"q{i}"), stepper.tokens(i), tokenizer=tok,
+                                eos_token_ids=frozenset({2}), prompt_len=1, lookahead_tokens=0)
+
+    executed = count_round_trips(monkeypatch, redis)
+    try:
+        await asyncio.gather(stepper.run(), *(decode(i) for i in range(3)))
+        assert awaited == ["Finish"] * 3
+        assert executed.count("EVALSHA") <= len(ids) + 1  # a call per step (+ the Finishes')
+        for i in range(3):
+            log = await streams.history(f"q{i}")
+            assert [e.seq for e in log[:-1]] == list(range(len(ids))) and isinstance(log[-1], protocol.Finish)
+            assert "".join(e.text for e in log[:-1]) == tok.decode(ids)
+        # a redelivered decode of q0 that read delta 0 only: every position it would write is taken
+        late = _Stepper(ids[1:], 1, step_s=0)
+        before = await streams.history("q0")
+        await asyncio.gather(late.run(), stream_completion(
+            streams, meta("q0"), late.tokens(0), tokenizer=tok, eos_token_ids=frozenset({2}), prompt_len=1,
+            first_token=ids[0], skip_deltas=1, lookahead_tokens=0))
+        assert await streams.history("q0") == before
+    finally:
+        await redis.aclose()
+
+
 def _finish(n: int) -> protocol.Finish:
     return protocol.Finish(reason="length", usage=protocol.Usage(prompt_tokens=1, completion_tokens=n))
 

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from services.decode.stream import stream_completion
 from shared import protocol
-from tests.fakes import ListSink
+from tests.fakes import ListSink, QueuedAppends
 from tests.unit.test_decode_lookahead import EOS, _Engine, _ids, _meta
 
 
@@ -29,6 +29,14 @@ class _FlushingSink(ListSink):
         return ok
 
 
+class _QueuedFlushingSink(QueuedAppends, _FlushingSink):
+    """The same, its appends queued without waiting (Redis's sink): the loss is seen a token later."""
+
+
+def _flushing(queued: bool, at: int) -> _FlushingSink:
+    return (_QueuedFlushingSink if queued else _FlushingSink)(at)
+
+
 @pytest.fixture
 def tok(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
@@ -39,22 +47,24 @@ async def _complete(sink, tok, ids, **kw):
                             tokenizer=tok, eos_token_ids=frozenset({EOS}), prompt_len=1, **kw)
 
 
+@pytest.mark.parametrize("queued", [False, True])
 @pytest.mark.parametrize("lookahead", [0, 2])
-async def test_a_log_flushed_mid_request_is_written_again_whole(tok, lookahead):
+async def test_a_log_flushed_mid_request_is_written_again_whole(tok, lookahead, queued):
     ids = _ids(tok)
     whole = ListSink()
     await _complete(whole, tok, ids, lookahead_tokens=lookahead)
-    sink = _FlushingSink(at=3)
+    sink = _flushing(queued, at=3)
     await _complete(sink, tok, ids, lookahead_tokens=lookahead)
     assert sink.flushed
     assert sink.events["r"] == whole.events["r"]  # every delta in order, then Finish
 
 
-async def test_the_rewrite_includes_the_deltas_prefill_wrote(tok):
+@pytest.mark.parametrize("queued", [False, True])
+async def test_the_rewrite_includes_the_deltas_prefill_wrote(tok, queued):
     ids = _ids(tok)
     whole = ListSink()
     await _complete(whole, tok, ids)
-    sink = _FlushingSink(at=2)
+    sink = _flushing(queued, at=2)
     sink.events["r"] = [whole.events["r"][0]]  # prefill's delta 0
     await _complete(sink, tok, ids, engine_ids=ids[1:], first_token=ids[0], skip_deltas=1)
     assert sink.flushed
@@ -62,12 +72,13 @@ async def test_the_rewrite_includes_the_deltas_prefill_wrote(tok):
     assert isinstance(sink.events["r"][-1], protocol.Finish)
 
 
-async def test_a_log_flushed_after_its_last_delta_is_written_again_before_the_finish(tok):
+@pytest.mark.parametrize("queued", [False, True])
+async def test_a_log_flushed_after_its_last_delta_is_written_again_before_the_finish(tok, queued):
     ids = _ids(tok)
     whole = ListSink()
     await _complete(whole, tok, ids)
     deltas = sum(isinstance(e, protocol.TokenDelta) for e in whole.events["r"])
-    sink = _FlushingSink(at=deltas - 1)  # nothing is appended after it but the Finish
+    sink = _flushing(queued, at=deltas - 1)  # nothing is appended after it but the Finish
     await _complete(sink, tok, ids)
     assert sink.flushed
     assert sink.events["r"] == whole.events["r"]

@@ -1,7 +1,8 @@
 """The decode writer's look-ahead (``services.decode.stream``): the engine's next step runs
 while a token's append is in flight, at most ``lookahead_tokens`` ahead; the log is the same
 as in lock-step; a stop string closes the engine's iterator; an engine failure reaches the
-caller."""
+caller. With a sink that queues appends (Redis's), the writer takes the next token before the
+last append's answer, one append in flight, and still stops where another writer holds a position."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers import AutoTokenizer
 
 from services.decode.stream import stream_completion
 from shared import protocol
-from tests.fakes import ListSink
+from tests.fakes import ListSink, SoonSink
 
 EOS = 2
 
@@ -122,3 +123,52 @@ async def test_engine_failure_reaches_the_caller_after_the_tokens_before_it(tok)
         await _run(sink, tok, engine, _meta(max_tokens=len(ids)), 2)
     assert engine.closed
     assert [d.token_ids for d in sink.events["r"]] == [(t,) for t in ids[:5]]
+
+
+class _SlowSoonSink(SoonSink):
+    """Queued appends answered a few loop turns later; records how far the engine was pulled
+    when each position was applied."""
+
+    def __init__(self, engine: _Engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.pulled_at: dict[int, int] = {}
+
+    async def append_delta(self, request_id, delta, position):
+        for _ in range(5):
+            await asyncio.sleep(0)
+        self.pulled_at[position] = self.engine.pulled
+        return await super().append_delta(request_id, delta, position)
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+async def test_queued_appends_let_the_writer_take_the_next_token_and_keep_the_log(tok, lookahead):
+    ids = _ids(tok)
+    engine = _Engine(ids)
+    sink = _SlowSoonSink(engine)
+    await _run(sink, tok, engine, _meta(max_tokens=len(ids)), lookahead)
+    lockstep = ListSink()
+    await _run(lockstep, tok, _Engine(ids), _meta(max_tokens=len(ids)), 0)
+    assert sink.events["r"] == lockstep.events["r"]
+    deltas = sum(isinstance(e, protocol.TokenDelta) for e in lockstep.events["r"])
+    assert sink.queued == deltas  # every delta went through the queue; the Finish is awaited
+    assert sink.in_flight_max == 1  # one at a time: two could reach Redis out of order
+    # delta 1 (token 2) was still unanswered when the writer had taken token 3 from the engine
+    # (in lock-step the engine stands at 2 then: test_lockstep_never_pulls_ahead)
+    assert sink.pulled_at[1] >= 3
+
+
+@pytest.mark.parametrize("sink_class", [ListSink, SoonSink])
+async def test_a_writer_behind_another_stops_at_the_position_it_holds(tok, sink_class):
+    """A redelivered decode racing a live one: the log already holds positions 0-2 of the other
+    writer; this one (which read delta 0 only) writes nothing, and closes its engine."""
+    ids = _ids(tok)
+    sink = sink_class()
+    other = [protocol.TokenDelta(seq=i, token_ids=(ids[i],), text=f"other{i}") for i in range(3)]
+    sink.events["r"] = list(other)
+    engine = _Engine(ids[1:])
+    await stream_completion(sink, _meta(max_tokens=len(ids)), engine.tokens(), tokenizer=tok,
+                            eos_token_ids=frozenset({EOS}), prompt_len=1, first_token=ids[0], skip_deltas=1,
+                            lookahead_tokens=0)
+    assert sink.events["r"] == other
+    assert engine.closed and engine.pulled < len(ids) - 1

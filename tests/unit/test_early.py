@@ -287,3 +287,52 @@ async def test_a_dropped_run_makes_no_guarded_append():
     assert sink.guards == [] and sink.written == []
     env.gate.set()
     await asyncio.gather(run.task, return_exceptions=True)
+
+
+class _QueuingSink(_Sink):
+    """A sink that can queue an append without waiting (Redis's ``append_delta_soon``)."""
+
+    def append_delta_soon(self, rid, delta, position):
+        fut = asyncio.get_running_loop().create_future()
+        self.written.append((delta, position))
+        fut.set_result(1)
+        return fut
+
+
+async def test_appends_are_queued_through_the_gate_only_once_the_run_may_write():
+    """A queued append is not awaited, so the gate offers it only when the run would write at
+    once: the claim its own and the record in Kafka. Before (and after a drop) the writer has to
+    await ``append_delta``, which waits or fails as above."""
+    env = _Env()
+    msg = _msg()
+    run = await _started(env, msg)
+    claim = asyncio.get_running_loop().create_future()
+    run.claim(claim)
+    sink = _QueuingSink()
+    gated = run.gated(sink)
+    assert gated.append_delta_soon("r1", "d0", 0) is None  # neither claim nor ack seen
+    env.early.offer(_acked(msg))
+    assert gated.append_delta_soon("r1", "d0", 0) is None  # acked, the claim still in flight
+    claim.set_result(CLAIMED)
+    fut = gated.append_delta_soon("r1", "d0", 0)
+    assert fut is not None and fut.result() == 1 and sink.written == [("d0", 0)]
+    run.drop()
+    assert gated.append_delta_soon("r1", "d1", 1) is None
+    assert sink.written == [("d0", 0)]
+    env.gate.set()
+    await asyncio.gather(run.task, return_exceptions=True)
+
+
+async def test_a_run_whose_claim_is_held_elsewhere_queues_nothing():
+    env = _Env()
+    msg = _msg()
+    run = await _started(env, msg)
+    claim = asyncio.get_running_loop().create_future()
+    run.claim(claim)
+    claim.set_result("held")  # not CLAIMED: another worker's
+    env.early.offer(_acked(msg))
+    await asyncio.sleep(0)
+    sink = _QueuingSink()
+    assert run.gated(sink).append_delta_soon("r1", "d0", 0) is None and sink.written == []
+    env.gate.set()
+    await asyncio.gather(run.task, return_exceptions=True)
