@@ -126,6 +126,13 @@ class StageLedger:
             await asyncio.sleep(self._lease_ms / 3000)
             await self.refresh(request_id, stage, attempt, owner)
 
+    def keeper(self, request_id: str, stage: str, attempt: int, owner: str) -> ClaimKeeper:
+        """:meth:`keep` for a claim just taken, started only once a third of a lease has passed:
+        most records are done long before, and a task made and cancelled per record and stage
+        was two event-loop steps more for each. ``await keeper.stop()`` when done."""
+        return ClaimKeeper(self._lease_ms / 3000, lambda: self.keep(request_id, stage, attempt, owner),
+                           lambda: self.refresh(request_id, stage, attempt, owner))
+
     async def finish(self, request_id: str, stage: str, attempt: int, owner: str) -> None:
         """``mark_done`` and ``release`` in one round trip."""
         await self._finish(keys=[self._done_key(request_id, stage, attempt), self._key(request_id, stage, attempt)],
@@ -147,6 +154,38 @@ class StageLedger:
     async def broker_ready(self) -> bytes | None:
         """The broker-ready token (see ``RedisKeys.broker_ready``); None when unset or flushed."""
         return await self._redis.get(self._keys.broker_ready())
+
+
+class ClaimKeeper:
+    """A claim refreshed every ``every_s`` from ``every_s`` on: a timer until then, the
+    refreshing task (``keep()``) after it; a first refresh (``refresh()``) as it starts."""
+
+    def __init__(self, every_s: float, keep: Callable[[], Awaitable[None]],
+                 refresh: Callable[[], Awaitable[bool]]) -> None:
+        self._keep, self._refresh = keep, refresh
+        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(every_s, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        self._task = asyncio.create_task(self._run(), name="claim-keeper")
+
+    async def _run(self) -> None:
+        await self._refresh()
+        await self._keep()
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 class EpochWatch:

@@ -135,18 +135,17 @@ class StageRunner:
             self._count("duplicate")
             return  # done already (or by the live worker that held the claim)
         claim_ms = (time.perf_counter() - t_claim) * 1000  # Redis round trips before the work
-        keeper = asyncio.create_task(ledger.keep(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id))
+        keeper = ledger.keeper(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
         finished = False
         try:
             await self._attempts(tp, rec, msg, meta, queue_ms, claim_ms, run)
             if run is not None:
                 await run.confirmed()  # never a done-mark without the claim (every effect waited for it)
-            keeper.cancel()
+            await keeper.stop()
             await ledger.finish(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
             finished = True
         finally:
-            keeper.cancel()
-            await asyncio.gather(keeper, return_exceptions=True)
+            await keeper.stop()
             if not finished and (run is None or await run.holds_claim()):
                 await ledger.release(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
 

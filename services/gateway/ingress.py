@@ -86,13 +86,13 @@ class Ingress:
             INGRESS_REQUESTS.labels("duplicate").inc()
             log.info("ingress: request_id %r already answered or being answered; skipped", request_id)
             return
-        refresher = asyncio.create_task(self._claims.keep(request_id, INGRESS_STAGE, _CLAIM, self._owner))
+        keeper = self._claims.keeper(request_id, INGRESS_STAGE, _CLAIM, self._owner)
         try:
             outcome = await self._serve(record.value or b"", headers, answer)
             await self._claims.mark_done(request_id, INGRESS_STAGE, _CLAIM)
             INGRESS_REQUESTS.labels(outcome).inc()
         finally:
-            refresher.cancel()
+            await keeper.stop()
             await self._claims.release(request_id, INGRESS_STAGE, _CLAIM, self._owner)
 
     async def _serve(self, body: bytes, headers: dict[str, str], answer: _Answer) -> str:
