@@ -153,6 +153,24 @@ async def test_lease_ttl_expiry_frees_owner_slot() -> None:
 
 
 @pytest.mark.asyncio
+async def test_an_idle_agent_polls_progress_at_the_idle_interval() -> None:
+    """With nothing in flight progress polls every ``IDLE_POLL_MS`` (100 ms): at 20 ms each
+    process of an idle fleet polled ~50 times a second. A put's lease wakes one poll, no more."""
+    xa = TransferAgent(uniq("idle"), 1 << 20)
+    polls = []
+    poll = xa._progress._poll
+    xa._progress._poll = lambda: (polls.append(time.monotonic()), poll())
+    async with xa:
+        await asyncio.sleep(1.0)
+        idle = len(polls)
+        ref = xa.put(torch.arange(64, dtype=torch.uint8))
+        await asyncio.sleep(0.5)
+        xa.free_local(ref.lease)
+    assert 1 <= idle <= 15, idle  # ~10 (timers run late on a busy machine: fewer, never more)
+    assert len(polls) - idle <= 9, len(polls) - idle
+
+
+@pytest.mark.asyncio
 async def test_stopped_then_sigkilled_owner_raises_owner_gone() -> None:
     async with owner_process([KIB4, KIB4]) as (owner, hello):
         async with TransferAgent(uniq("consumer"), 1 << 20, shared_pool=False) as xa:
