@@ -55,16 +55,13 @@ from shared.transfer.nixl_thread import make_agent
 from shared.transfer.paths import DevicePaths
 from shared.transfer.peers import Peers
 from shared.transfer.pool import SlotAllocator
-from shared.transfer.progress import Progress, release_ids, release_notifs
+from shared.transfer.progress import IDLE_POLL_MS, Progress, release_ids, release_notifs
 from shared.transfer.staging import read_word, slot_bytes, word_offset
 from shared.transfer.tensors import DTYPES, OwnerGoneError, PoolFullError, TransferError, as_bytes, check_ref
 
 __all__ = ["TransferAgent", "TransferError", "PoolFullError", "OwnerGoneError", "DTYPES"]
 
 log = logging.getLogger(__name__)
-
-# Progress's poll with nothing in flight: peers' releases (slots freed a little later), lease expiry.
-IDLE_POLL_MS = 100.0  # 20 cost each process ~50 polls a second, idle or under load (README, 2026-11-28)
 
 _COUNTERS = (
     "puts", "local_gets", "transfers", "bytes_pulled", "transfer_errors", "expired_leases",

@@ -13,6 +13,10 @@ from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
+# How often to poll with nothing in flight (an agent with NIXL's progress thread: peers' releases,
+# slots freed a little later, and lease expiry). 20 cost each process ~50 polls a second, idle or
+# under load (README, second session of 2026-11-28).
+IDLE_POLL_MS = 100.0
 REL_PREFIX = b"rel:"
 REL_CHUNK = 512  # lease ids per notification, keeps each message small
 
