@@ -120,18 +120,11 @@ class StageLedger:
                 return state
             await asyncio.sleep(poll_s)
 
-    async def keep(self, request_id: str, stage: str, attempt: int, owner: str) -> None:
-        """Refresh the claim every third of a lease until cancelled (run it as a task)."""
-        while True:
-            await asyncio.sleep(self._lease_ms / 3000)
-            await self.refresh(request_id, stage, attempt, owner)
-
     def keeper(self, request_id: str, stage: str, attempt: int, owner: str) -> ClaimKeeper:
-        """:meth:`keep` for a claim just taken, started only once a third of a lease has passed:
-        most records are done long before, and a task made and cancelled per record and stage
-        was two event-loop steps more for each. ``await keeper.stop()`` when done."""
-        return ClaimKeeper(self._lease_ms / 3000, lambda: self.keep(request_id, stage, attempt, owner),
-                           lambda: self.refresh(request_id, stage, attempt, owner))
+        """Refreshes a claim just taken every third of a lease until ``await keeper.stop()``; its
+        task starts only once the first third has passed: most records are done long before, and
+        a task made and cancelled per record and stage was two event-loop steps more for each."""
+        return ClaimKeeper(self._lease_ms / 3000, lambda: self.refresh(request_id, stage, attempt, owner))
 
     async def finish(self, request_id: str, stage: str, attempt: int, owner: str) -> None:
         """``mark_done`` and ``release`` in one round trip."""
@@ -157,12 +150,11 @@ class StageLedger:
 
 
 class ClaimKeeper:
-    """A claim refreshed every ``every_s`` from ``every_s`` on: a timer until then, the
-    refreshing task (``keep()``) after it; a first refresh (``refresh()``) as it starts."""
+    """A claim refreshed (``refresh()``) every ``every_s`` from ``every_s`` on: a timer until
+    then, the refreshing task after it."""
 
-    def __init__(self, every_s: float, keep: Callable[[], Awaitable[None]],
-                 refresh: Callable[[], Awaitable[bool]]) -> None:
-        self._keep, self._refresh = keep, refresh
+    def __init__(self, every_s: float, refresh: Callable[[], Awaitable[bool]]) -> None:
+        self._every_s, self._refresh = every_s, refresh
         self._task: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(every_s, self._start)
 
@@ -171,8 +163,9 @@ class ClaimKeeper:
         self._task = asyncio.create_task(self._run(), name="claim-keeper")
 
     async def _run(self) -> None:
-        await self._refresh()
-        await self._keep()
+        while True:
+            await self._refresh()
+            await asyncio.sleep(self._every_s)
 
     @property
     def started(self) -> bool:
