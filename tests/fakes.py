@@ -95,13 +95,19 @@ class QueuedAppends:
     position, 2 the log is gone. ``queued``: appends queued so far; ``in_flight_max``: the most
     of one request in flight at once."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.queued = 0
+        self.in_flight_max = 0
+        self._flying: dict[str, int] = {}
+        self._tasks: set[asyncio.Task] = set()
+
     def append_delta_soon(self, request_id: str, delta: protocol.TokenDelta, position: int) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self.queued = getattr(self, "queued", 0) + 1
-        flying = self.__dict__.setdefault("_flying", {})
-        flying[request_id] = flying.get(request_id, 0) + 1
-        self.in_flight_max = max(getattr(self, "in_flight_max", 0), flying[request_id])
+        self.queued += 1
+        self._flying[request_id] = self._flying.get(request_id, 0) + 1
+        self.in_flight_max = max(self.in_flight_max, self._flying[request_id])
 
         async def apply() -> None:
             await asyncio.sleep(0)
@@ -109,11 +115,11 @@ class QueuedAppends:
                 res = 1 if await self.append_delta(request_id, delta, position) else 0
             except LogLost:
                 res = 2
-            flying[request_id] -= 1
+            self._flying[request_id] -= 1
             fut.set_result(res)
 
         task = loop.create_task(apply())
-        self.__dict__.setdefault("_tasks", set()).add(task)
+        self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return fut
 
