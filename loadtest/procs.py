@@ -209,13 +209,14 @@ def broker(log_dir: Path, pids: list[int] | None = None):
 
 
 @contextmanager
-def redis_server(log_dir: Path, *, password: str | None = None, pids: list[int] | None = None):
-    """A throwaway ``redis-server`` on a free port (no persistence); yields its URL. With
-    ``password``, clients must authenticate (``--requirepass``; the URL does not carry it)."""
+def redis_server(log_dir: Path, *, password: str | None = None, pids: list[int] | None = None,
+                 port: int | None = None):
+    """A throwaway ``redis-server`` on a free port, or ``port`` (no persistence); yields its URL.
+    With ``password``, clients must authenticate (``--requirepass``; the URL does not carry it)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not on PATH (needed by fleet targets)")
-    port = free_port()
+    port = port or free_port()
     auth = ["--requirepass", password] if password else []
     proc = spawn([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no", *auth],
                  log_path=log_dir / "redis.log")

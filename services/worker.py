@@ -43,6 +43,7 @@ from shared.liveness import heartbeat
 from shared.metrics import MetricsServer
 from shared.models.registry import family_of, placeholder_token_id, resolve_model_path, served_modalities
 from shared.redis_conn import make_redis
+from shared.redis_lean import lean_of
 from shared.runner import StageRunner
 from shared.settings import Settings
 from shared.stage import Context, StageParts
@@ -131,6 +132,7 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         log.info("metrics on http://%s:%d/metrics", settings.metrics_host, metrics_server.port)
         redis = make_redis(settings)
         stack.push_async_callback(redis.aclose)
+        stack.push_async_callback(lean_of(redis).close)
         producer = make_producer(settings)
         await producer.start()
         stack.push_async_callback(producer.stop)
@@ -145,6 +147,7 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         metrics.watch_pool(transfer)
         streams = TokenStreams(redis, RedisKeys(settings.redis_prefix), maxlen=settings.stream_maxlen,
                                ttl_s=settings.stream_ttl_s)
+        stack.push_async_callback(streams.close)
         keys = RedisKeys(settings.redis_prefix)
         # KV-aware routing: every process may produce to mm.prefill (restarts included), so each routes
         router = Router(redis, keys, settings, placeholder_token_id(model_dir))

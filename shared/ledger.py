@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 
 from shared.keys import RedisKeys
+from shared.redis_lean import lean_of
 from shared.stage import WriteGuard
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class StageLedger:
         self._next_attempt = redis.register_script(_NEXT_ATTEMPT)
         self._enter = redis.register_script(_ENTER)
         self._finish = redis.register_script(_FINISH)
+        self._lean = lean_of(redis)  # enter and finish run per record and stage: the lean client's
 
     @property
     def lease_ms(self) -> int:
@@ -106,9 +108,10 @@ class StageLedger:
     async def enter(self, request_id: str, stage: str, attempt: int, owner: str, *, check_abort: bool = True) -> int:
         """One round trip: ``ABORTED`` (the client went away; only with ``check_abort``),
         ``DONE``, ``CLAIMED`` (now ours) or ``HELD`` (another worker's live claim)."""
-        return int(await self._enter(keys=[self._keys.abort(request_id), self._done_key(request_id, stage, attempt),
-                                           self._key(request_id, stage, attempt)],
-                                     args=[owner, self._lease_ms, "1" if check_abort else "0"]))
+        return int(await self._lean.evalsha(self._enter, [self._keys.abort(request_id),
+                                                          self._done_key(request_id, stage, attempt),
+                                                          self._key(request_id, stage, attempt)],
+                                            [owner, self._lease_ms, "1" if check_abort else "0"]))
 
     async def enter_waiting(self, request_id: str, stage: str, attempt: int, owner: str, *,
                             give_up_unix_ms: float, poll_s: float, check_abort: bool = True) -> int:
@@ -128,8 +131,8 @@ class StageLedger:
 
     async def finish(self, request_id: str, stage: str, attempt: int, owner: str) -> None:
         """``mark_done`` and ``release`` in one round trip."""
-        await self._finish(keys=[self._done_key(request_id, stage, attempt), self._key(request_id, stage, attempt)],
-                           args=[owner, self._done_ttl_s])
+        await self._lean.evalsha(self._finish, [self._done_key(request_id, stage, attempt),
+                                                self._key(request_id, stage, attempt)], [owner, self._done_ttl_s])
 
     async def mark_done(self, request_id: str, stage: str, attempt: int) -> None:
         await self._redis.set(self._done_key(request_id, stage, attempt), b"1", ex=self._done_ttl_s)

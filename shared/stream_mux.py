@@ -22,11 +22,12 @@ import logging
 
 import redis.asyncio as aioredis
 
+from shared.redis_lean import LeanRedis
+
 __all__ = ["StreamMux", "Subscription"]
 
 log = logging.getLogger(__name__)
 WAKE_DELAY_S = 0.002
-_CANCEL_GRACE_S = 0.05  # a reader not gone this long after its cancel is woken
 
 
 class Subscription:
@@ -43,6 +44,7 @@ class StreamMux:
     def __init__(self, redis: aioredis.Redis, wake_key: str, *, ttl_s: int, block_ms: int = 1000,
                  count: int = 256, wake_delay_s: float = WAKE_DELAY_S) -> None:
         self._redis = redis
+        self._reads = LeanRedis(redis)  # the blocking reads' own connection (wakes go through ``redis``)
         self._wake = wake_key.encode()
         self._ttl_s = ttl_s
         self._block_ms = block_ms
@@ -53,7 +55,6 @@ class StreamMux:
         self._wake_timer: asyncio.TimerHandle | None = None  # armed while a follower waits for the next read
         self._waking: set[asyncio.Task] = set()
         self.wakes = 0  # wakes sent (their round trips begun), for tests and stats
-        self._closing = False
 
     async def subscribe(self, key: str) -> Subscription:
         k = key.encode()
@@ -90,15 +91,12 @@ class StreamMux:
         """Stop the reader; followers still subscribed get no more entries. (A later subscribe
         starts a new reader.)"""
         self._disarm()
-        self._closing = True  # a cancel swallowed inside redis-py's read must not keep the loop going
         tasks = [t for t in [self._task, *self._waking] if t is not None]
-        reader, self._task = self._task, None
+        self._task = None
         for t in tasks:
-            t.cancel()
-        if reader is not None and not (await asyncio.wait({reader}, timeout=_CANCEL_GRACE_S))[0]:
-            await self._send_wake()  # the cancel was lost (Python 3.11's wait_for in redis-py): end the read
+            t.cancel()  # a read cancelled while it blocks drops its connection (LeanRedis)
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._closing = False
+        await self._reads.close()
 
     def _disarm(self) -> None:
         if self._wake_timer is not None:
@@ -107,13 +105,13 @@ class StreamMux:
 
     async def _read(self) -> None:
         try:
-            while self._subs and not self._closing:
+            while self._subs:
                 asked = dict(self._subs)  # a key followed again meanwhile is a new subscription
                 self._disarm()  # every follower so far is in this read
-                streams: dict[bytes, bytes | str] = {self._wake: "$"}
-                streams.update((k, s.after) for k, s in asked.items())
+                keys = [self._wake, *asked]
                 try:
-                    reply = await self._redis.xread(streams, block=self._block_ms, count=self._count)
+                    reply = await self._reads.call("XREAD", "COUNT", self._count, "BLOCK", self._block_ms, "STREAMS",
+                                                   *keys, "$", *(s.after for s in asked.values()), blocking=True)
                 except Exception as exc:  # noqa: BLE001 - every follower of this moment sees it
                     subs, self._subs = list(self._subs.values()), {}
                     for sub in subs:
@@ -125,7 +123,8 @@ class StreamMux:
                     if sub is None or sub is not asked.get(key) or not entries:  # the wake stream, a follower gone
                         continue
                     sub.after = entries[-1][0]
-                    sub.entries.extend(entries)
+                    # as redis-py gives an entry: (id, {field: value}); a token log's entries have one field
+                    sub.entries.extend((eid, dict(zip(fv[::2], fv[1::2]))) for eid, fv in entries)
                     sub.event.set()
         finally:
             if self._task is asyncio.current_task():

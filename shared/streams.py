@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import RedisKeys
+from shared.redis_lean import lean_of
 from shared.stage import LogLost, WriteGuard
 from shared.stream_mux import StreamMux
 
@@ -68,6 +69,7 @@ class TokenStreams:
         self._maxlen = maxlen
         self._ttl_s = ttl_s
         self._cas = redis.register_script(_APPEND_AT_SEQ)
+        self._appends = lean_of(redis)  # ~1 script call a decode step: the lean client's (shared.redis_lean)
         # appends waiting for the next script call: at most one per writer, each awaits its own;
         # keys (stream, counter, claim, acked) and args (position, delta, owner, partition)
         self._batch: list[tuple[tuple[str, str, str, str], tuple[int, bytes, str, int], asyncio.Future]] = []
@@ -127,7 +129,7 @@ class TokenStreams:
         keys = [k for ks, _, _ in batch for k in ks]
         args = [self._maxlen, self._ttl_s, *(v for _, each, _ in batch for v in each)]
         try:  # EVALSHA; a Redis that restarted or flushed its scripts gets the script loaded again
-            results = await self._cas(keys=keys, args=args)
+            results = await self._appends.evalsha(self._cas, keys, args)
         except BaseException as exc:  # noqa: BLE001 - every writer of the batch sees the failure
             for *_, fut in batch:
                 if not fut.done():

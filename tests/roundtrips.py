@@ -1,7 +1,10 @@
 """Counting a redis-py client's round trips in transport tests: each lone command is recorded by
-its name, each pipeline by its number of commands."""
+its name, each pipeline by its number of commands; so is each call of a ``LeanRedis`` opened on
+that client (shared.redis_lean)."""
 
 from __future__ import annotations
+
+from shared.redis_lean import LeanRedis
 
 
 def count_round_trips(monkeypatch, redis) -> list:
@@ -27,4 +30,12 @@ def count_round_trips(monkeypatch, redis) -> list:
 
     monkeypatch.setattr(redis, "pipeline", counted_pipeline)
     monkeypatch.setattr(redis, "execute_command", counted_command)
+    lean_call = LeanRedis.call
+
+    async def counted_lean(self, *a, **kw):
+        if self.client is redis:
+            sent.append(a[0])
+        return await lean_call(self, *a, **kw)
+
+    monkeypatch.setattr(LeanRedis, "call", counted_lean)
     return sent

@@ -44,6 +44,7 @@ from shared.kv.router import Router
 from shared.ledger import StageLedger
 from shared.models.registry import placeholder_token_id, resolve_model_path
 from shared.redis_conn import make_redis
+from shared.redis_lean import lean_of
 from shared.settings import Settings
 from shared.streams import TokenStreams
 from shared.transfer import TransferAgent
@@ -109,6 +110,7 @@ async def _lifecycle(app: web.Application):
         await streams.close()
         await transfer.stop()
         await producer.stop()
+        await lean_of(redis).close()
         await redis.aclose()
 
 

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import RedisKeys
+from shared.redis_lean import LeanRedis
 from shared.stage import LogLost, WriteGuard
 from shared.streams import TokenStreams
 from tests.roundtrips import count_round_trips
@@ -264,19 +265,20 @@ def _finish(n: int) -> protocol.Finish:
     return protocol.Finish(reason="length", usage=protocol.Usage(prompt_tokens=1, completion_tokens=n))
 
 
-async def test_followers_share_one_blocking_read(redis_url):
+async def test_followers_share_one_blocking_read(redis_url, monkeypatch):
     """Eight requests streaming at once: each follower gets its own events in order, and the
     process reads them with far fewer XREADs than one per follower per step."""
     redis = aioredis.from_url(redis_url)
     streams = TokenStreams(redis, RedisKeys("toklog"), maxlen=1000, ttl_s=60)
-    calls = []
-    real_xread = redis.xread
+    calls = []  # per XREAD: the streams it reads
+    real_call = LeanRedis.call
 
-    async def counting_xread(*a, **kw):
-        calls.append(len(a[0]))
-        return await real_xread(*a, **kw)
+    async def counting_call(self, *a, **kw):
+        if a[0] == "XREAD":
+            calls.append((len(a) - a.index("STREAMS") - 1) // 2)
+        return await real_call(self, *a, **kw)
 
-    redis.xread = counting_xread
+    monkeypatch.setattr(LeanRedis, "call", counting_call)
     n, steps = 8, 6
     try:
         deadline_s = asyncio.get_running_loop().time() + 20
@@ -297,7 +299,6 @@ async def test_followers_share_one_blocking_read(redis_url):
         assert max(calls) == n + 1  # every open stream and the wake stream in one read
         assert len(calls) < n * steps  # one XREAD per follower per step was n * steps
     finally:
-        redis.xread = real_xread
         await streams.close()
         await redis.aclose()
 
