@@ -9,8 +9,10 @@ Contract:
 - ``LeanRedis(client)`` talks to the server of a redis-py client with that client's connection
   settings (host and port or unix path, TLS context, username / password, db); it connects at
   its first call and again at the first call after a connection was lost.
-- ``await call(*args)``: the reply as hiredis gives it (bytes, ints, lists; None for nil). An
-  error reply raises what redis-py raises for it (``ResponseError``, ``NoScriptError``, ...).
+- ``await call(*args)``: the reply as hiredis gives it (RESP2: bytes, ints, lists; None for nil).
+  An error reply raises what redis-py raises for it (``ResponseError``, ``NoScriptError``, ...).
+  ``await pipeline(commands)``: their replies, in one write; the first error reply raises, once
+  every reply is in.
 - Calls are written at once and pipelined on the one connection: Redis runs them, and their
   replies resolve, in call order. At most ``max_in_flight`` calls are in flight; more wait.
 - A lost connection fails every call in flight with ``redis.exceptions.ConnectionError``. A
@@ -98,6 +100,21 @@ class LeanRedis:
                     proto.transport.close()
                 raise
 
+    async def pipeline(self, commands: list[tuple]) -> list:
+        async with self._room:
+            proto = self._proto
+            if proto is None or proto.lost is not None:
+                proto = await self._connect()
+            loop = asyncio.get_running_loop()
+            futs = [loop.create_future() for _ in commands]
+            proto.pending.extend(futs)
+            proto.transport.write(b"".join([hiredis.pack_command(c) for c in commands]))
+            replies = await asyncio.gather(*futs, return_exceptions=True)
+        for r in replies:
+            if isinstance(r, BaseException):
+                raise r
+        return replies
+
     async def evalsha(self, script, keys: list, args: list):
         """EVALSHA of a redis-py ``Script`` (``register_script``), loading it first if the server
         lacks it (a restarted or flushed Redis)."""
@@ -126,7 +143,7 @@ class LeanRedis:
         loop = asyncio.get_running_loop()
         model = self._model
         try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            async with asyncio.timeout(model.socket_connect_timeout or CONNECT_TIMEOUT_S):
                 if getattr(model, "path", None):
                     _, proto = await loop.create_unix_connection(_Protocol, model.path)
                 else:

@@ -37,5 +37,13 @@ def count_round_trips(monkeypatch, redis) -> list:
             sent.append(a[0])
         return await lean_call(self, *a, **kw)
 
+    lean_pipeline = LeanRedis.pipeline
+
+    async def counted_lean_pipeline(self, commands):
+        if self.client is redis:
+            sent.append(len(commands))
+        return await lean_pipeline(self, commands)
+
     monkeypatch.setattr(LeanRedis, "call", counted_lean)
+    monkeypatch.setattr(LeanRedis, "pipeline", counted_lean_pipeline)
     return sent

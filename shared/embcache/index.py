@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from shared import protocol
 from shared.keys import RedisKeys
+from shared.redis_lean import lean_of
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class EmbeddingIndex:
         self._del_if_gen = redis.register_script(_DEL_IF_GEN)
         self._del_if_owner = redis.register_script(_DEL_IF_OWNER)
         self._finish_encode = redis.register_script(_FINISH_ENCODE)
+        self._lean = lean_of(redis)  # the miss path's two round trips run for every image: the lean client's
         self._dec = protocol.decoder_for(protocol.EmbeddingIndexEntry)
 
     # ---------------------------------------------------------------- entries
@@ -113,10 +115,13 @@ class EmbeddingIndex:
         failing answers (None, True): encode now, uncoordinated, rather than wait for a lease
         nobody can see (releasing it later is a no-op)."""
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hget(self._keys.embedding_index(key), "v")
-                pipe.set(self._keys.embedding_lease(key), holder, nx=True, px=self.lease_ms)
-                raw, leased = await pipe.execute()
+            *_, done = await self._lean.pipeline([
+                ("MULTI",), ("HGET", self._keys.embedding_index(key), "v"),
+                ("SET", self._keys.embedding_lease(key), holder, "NX", "PX", self.lease_ms), ("EXEC",)])
+            raw, leased = done
+            for reply in done:  # a command that failed inside the transaction
+                if isinstance(reply, Exception):
+                    raise reply
         except _ERRORS as exc:
             log.warning("embedding index: lookup/lease of %s failed (%s); encoding uncoordinated", key, exc)
             return None, True
@@ -150,10 +155,11 @@ class EmbeddingIndex:
         if entry is None and holder is None and not encoded:
             return False
         try:
-            await self._finish_encode(
-                keys=[self._keys.embedding_index(key), self._keys.embedding_lease(key), self._keys.encoder_items()],
-                args=[b"" if entry is None else protocol.encode(entry), 0 if entry is None else entry.gen,
-                      self.ttl_s, holder or "", encoded])
+            await self._lean.evalsha(
+                self._finish_encode,
+                [self._keys.embedding_index(key), self._keys.embedding_lease(key), self._keys.encoder_items()],
+                [b"" if entry is None else protocol.encode(entry), 0 if entry is None else entry.gen,
+                 self.ttl_s, holder or "", encoded])
             return entry is not None
         except _ERRORS as exc:
             log.warning("embedding index: the writes after encoding %s failed (%s); the lease expires", key, exc)

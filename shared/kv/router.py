@@ -38,6 +38,7 @@ from prometheus_client import Counter
 from shared import protocol
 from shared.keys import TOPIC_PREFILL, RedisKeys
 from shared.kv.blocks import block_hashes
+from shared.redis_lean import lean_of
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class Router:
         if settings.routing_policy not in POLICIES:
             raise ValueError(f"routing_policy {settings.routing_policy!r}: choose one of {', '.join(POLICIES)}")
         self._redis = redis
+        self._lean = lean_of(redis)  # the table read runs for every record routed: the lean client's
         self._keys = keys
         self.topic = topic
         self.policy = settings.routing_policy
@@ -174,17 +176,16 @@ class Router:
         held = self.policy == "kv"  # the cached-block count only breaks kv's ties
         for _ in range(3):  # owners that change between two reads of them: a rebalance in progress
             ids = self._owner_ids
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.hgetall(self._keys.kv_owners(self.topic))
+            cmds: list[tuple] = [("HGETALL", self._keys.kv_owners(self.topic))]
             for wid in ids:
-                pipe.hgetall(self._keys.kv_load(wid))
+                cmds.append(("HGETALL", self._keys.kv_load(wid)))
                 if held:
-                    pipe.scard(self._keys.kv_blocks(wid))
+                    cmds.append(("SCARD", self._keys.kv_blocks(wid)))
                 if hashes:
-                    pipe.smismember(self._keys.kv_blocks(wid), [str(h) for h in hashes])
-            owners, *replies = await pipe.execute()
+                    cmds.append(("SMISMEMBER", self._keys.kv_blocks(wid), *hashes))
+            owners, *replies = await self._lean.pipeline(cmds)
             by_worker: dict[str, list[int]] = {}
-            for part, wid in owners.items():
+            for part, wid in zip(owners[::2], owners[1::2]):  # HGETALL: field, value, ...
                 by_worker.setdefault(wid.decode(), []).append(int(part))
             self._owner_ids = sorted(by_worker)
             if self._owner_ids == ids:
@@ -194,7 +195,7 @@ class Router:
         step = 1 + held + bool(hashes)
         out = []
         for i, wid in enumerate(ids):
-            load = replies[i * step]
+            load = dict(zip(replies[i * step][::2], replies[i * step][1::2]))
             if not load or wid not in by_worker:
                 continue  # not heard from within kv_report_ttl_ms: gone
             listed = {int(p) for p in load.get(b"partitions", b"").decode().split(",") if p}

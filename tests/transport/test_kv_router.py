@@ -17,6 +17,7 @@ from shared.kv.blocks import block_hashes
 from shared.kv.prefix_cache import CacheChanges
 from shared.kv.router import Router
 from shared.kv.table import COALESCE_S, LoadReporter, LoadTracker, TableWriter
+from shared.redis_lean import lean_of
 from shared.settings import Settings
 from tests.roundtrips import count_round_trips
 
@@ -354,9 +355,10 @@ async def test_a_read_ahead_that_failed_is_read_again(redis_url):
     await asyncio.sleep(0.3)
     live = aioredis.from_url(redis_url)
     try:
-        r._redis = live
+        r._redis, r._lean = live, lean_of(live)
         d = await r.decide(msg)
         assert (d.worker_id, d.reason) == (None, "no_table")  # read, found nothing: no error
     finally:
+        await lean_of(live).close()
         await live.aclose()
         await gone.aclose()
