@@ -100,7 +100,7 @@ class StageLedger:
         await self._release(keys=[self._key(request_id, stage, attempt)], args=[owner])
 
     async def is_aborted(self, request_id: str) -> bool:
-        return bool(await self._redis.exists(self._keys.abort(request_id)))
+        return bool(await self._lean.call("EXISTS", self._keys.abort(request_id)))  # a decode's, every few tokens
 
     async def abort(self, request_id: str, ttl_s: int) -> None:
         await self._redis.set(self._keys.abort(request_id), b"1", ex=ttl_s)

@@ -216,8 +216,9 @@ class TokenStreams:
         await self._mux.close()
 
     async def history(self, request_id: str) -> list[protocol.StreamEvent]:
-        entries = await self._redis.xrange(self._keys.token_stream(request_id))
-        return [protocol.decode_event(fields[_FIELD]) for _id, fields in entries]
+        entries = await self._appends.call("XRANGE", self._keys.token_stream(request_id), "-", "+")
+        # each entry: id, [field, value, ...]; a log's entries have the one field
+        return [protocol.decode_event(fields[fields.index(_FIELD) + 1]) for _id, fields in entries]
 
     async def delete(self, request_id: str) -> None:
         await self._redis.delete(self._keys.token_stream(request_id))

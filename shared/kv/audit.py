@@ -87,14 +87,14 @@ class RouteAudit:
         await self._writer.flush()
 
 
-def lag_ops(pipe, keys: RedisKeys, lags_ms: list[float]) -> None:
-    """Queue the lag samples of one table write on ``pipe`` (the table writer's pipeline)."""
+def lag_ops(keys: RedisKeys, lags_ms: list[float]) -> list[tuple]:
+    """The commands that record the lag samples of one table write (in the table writer's pipeline)."""
     if not lags_ms:
-        return
+        return []
     for lag in lags_ms:
         EVENT_LAG.observe(lag / 1000)
-    pipe.lpush(keys.kv_event_lags(), *(f"{lag:.1f}" for lag in lags_ms))
-    pipe.ltrim(keys.kv_event_lags(), 0, LAG_SAMPLES - 1)
+    return [("LPUSH", keys.kv_event_lags(), *(f"{lag:.1f}" for lag in lags_ms)),
+            ("LTRIM", keys.kv_event_lags(), 0, LAG_SAMPLES - 1)]
 
 
 async def read_notes(redis_url: str, prefix: str, request_ids: list[str]) -> dict[str, dict[str, str]]:

@@ -31,6 +31,7 @@ from shared.aio import wait_event
 from shared.keys import TOPIC_PREFILL, RedisKeys
 from shared.kv.audit import LAG_SAMPLES, MAX_PENDING, NOTE_TTL_S, lag_ops
 from shared.kv.prefix_cache import CacheChanges
+from shared.redis_lean import lean_of
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class LoadReporter(ConsumerRebalanceListener):
     def __init__(self, redis: aioredis.Redis, keys: RedisKeys, worker_id: str, load: LoadTracker,
                  settings: Settings, topic: str = TOPIC_PREFILL) -> None:
         self._redis = redis
+        self._lean = lean_of(redis)  # writes per prefill: the lean client's pipelines
         self._keys = keys
         self._worker = worker_id
         self._load = load
@@ -121,15 +123,16 @@ class LoadReporter(ConsumerRebalanceListener):
         alone needs none of them: they change on rebalances, which report in full)."""
         k = self._keys
         load = self._load.snapshot()
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hset(k.kv_load(self._worker), mapping={
-            "inflight": load[0], "queued_tokens": load[1], "partitions": ",".join(map(str, self._partitions))})
-        pipe.pexpire(k.kv_load(self._worker), self._ttl_ms)
+        cmds: list[tuple] = [
+            ("HSET", k.kv_load(self._worker), "inflight", load[0], "queued_tokens", load[1],
+             "partitions", ",".join(map(str, self._partitions))),
+            ("PEXPIRE", k.kv_load(self._worker), self._ttl_ms)]
         if full:
             if self._partitions:
-                pipe.hset(k.kv_owners(self._topic), mapping={str(p): self._worker for p in self._partitions})
-            pipe.pexpire(k.kv_blocks(self._worker), self._ttl_ms)
-        await pipe.execute()
+                owners = (x for p in self._partitions for x in (p, self._worker))  # partition -> worker
+                cmds.append(("HSET", k.kv_owners(self._topic), *owners))
+            cmds.append(("PEXPIRE", k.kv_blocks(self._worker), self._ttl_ms))
+        await self._lean.pipeline(cmds)
         self._reported = load
 
     async def run(self) -> None:
@@ -174,6 +177,7 @@ class TableWriter:
 
     def __init__(self, redis: aioredis.Redis, keys: RedisKeys, worker_id: str, settings: Settings) -> None:
         self._redis = redis
+        self._lean = lean_of(redis)  # writes per prefill: the lean client's pipelines
         self._keys = keys
         self._worker = worker_id
         self._ttl_ms = settings.kv_report_ttl_ms
@@ -248,22 +252,22 @@ class TableWriter:
         rewrite, stored, removed = self._rewrite, self._stored, self._removed
         notes, changed_ms = self._notes, self._changed_ms
         self._rewrite, self._stored, self._removed, self._notes, self._changed_ms = False, set(), set(), [], []
-        pipe = self._redis.pipeline(transaction=False)
+        cmds: list[tuple] = []
         if rewrite:
-            pipe.delete(key)
+            cmds.append(("DEL", key))
             stored, removed = self._held, set()
         if stored:
-            pipe.sadd(key, *map(str, stored))
+            cmds.append(("SADD", key, *stored))
         if removed:
-            pipe.srem(key, *map(str, removed))
+            cmds.append(("SREM", key, *removed))
         if rewrite or stored or removed:
-            pipe.pexpire(key, self._ttl_ms)
+            cmds.append(("PEXPIRE", key, self._ttl_ms))
         for note_key, fields in notes:
-            pipe.set(note_key, orjson.dumps(fields), ex=NOTE_TTL_S)
+            cmds.append(("SET", note_key, orjson.dumps(fields), "EX", NOTE_TTL_S))
         now_ms = time.time() * 1000
-        lag_ops(pipe, self._keys, [max(0.0, now_ms - t) for t in changed_ms])
+        cmds += lag_ops(self._keys, [max(0.0, now_ms - t) for t in changed_ms])
         try:
-            await pipe.execute()
+            await self._lean.pipeline(cmds)
         except (aioredis.RedisError, OSError) as exc:
             # the set may now miss changes: the next write replaces it whole (notes are advisory)
             self._failures += 1
