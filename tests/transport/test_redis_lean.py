@@ -20,52 +20,47 @@ from tests import procs
 PASSWORD = "lean-Pa55-0412"
 
 
-async def test_pipelined_calls_resolve_in_order_with_redis_py_errors(redis_url):
+@pytest.fixture
+async def pair(redis_url):
+    """A redis-py client and a LeanRedis on it, both closed after the test."""
     client = aioredis.from_url(redis_url)
     lean = LeanRedis(client)
+    yield client, lean
+    await lean.close()
+    await client.aclose()
+
+
+async def test_pipelined_calls_resolve_in_order_with_redis_py_errors(pair):
+    _, lean = pair
     k = uuid.uuid4().hex
-    try:
-        got = await asyncio.gather(*(lean.call("INCR", k) for _ in range(50)), lean.call("GET", f"{k}:none"),
-                                   lean.call("SET", f"{k}:s", b"\x00bytes"), lean.call("GET", f"{k}:s"))
-        assert got == [*range(1, 51), None, b"OK", b"\x00bytes"]
-        with pytest.raises(ResponseError, match="wrong kind|WRONGTYPE"):
-            await lean.call("LPUSH", f"{k}:s", 1)
-        assert await lean.call("GET", k) == b"50"  # the error took its own reply only
-    finally:
-        await lean.close()
-        await client.aclose()
+    got = await asyncio.gather(*(lean.call("INCR", k) for _ in range(50)), lean.call("GET", f"{k}:none"),
+                               lean.call("SET", f"{k}:s", b"\x00bytes"), lean.call("GET", f"{k}:s"))
+    assert got == [*range(1, 51), None, b"OK", b"\x00bytes"]
+    with pytest.raises(ResponseError, match="wrong kind|WRONGTYPE"):
+        await lean.call("LPUSH", f"{k}:s", 1)
+    assert await lean.call("GET", k) == b"50"  # the error took its own reply only
 
 
-async def test_evalsha_loads_a_script_the_server_lost(redis_url):
-    client = aioredis.from_url(redis_url)
-    lean = LeanRedis(client)
+async def test_evalsha_loads_a_script_the_server_lost(pair):
+    client, lean = pair
     script = client.register_script("return {KEYS[1], ARGV[1]}")
-    try:
-        await client.script_flush()
-        with pytest.raises(NoScriptError):
-            await lean.call("EVALSHA", script.sha, 1, "a", "b")
-        assert await lean.evalsha(script, ["a"], [7]) == [b"a", b"7"]
-        assert await lean.evalsha(script, ["c"], ["d"]) == [b"c", b"d"]
-    finally:
-        await lean.close()
-        await client.aclose()
+    await client.script_flush()
+    with pytest.raises(NoScriptError):
+        await lean.call("EVALSHA", script.sha, 1, "a", "b")
+    assert await lean.evalsha(script, ["a"], [7]) == [b"a", b"7"]
+    assert await lean.evalsha(script, ["c"], ["d"]) == [b"c", b"d"]
 
 
-async def test_a_cancelled_blocking_read_does_not_hold_back_the_next_call(redis_url):
-    client = aioredis.from_url(redis_url)
-    lean = LeanRedis(client)
+async def test_a_cancelled_blocking_read_does_not_hold_back_the_next_call(pair):
+    _, lean = pair
     k = uuid.uuid4().hex
-    try:
-        read = asyncio.create_task(lean.call("XREAD", "BLOCK", 30_000, "STREAMS", k, "$", blocking=True))
-        await asyncio.sleep(0.1)  # it blocks in Redis now
-        read.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await read
-        async with asyncio.timeout(5):  # behind the blocked read it would wait 30 s
-            assert await lean.call("PING") == b"PONG"
-    finally:
-        await lean.close()
-        await client.aclose()
+    read = asyncio.create_task(lean.call("XREAD", "BLOCK", 30_000, "STREAMS", k, "$", blocking=True))
+    await asyncio.sleep(0.1)  # it blocks in Redis now
+    read.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await read
+    async with asyncio.timeout(5):  # behind the blocked read it would wait 30 s
+        assert await lean.call("PING") == b"PONG"
 
 
 async def test_a_restarted_server_fails_the_calls_in_flight_then_reconnects(tmp_path):
