@@ -88,7 +88,7 @@ class LeanRedis:
     async def call(self, *args, blocking: bool = False):
         async with self._room:
             proto = self._proto
-            if proto is None or proto.lost is not None:
+            if proto is None or proto.lost is not None or proto.transport.is_closing():
                 proto = await self._connect()
             fut = asyncio.get_running_loop().create_future()
             proto.pending.append(fut)
@@ -103,7 +103,7 @@ class LeanRedis:
     async def pipeline(self, commands: list[tuple]) -> list:
         async with self._room:
             proto = self._proto
-            if proto is None or proto.lost is not None:
+            if proto is None or proto.lost is not None or proto.transport.is_closing():
                 proto = await self._connect()
             loop = asyncio.get_running_loop()
             futs = [loop.create_future() for _ in commands]
