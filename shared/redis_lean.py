@@ -1,7 +1,8 @@
-"""A lean pipelined Redis connection for the per-token hot paths (token-log appends, the token
-streams' shared XREAD): hiredis packs each command and parses each reply, nothing else runs per
-call. redis-py costs ~75 µs of client CPU a call here against ~30 for this (README, "Fleet
-overhead"); those two paths make ~20 of a request's ~35 round trips.
+"""A lean pipelined Redis connection for a process's per-request calls (token-log appends and
+reads, the token streams' shared XREAD, stage claims, the routing table, the embedding index):
+hiredis packs each command and parses each reply, nothing else runs per call. redis-py costs
+~75 µs of client CPU a call here against ~30 for this (README, "Fleet overhead"); these calls are
+~30 of a request's ~35 round trips.
 
 Contract:
 - ``lean_of(client)``: the one shared ``LeanRedis`` of a redis-py client (its owner closes it
@@ -15,8 +16,10 @@ Contract:
   every reply is in.
 - Calls are written at once and pipelined on the one connection: Redis runs them, and their
   replies resolve, in call order. At most ``max_in_flight`` calls are in flight; more wait.
-- A lost connection fails every call in flight with ``redis.exceptions.ConnectionError``. A
-  caller cancelled while its call blocks (``blocking=True``, e.g. XREAD BLOCK) drops the
+- A lost connection fails every call in flight with ``redis.exceptions.ConnectionError``. A reply
+  later than the client's ``socket_timeout`` (plus ``blocking_s`` for a call that blocks in Redis,
+  e.g. XREAD BLOCK) drops the connection and fails its calls with ``TimeoutError`` (redis-py's),
+  as redis-py's own read timeout would. A caller cancelled while its call blocks drops the
   connection, so that later calls do not queue behind that reply; any other cancelled call's
   reply is read and discarded.
 """
@@ -32,6 +35,7 @@ from redis._parsers.base import BaseParser
 from redis.credentials import UsernamePasswordCredentialProvider
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["LeanRedis", "lean_of"]
 
@@ -40,21 +44,48 @@ MAX_IN_FLIGHT = 256  # a process sends one script call per loop turn and one rea
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float | None) -> None:
         self.transport: asyncio.Transport | None = None
         self.reader = hiredis.Reader(protocolError=InvalidResponse, replyError=BaseParser.parse_error)
         self.pending: collections.deque[asyncio.Future] = collections.deque()
+        self.deadlines: collections.deque[float] = collections.deque()  # loop.time() each reply is due by
         self.lost: BaseException | None = None
+        self._timeout_s = timeout_s
+        self._watch: asyncio.TimerHandle | None = None  # armed at the oldest call's deadline
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
+    def send(self, packed: bytes, futs: list[asyncio.Future], blocking_s: float | None) -> None:
+        self.pending.extend(futs)
+        if self._timeout_s is not None:
+            loop = asyncio.get_running_loop()
+            due = loop.time() + self._timeout_s + (blocking_s or 0.0)
+            self.deadlines.extend([due] * len(futs))
+            if self._watch is None:
+                self._watch = loop.call_at(self.deadlines[0], self._check)
+        self.transport.write(packed)
+
+    def _check(self) -> None:
+        """One timer a connection, not one a call: fired at the oldest call's deadline."""
+        self._watch = None
+        if not self.deadlines or self.lost is not None:
+            return
+        loop = asyncio.get_running_loop()
+        if self.deadlines[0] <= loop.time():
+            self.transport.close()
+            self.connection_lost(RedisTimeoutError(f"no reply from Redis within {self._timeout_s} s"))
+        else:
+            self._watch = loop.call_at(self.deadlines[0], self._check)
+
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
-        pending = self.pending
+        pending, deadlines = self.pending, self.deadlines
         try:
             while (reply := self.reader.gets()) is not False:
                 fut = pending.popleft()
+                if deadlines:
+                    deadlines.popleft()
                 if fut.done():  # its caller was cancelled
                     continue
                 if isinstance(reply, Exception):
@@ -68,7 +99,14 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.lost is not None:
             return
-        self.lost = RedisConnectionError(f"Redis connection lost: {exc!r}" if exc else "Redis connection closed")
+        if isinstance(exc, RedisTimeoutError):
+            self.lost = exc
+        else:
+            self.lost = RedisConnectionError(f"Redis connection lost: {exc!r}" if exc else "Redis connection closed")
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        self.deadlines.clear()
         while self.pending:
             fut = self.pending.popleft()
             if not fut.done():
@@ -85,35 +123,36 @@ class LeanRedis:
         self._connecting: asyncio.Future | None = None
         self._room = asyncio.Semaphore(max_in_flight)
 
-    async def call(self, *args, blocking: bool = False):
+    async def call(self, *args, blocking_s: float | None = None):
+        """One command; ``blocking_s``: it may block in Redis that long (XREAD BLOCK, BLPOP)."""
         async with self._room:
-            proto = self._proto
-            if proto is None or proto.lost is not None or proto.transport.is_closing():
-                proto = await self._connect()
+            proto = await self._ready()
             fut = asyncio.get_running_loop().create_future()
-            proto.pending.append(fut)
-            proto.transport.write(hiredis.pack_command(args))
+            proto.send(hiredis.pack_command(args), [fut], blocking_s)
             try:
                 return await fut
             except asyncio.CancelledError:
-                if blocking and proto.lost is None:  # its reply could hold every later call back
+                if blocking_s is not None and proto.lost is None:  # its reply could hold every later call back
                     proto.transport.close()
                 raise
 
     async def pipeline(self, commands: list[tuple]) -> list:
         async with self._room:
-            proto = self._proto
-            if proto is None or proto.lost is not None or proto.transport.is_closing():
-                proto = await self._connect()
+            proto = await self._ready()
             loop = asyncio.get_running_loop()
             futs = [loop.create_future() for _ in commands]
-            proto.pending.extend(futs)
-            proto.transport.write(b"".join([hiredis.pack_command(c) for c in commands]))
+            proto.send(b"".join([hiredis.pack_command(c) for c in commands]), futs, None)
             replies = await asyncio.gather(*futs, return_exceptions=True)
         for r in replies:
             if isinstance(r, BaseException):
                 raise r
         return replies
+
+    async def _ready(self) -> _Protocol:
+        proto = self._proto
+        if proto is None or proto.lost is not None or proto.transport.is_closing():
+            proto = await self._connect()
+        return proto
 
     async def evalsha(self, script, keys: list, args: list):
         """EVALSHA of a redis-py ``Script`` (``register_script``), loading it first if the server
@@ -123,6 +162,9 @@ class LeanRedis:
         except NoScriptError:
             await self.call("SCRIPT", "LOAD", script.script)
             return await self.call("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    def _new_protocol(self) -> _Protocol:
+        return _Protocol(self._model.socket_timeout)
 
     async def close(self) -> None:
         proto, self._proto = self._proto, None
@@ -145,9 +187,9 @@ class LeanRedis:
         try:
             async with asyncio.timeout(model.socket_connect_timeout or CONNECT_TIMEOUT_S):
                 if getattr(model, "path", None):
-                    _, proto = await loop.create_unix_connection(_Protocol, model.path)
+                    _, proto = await loop.create_unix_connection(self._new_protocol, model.path)
                 else:
-                    _, proto = await loop.create_connection(_Protocol, **model._connection_arguments())
+                    _, proto = await loop.create_connection(self._new_protocol, **model._connection_arguments())
         except (OSError, TimeoutError) as exc:
             raise RedisConnectionError(f"cannot connect to Redis: {exc!r}") from exc
         hello = []
@@ -158,12 +200,9 @@ class LeanRedis:
             hello.append(("AUTH", *provider.get_credentials()))
         if int(model.db or 0):
             hello.append(("SELECT", int(model.db)))
-        futs = []
-        for cmd in hello:
-            fut = loop.create_future()
-            proto.pending.append(fut)
-            proto.transport.write(hiredis.pack_command(cmd))
-            futs.append(fut)
+        futs = [loop.create_future() for _ in hello]
+        if hello:
+            proto.send(b"".join([hiredis.pack_command(c) for c in hello]), futs, None)
         try:
             for fut in futs:
                 await fut

@@ -111,7 +111,8 @@ class StreamMux:
                 keys = [self._wake, *asked]
                 try:
                     reply = await self._reads.call("XREAD", "COUNT", self._count, "BLOCK", self._block_ms, "STREAMS",
-                                                   *keys, "$", *(s.after for s in asked.values()), blocking=True)
+                                                   *keys, "$", *(s.after for s in asked.values()),
+                                                   blocking_s=self._block_ms / 1000)
                 except Exception as exc:  # noqa: BLE001 - every follower of this moment sees it
                     subs, self._subs = list(self._subs.values()), {}
                     for sub in subs:

@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import settings as settings_mod
 from shared.redis_conn import make_redis
@@ -54,13 +55,40 @@ async def test_evalsha_loads_a_script_the_server_lost(pair):
 async def test_a_cancelled_blocking_read_does_not_hold_back_the_next_call(pair):
     _, lean = pair
     k = uuid.uuid4().hex
-    read = asyncio.create_task(lean.call("XREAD", "BLOCK", 30_000, "STREAMS", k, "$", blocking=True))
+    read = asyncio.create_task(lean.call("XREAD", "BLOCK", 30_000, "STREAMS", k, "$", blocking_s=30))
     await asyncio.sleep(0.1)  # it blocks in Redis now
     read.cancel()
     with pytest.raises(asyncio.CancelledError):
         await read
     async with asyncio.timeout(5):  # behind the blocked read it would wait 30 s
         assert await lean.call("PING") == b"PONG"
+
+
+async def test_a_silent_server_times_out_as_redis_py_would_and_a_blocking_call_gets_its_block(redis_url):
+    """The client's socket_timeout bounds each reply (a hung Redis fails the call, the connection
+    goes); a call that blocks in Redis gets its block time on top."""
+    async def silent(reader, writer):
+        await reader.read(1 << 16)  # takes the command, never answers
+        await asyncio.sleep(30)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    hung = aioredis.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout=0.3)
+    live = aioredis.from_url(redis_url, socket_timeout=0.2)
+    lean_hung, lean_live = LeanRedis(hung), LeanRedis(live)
+    try:
+        async with asyncio.timeout(5):
+            with pytest.raises(RedisTimeoutError):
+                await lean_hung.call("PING")
+            assert await lean_live.call("XREAD", "BLOCK", 500, "STREAMS", uuid.uuid4().hex, "$",
+                                        blocking_s=0.5) is None  # 0.5 s > its 0.2 s socket_timeout
+            assert await lean_live.call("PING") == b"PONG"
+    finally:
+        for c in (lean_hung, lean_live):
+            await c.close()
+        server.close()
+        await hung.aclose()
+        await live.aclose()
 
 
 async def test_a_restarted_server_fails_the_calls_in_flight_then_reconnects(tmp_path):
@@ -71,7 +99,7 @@ async def test_a_restarted_server_fails_the_calls_in_flight_then_reconnects(tmp_
         client = aioredis.from_url(url)
         lean = LeanRedis(client)
         assert await lean.call("PING") == b"PONG"
-        blocked = asyncio.create_task(lean.call("BLPOP", "nothing", 30))
+        blocked = asyncio.create_task(lean.call("BLPOP", "nothing", 30, blocking_s=30))
         await asyncio.sleep(0.1)
     with pytest.raises(RedisConnectionError):
         await asyncio.wait_for(blocked, 10)
