@@ -217,8 +217,8 @@ class TokenStreams:
 
     async def history(self, request_id: str) -> list[protocol.StreamEvent]:
         entries = await self._appends.call("XRANGE", self._keys.token_stream(request_id), "-", "+")
-        # each entry: id, [field, value, ...]; a log's entries have the one field
-        return [protocol.decode_event(fields[fields.index(_FIELD) + 1]) for _id, fields in entries]
+        # each entry: id, [field, value, ...] (RESP2)
+        return [protocol.decode_event(dict(zip(fields[::2], fields[1::2]))[_FIELD]) for _id, fields in entries]
 
     async def delete(self, request_id: str) -> None:
         await self._redis.delete(self._keys.token_stream(request_id))
