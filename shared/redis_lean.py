@@ -37,7 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["LeanRedis", "lean_of"]
+__all__ = ["LeanRedis", "as_dict", "lean_of"]
 
 CONNECT_TIMEOUT_S = 10.0
 MAX_IN_FLIGHT = 256  # a process sends one script call per loop turn and one read per mux: far below
@@ -220,3 +220,8 @@ def lean_of(client: aioredis.Redis) -> LeanRedis:
     if lean is None:
         lean = client._mmfleet_lean = LeanRedis(client)
     return lean
+
+
+def as_dict(flat: list) -> dict:
+    """A RESP2 field/value array (HGETALL, a stream entry's fields) as redis-py's RESP3 dict."""
+    return dict(zip(flat[::2], flat[1::2]))

@@ -22,7 +22,7 @@ import logging
 
 import redis.asyncio as aioredis
 
-from shared.redis_lean import LeanRedis
+from shared.redis_lean import LeanRedis, as_dict
 
 __all__ = ["StreamMux", "Subscription"]
 
@@ -125,7 +125,7 @@ class StreamMux:
                         continue
                     sub.after = entries[-1][0]
                     # as redis-py gives an entry: (id, {field: value}); a token log's entries have one field
-                    sub.entries.extend((eid, dict(zip(fv[::2], fv[1::2]))) for eid, fv in entries)
+                    sub.entries.extend((eid, as_dict(fv)) for eid, fv in entries)
                     sub.event.set()
         finally:
             if self._task is asyncio.current_task():

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import RedisKeys
-from shared.redis_lean import lean_of
+from shared.redis_lean import as_dict, lean_of
 from shared.stage import LogLost, WriteGuard
 from shared.stream_mux import StreamMux
 
@@ -217,8 +217,7 @@ class TokenStreams:
 
     async def history(self, request_id: str) -> list[protocol.StreamEvent]:
         entries = await self._appends.call("XRANGE", self._keys.token_stream(request_id), "-", "+")
-        # each entry: id, [field, value, ...] (RESP2)
-        return [protocol.decode_event(dict(zip(fields[::2], fields[1::2]))[_FIELD]) for _id, fields in entries]
+        return [protocol.decode_event(as_dict(fields)[_FIELD]) for _id, fields in entries]
 
     async def delete(self, request_id: str) -> None:
         await self._redis.delete(self._keys.token_stream(request_id))

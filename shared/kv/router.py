@@ -38,7 +38,7 @@ from prometheus_client import Counter
 from shared import protocol
 from shared.keys import TOPIC_PREFILL, RedisKeys
 from shared.kv.blocks import block_hashes
-from shared.redis_lean import lean_of
+from shared.redis_lean import as_dict, lean_of
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class Router:
                     cmds.append(("SMISMEMBER", self._keys.kv_blocks(wid), *hashes))
             owners, *replies = await self._lean.pipeline(cmds)
             by_worker: dict[str, list[int]] = {}
-            for part, wid in zip(owners[::2], owners[1::2]):  # HGETALL: field, value, ...
+            for part, wid in as_dict(owners).items():
                 by_worker.setdefault(wid.decode(), []).append(int(part))
             self._owner_ids = sorted(by_worker)
             if self._owner_ids == ids:
@@ -196,7 +196,7 @@ class Router:
         step = 1 + held + bool(hashes)
         out = []
         for i, wid in enumerate(ids):
-            load = dict(zip(replies[i * step][::2], replies[i * step][1::2]))
+            load = as_dict(replies[i * step])
             if not load or wid not in by_worker:
                 continue  # not heard from within kv_report_ttl_ms: gone
             listed = {int(p) for p in load.get(b"partitions", b"").decode().split(",") if p}
