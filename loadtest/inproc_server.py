@@ -36,7 +36,7 @@ from services.gateway import schema
 from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.responses import Shaper, error_response, event_error_response, sse_response, whole_response
 from services.worker import make_engine
-from shared import protocol
+from shared import aio, protocol
 from shared.settings import Settings
 from shared.stage import RequestFailed
 
@@ -260,5 +260,7 @@ def serve_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
     torch.set_num_threads(settings.torch_threads)
-    web.run_app(create_app(settings), host=args.host, port=args.port, access_log=None, print=None)
+    factory = aio.loop_factory(settings.event_loop)  # the fleet's loop: the same engine, like for like
+    web.run_app(create_app(settings), host=args.host, port=args.port, access_log=None, print=None,
+                loop=factory() if factory else None)
     return 0

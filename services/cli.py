@@ -24,7 +24,7 @@ import functools
 import sys
 from pathlib import Path
 
-from shared import logs, settings_doc
+from shared import aio, logs, settings_doc
 from shared import settings as settings_mod
 
 _FLAGS = ("kafka_bootstrap", "redis_url", "model", "model_path", "revision", "log_level", "log_format",
@@ -187,16 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from services.supervisor import run_up
 
-        return asyncio.run(run_up(settings, mode=args.mode, log_dir=args.log_dir, ready_file=args.ready_file,
-                                  autoscale=args.autoscale))
+        return aio.run(run_up(settings, mode=args.mode, log_dir=args.log_dir, ready_file=args.ready_file,
+                              autoscale=args.autoscale), settings.event_loop)
     if args.command == "worker":
         from services.worker import run_worker
 
-        return asyncio.run(run_worker(settings, [s.strip() for s in args.stages.split(",") if s.strip()]))
+        return aio.run(run_worker(settings, [s.strip() for s in args.stages.split(",") if s.strip()]),
+                       settings.event_loop)
     if args.command == "gateway":
         from services.gateway.main import run_gateway
 
-        return asyncio.run(run_gateway(settings))
+        return aio.run(run_gateway(settings), settings.event_loop)
     if args.command == "topics":
         from services.stages import fleet_topics
         from shared.bus import ensure_topics

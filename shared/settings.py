@@ -33,6 +33,7 @@ _ALIASES = {"KAFKA_BOOTSTRAP": "kafka_bootstrap", "REDIS_URL": "redis_url"}
 _OLD_NAMES = {"model_path": "model"}  # old setting name -> its name now (the new name wins when both are set)
 _MiB = 1024 * 1024
 VLLM_KV_BUFFER_DEVICES = ("auto", "cuda", "cpu")  # vllm_kv_buffer_device (shared.engines.vllm_pd)
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # event_loop (shared.aio.loop_factory)
 
 
 def _default_cache_dir() -> str:
@@ -163,6 +164,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         "auto (the worker's device) | cuda (NIXL reads GPU memory: fast only where UCX has a GPU transport, see "
         "`mmfleet doctor`) | cpu (vLLM stages the blocks through host memory)")] = "auto"
     torch_threads: Annotated[int, _d("torch intra-op threads per worker")] = 1
+    event_loop: Annotated[str, _d(
+        "the event loop of the gateway, the workers and `mmfleet up`: uvloop | asyncio (the standard "
+        "library's) | auto (uvloop where it is installed)")] = "auto"
     compute_inline_max_ms: Annotated[float, _d(
         "CPU compute (media decode, encoder, prefill, decode steps) runs on the worker's event loop instead "
         "of its compute thread when that thread is idle and jobs of the same kind and size have lately "
@@ -339,6 +343,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"log_format must be text or json, not {self.log_format!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}; got {self.event_loop!r}")
         if self.vllm_kv_buffer_device not in VLLM_KV_BUFFER_DEVICES:
             raise ValueError(f"vllm_kv_buffer_device must be one of {', '.join(VLLM_KV_BUFFER_DEVICES)}; "
                              f"got {self.vllm_kv_buffer_device!r}")

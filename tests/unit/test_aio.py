@@ -1,14 +1,20 @@
 """shared.aio.wait_event: set / timeout answers, and a cancel arriving in the same loop turn as
 the wake-up is never lost (Python 3.11's wait_for loses it: a cancelled loop would run on).
-shared.aio.gather: asyncio.gather's answers, a lone awaitable run in place (ahead of what is ready)."""
+shared.aio.gather: asyncio.gather's answers, a lone awaitable run in place (ahead of what is ready).
+shared.aio.run / loop_factory: the loop the event_loop setting names; uvloop asked for and missing
+is an error, auto falls back to asyncio's."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
+import uvloop
 
+from shared import aio
 from shared.aio import gather, wait_event
+from shared.settings import Settings
 
 
 async def test_set_timeout_and_already_set():
@@ -75,3 +81,32 @@ async def test_gather_lets_a_cancel_of_its_caller_through():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def _loop_type() -> type:
+    await asyncio.sleep(0)
+    return type(asyncio.get_running_loop())
+
+
+@pytest.mark.parametrize("name", ["uvloop", "auto"])
+def test_run_on_uvloop(name):
+    assert aio.run(_loop_type(), name) is uvloop.Loop
+
+
+def test_run_on_asyncios_loop_and_the_default():
+    loop_type = aio.run(_loop_type(), "asyncio")
+    assert loop_type is not uvloop.Loop and issubclass(loop_type, asyncio.BaseEventLoop)
+    assert Settings().event_loop == "auto"
+
+
+def test_uvloop_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop raises ImportError
+    with pytest.raises(RuntimeError, match="uvloop is not installed"):
+        aio.loop_factory("uvloop")
+    assert aio.loop_factory("auto") is None
+    assert aio.run(_loop_type(), "auto") is not uvloop.Loop
+
+
+def test_an_unknown_loop_is_refused():
+    with pytest.raises(ValueError, match="event_loop must be one of"):
+        Settings(event_loop="trio")
