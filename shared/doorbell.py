@@ -41,6 +41,7 @@ import asyncio
 import logging
 import time
 
+from aiokafka import TopicPartition
 from redis.exceptions import ResponseError
 
 from shared import protocol
@@ -59,6 +60,10 @@ _FIRST_REPLY_CHECK_S = 0.05  # the first check: after a new connection's replies
 # (~1 ms on tansu), and a ring reaches the consumer ~0.5 ms after it is sent. Short, because
 # every worker of the stage hears the ring and only one of them gets the record.
 EXPECT_MS = 3.0
+# An empty fetch answered with a highwater past the consumer's position (the broker has records it
+# did not send: tansu answers a 1 ms-wait fetch so when its read misses that wait, seen on a slowed
+# machine) is repeated at once, at most this many times in a row, instead of sleeping till a ring
+_BEHIND_REPEATS = 3
 # How long the key saying a carried record was acked lives: past any early run's wait for its
 # record (early_start_confirm_ms, 5 s by default), which is all that reads it
 ACKED_TTL_MS = 60_000
@@ -73,6 +78,7 @@ class _Bell:
         self.expect_s = expect_s
         self.expect_until = 0.0  # time.monotonic(): till then an empty fetch is repeated at once
         self.on_carried = None  # callback(bytes) for a ring's carried record (shared.early)
+        self.behind_repeats = 0  # empty fetches repeated in a row because the broker had more (_BEHIND_REPEATS)
 
     def ring(self) -> None:
         self.rings += 1
@@ -193,6 +199,23 @@ class _RingWire:
         await self._drop()
 
 
+def _behind(assignment, request) -> bool:
+    """Whether the answer to ``request`` (aiokafka's FetchRequest) left a fetched partition's
+    highwater past the consumer's position: records the broker has and did not send."""
+    if assignment is None or request is None:  # a fetch with nothing to judge by (tests drive it so)
+        return False
+    for topic, partitions in request.topics:
+        for partition, *_ in partitions:
+            try:
+                state = assignment.state_value(TopicPartition(topic, partition))
+            except (KeyError, AttributeError):  # no longer assigned
+                continue
+            if (state is not None and state.has_valid_position and state.highwater is not None
+                    and state.highwater > state.position):
+                return True
+    return False
+
+
 def _commands(rings: list[tuple[str, bytes, tuple[str, str] | None]]) -> list[tuple]:
     out: list[tuple] = []
     for channel, payload, mark in rings:
@@ -266,7 +289,11 @@ class Doorbell:
             got = await send_fetch(assignment, node_id, request)
             if got:
                 bell.expect_until = 0.0  # what the ring announced has come
+                bell.behind_repeats = 0
+            elif bell.behind_repeats < _BEHIND_REPEATS and _behind(assignment, request):
+                bell.behind_repeats += 1  # the broker has records past our position: ask again now
             elif started >= bell.expect_until:  # nothing on its way: sleep until a ring
+                bell.behind_repeats = 0
                 try:
                     await bell.wait(seen, idle_s)  # (or the idle interval), not broker-side
                 except asyncio.CancelledError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import redis.asyncio as aioredis
@@ -15,7 +16,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from shared import protocol
 from shared.bus import ensure_topics, make_producer, produce_all
-from shared.doorbell import ACKED_TTL_MS, RING_CLIENT_NAME, Doorbell, _Bell
+from shared.doorbell import _BEHIND_REPEATS, ACKED_TTL_MS, RING_CLIENT_NAME, Doorbell, _Bell
 from shared.keys import RedisKeys
 from shared.settings import Settings
 from shared.stage import Produce
@@ -218,6 +219,49 @@ async def test_an_empty_fetch_held_past_the_window_is_followed_by_one_more(bell_
     finally:
         routine.cancel()
         await asyncio.gather(routine, return_exceptions=True)
+        await sub.close()
+
+
+async def test_an_empty_answer_below_the_broker_highwater_is_fetched_again_at_once(bell_env):
+    """The broker answered empty yet reported a highwater past the consumer's position (tansu, on a
+    slowed machine, for a record acked a second before): the fetch is repeated at once, not after
+    the idle interval (a minute here), and at most _BEHIND_REPEATS times in a row."""
+    settings, topic, _producer, redis = bell_env
+    sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000, expect_ms=0)
+    state = SimpleNamespace(has_valid_position=True, highwater=2, position=1)
+    assignment = SimpleNamespace(state_value=lambda tp: state)
+    request = SimpleNamespace(topics=[(topic, [(0, 1, -1, 1 << 20)])])
+    answers: list[bool] = []
+
+    async def fetch(_assignment, _node_id, _request) -> bool:
+        return answers.pop(0)
+
+    consumer = SimpleNamespace(_fetcher=SimpleNamespace(_proc_fetch_request=fetch))
+    sub.attach(consumer, topic)
+    wrapped = consumer._fetcher._proc_fetch_request
+    try:
+        answers[:] = [False, True]  # empty below the highwater, then the records
+        t0 = time.monotonic()
+        async with asyncio.timeout(5):  # (the wrapper ends quietly when cancelled: the time says it)
+            assert await wrapped(assignment, 0, request) is False
+            assert await wrapped(assignment, 0, request) is True
+            answers[:] = [False] * (_BEHIND_REPEATS + 1)  # a broker that never sends them: bounded
+            for _ in range(_BEHIND_REPEATS):
+                assert await wrapped(assignment, 0, request) is False
+        assert time.monotonic() - t0 < 4
+        last = asyncio.create_task(wrapped(assignment, 0, request))
+        await asyncio.sleep(0.3)
+        assert not last.done(), "past the repeats an empty fetch waits for a ring or the idle interval"
+        last.cancel()
+        await asyncio.gather(last, return_exceptions=True)
+        state.highwater = 1  # at the highwater: an empty answer waits at once
+        answers[:] = [False]
+        waiting = asyncio.create_task(wrapped(assignment, 0, request))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+    finally:
         await sub.close()
 
 
