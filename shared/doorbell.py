@@ -202,8 +202,6 @@ class _RingWire:
 def _behind(assignment, request) -> bool:
     """Whether the answer to ``request`` (aiokafka's FetchRequest) left a fetched partition's
     highwater past the consumer's position: records the broker has and did not send."""
-    if assignment is None or request is None:  # a fetch with nothing to judge by (tests drive it so)
-        return False
     for topic, partitions in request.topics:
         for partition, *_ in partitions:
             try:
@@ -290,9 +288,13 @@ class Doorbell:
             if got:
                 bell.expect_until = 0.0  # what the ring announced has come
                 bell.behind_repeats = 0
+            elif started < bell.expect_until:
+                # the fetch began inside the window: one that ends after it (the broker held it while
+                # the record landed) is followed by one more, which the record, if acked in time, is in
+                pass
             elif bell.behind_repeats < _BEHIND_REPEATS and _behind(assignment, request):
                 bell.behind_repeats += 1  # the broker has records past our position: ask again now
-            elif started >= bell.expect_until:  # nothing on its way: sleep until a ring
+            else:  # nothing on its way: sleep until a ring
                 bell.behind_repeats = 0
                 try:
                     await bell.wait(seen, idle_s)  # (or the idle interval), not broker-side
@@ -300,8 +302,6 @@ class Doorbell:
                     # consumer.stop() or an unassignment cancels this task and then awaits it: as
                     # aiokafka's own fetch does, end quietly (raising here escaped consumer.stop())
                     return got
-            # else the fetch began inside the window: one that ends after it (the broker held it while
-            # the record landed) is followed by one more, which the record, if acked in time, is in
             return got
 
         fetcher._proc_fetch_request = fetch_then_wait

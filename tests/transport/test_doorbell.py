@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from types import SimpleNamespace
 
 import pytest
 import redis.asyncio as aioredis
@@ -16,10 +15,11 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from shared import protocol
 from shared.bus import ensure_topics, make_producer, produce_all
-from shared.doorbell import _BEHIND_REPEATS, ACKED_TTL_MS, RING_CLIENT_NAME, Doorbell, _Bell
+from shared.doorbell import ACKED_TTL_MS, RING_CLIENT_NAME, Doorbell, _Bell
 from shared.keys import RedisKeys
 from shared.settings import Settings
 from shared.stage import Produce
+from tests.waits import until
 
 
 @pytest.fixture
@@ -89,13 +89,6 @@ def _since_ring(rung_at: float, sub: Doorbell, heard: int, fetches: list, task: 
             + (f"; consumer died: {died!r}" if died else ""))
 
 
-async def _until(pred, timeout_s: float, why=lambda: "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"condition not reached in time {why()}"
-        await asyncio.sleep(0.02)
-
-
 async def test_ring_wakes_an_idle_consumer_and_no_ring_waits_the_interval(bell_env):
     settings, topic, producer, redis = bell_env
     sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)  # only a ring wakes it
@@ -114,7 +107,7 @@ async def test_ring_wakes_an_idle_consumer_and_no_ring_waits_the_interval(bell_e
         assert [v for v, _ in got] == [b"warm"], "a record was fetched without a ring before the idle interval"
         rung_at, heard, fetched = time.monotonic(), sub.rings_heard, len(fetches)
         pub.ring(topic)
-        await _until(lambda: len(got) == 2, 10, lambda: _since_ring(rung_at, sub, heard, fetches[fetched:], task))
+        await until(lambda: len(got) == 2, 10, lambda: _since_ring(rung_at, sub, heard, fetches[fetched:], task))
         assert got[1][0] == b"unrung" and got[1][1] - rung_at < 10
         assert sub.rings_heard >= 1 and pub.rings_sent >= 1
     finally:
@@ -131,7 +124,7 @@ async def test_a_lost_ring_costs_at_most_the_idle_interval(bell_env):
     task = asyncio.create_task(_consume(settings, topic, sub, got, fetches))
     try:
         await producer.send_and_wait(topic, b"never rung")
-        await _until(lambda: got, 30)  # no ring at all: the idle interval's fetch finds it
+        await until(lambda: got, 30)  # no ring at all: the idle interval's fetch finds it
         assert got[0][0] == b"never rung"
     finally:
         task.cancel()
@@ -154,10 +147,10 @@ async def test_a_ring_ahead_of_its_record_is_not_lost(bell_env):
         await asyncio.sleep(2.5)  # past the window of the last ring
         heard = sub.rings_heard
         pub.ring(topic)  # the record is not there yet
-        await _until(lambda: sub.rings_heard > heard, 10)
+        await until(lambda: sub.rings_heard > heard, 10)
         await asyncio.sleep(0.3)
         await producer.send_and_wait(topic, b"late record")  # and nobody rings for it
-        await _until(lambda: len(got) == 2, 10)  # the idle interval is a minute
+        await until(lambda: len(got) == 2, 10)  # the idle interval is a minute
         assert got[1][0] == b"late record"
         await asyncio.sleep(2.5)  # the window is over: sleeping between fetches again
         quiet = len(fetches)
@@ -168,101 +161,6 @@ async def test_a_ring_ahead_of_its_record_is_not_lost(bell_env):
         await asyncio.gather(task, return_exceptions=True)
         await sub.close()
         await pub.close()
-
-
-class _ScriptedBroker:
-    """Stands in for aiokafka's one-fetch method: a fetch sent before ``lands_at`` holds
-    ``hold_s`` and comes back empty; one sent after it returns the record once."""
-
-    def __init__(self, hold_s: float) -> None:
-        self.hold_s = hold_s
-        self.lands_at = float("inf")
-        self.delivered = None  # time.monotonic() when the record was returned
-        self.fetches = 0
-        self.delivered_by = 0  # which fetch returned it
-
-    async def fetch(self, assignment, node_id, request) -> bool:
-        self.fetches += 1
-        if time.monotonic() >= self.lands_at and self.delivered is None:
-            self.delivered, self.delivered_by = time.monotonic(), self.fetches
-            return True
-        await asyncio.sleep(self.hold_s)
-        return False
-
-
-async def _fetch_routine(fetcher) -> None:
-    while True:  # as aiokafka's background routine calls it: one fetch after another
-        await fetcher._proc_fetch_request(None, 0, None)
-
-
-async def test_an_empty_fetch_held_past_the_window_is_followed_by_one_more(bell_env):
-    """The window after a ring is judged by when a fetch began: the fetch sent on the ring, just
-    before the record landed, is held by the broker past the window's end and comes back empty;
-    one more fetch follows at once and brings the record, instead of the idle interval (a
-    minute here) passing first."""
-    settings, topic, _producer, redis = bell_env
-    sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000, expect_ms=50)
-    broker = _ScriptedBroker(hold_s=0.08)
-    consumer = type("Consumer", (), {})()
-    consumer._fetcher = type("Fetcher", (), {"_proc_fetch_request": staticmethod(broker.fetch)})()
-    sub.attach(consumer, topic)
-    routine = asyncio.create_task(_fetch_routine(consumer._fetcher))
-    try:
-        await _until(lambda: broker.fetches == 1, 5)
-        await asyncio.sleep(0.2)  # the first fetch came back empty: the consumer sleeps
-        sub._bells[topic].ring()
-        rung_at = time.monotonic()
-        await _until(lambda: broker.fetches == 2, 5)  # the fetch on the ring is on its way ...
-        broker.lands_at = time.monotonic()  # ... and the record lands just behind it
-        await _until(lambda: broker.delivered is not None, 5, lambda: f"after {broker.fetches} fetches")
-        assert broker.delivered - rung_at < 1.0 and broker.delivered_by == 3
-    finally:
-        routine.cancel()
-        await asyncio.gather(routine, return_exceptions=True)
-        await sub.close()
-
-
-async def test_an_empty_answer_below_the_broker_highwater_is_fetched_again_at_once(bell_env):
-    """The broker answered empty yet reported a highwater past the consumer's position (tansu, on a
-    slowed machine, for a record acked a second before): the fetch is repeated at once, not after
-    the idle interval (a minute here), and at most _BEHIND_REPEATS times in a row."""
-    settings, topic, _producer, redis = bell_env
-    sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000, expect_ms=0)
-    state = SimpleNamespace(has_valid_position=True, highwater=2, position=1)
-    assignment = SimpleNamespace(state_value=lambda tp: state)
-    request = SimpleNamespace(topics=[(topic, [(0, 1, -1, 1 << 20)])])
-    answers: list[bool] = []
-
-    async def fetch(_assignment, _node_id, _request) -> bool:
-        return answers.pop(0)
-
-    consumer = SimpleNamespace(_fetcher=SimpleNamespace(_proc_fetch_request=fetch))
-    sub.attach(consumer, topic)
-    wrapped = consumer._fetcher._proc_fetch_request
-    try:
-        answers[:] = [False, True]  # empty below the highwater, then the records
-        t0 = time.monotonic()
-        async with asyncio.timeout(5):  # (the wrapper ends quietly when cancelled: the time says it)
-            assert await wrapped(assignment, 0, request) is False
-            assert await wrapped(assignment, 0, request) is True
-            answers[:] = [False] * (_BEHIND_REPEATS + 1)  # a broker that never sends them: bounded
-            for _ in range(_BEHIND_REPEATS):
-                assert await wrapped(assignment, 0, request) is False
-        assert time.monotonic() - t0 < 4
-        last = asyncio.create_task(wrapped(assignment, 0, request))
-        await asyncio.sleep(0.3)
-        assert not last.done(), "past the repeats an empty fetch waits for a ring or the idle interval"
-        last.cancel()
-        await asyncio.gather(last, return_exceptions=True)
-        state.highwater = 1  # at the highwater: an empty answer waits at once
-        answers[:] = [False]
-        waiting = asyncio.create_task(wrapped(assignment, 0, request))
-        await asyncio.sleep(0.3)
-        assert not waiting.done()
-        waiting.cancel()
-        await asyncio.gather(waiting, return_exceptions=True)
-    finally:
-        await sub.close()
 
 
 async def _ring_until_heard(pub: Doorbell, sub: Doorbell, topic: str, timeout_s: float = 10) -> None:
@@ -291,7 +189,7 @@ async def test_rings_are_written_with_replies_off_and_a_killed_connection_is_rep
         for _ in range(50):
             pub.ring(topic)
             await asyncio.sleep(0)
-        await _until(lambda: sub.rings_heard >= heard + 50, 10, lambda: f"heard {sub.rings_heard - heard} of 50")
+        await until(lambda: sub.rings_heard >= heard + 50, 10, lambda: f"heard {sub.rings_heard - heard} of 50")
         assert not await pub._wire._conn.can_read(), "the server replied on the ring connection"
         assert not pub._wire.pooled
         (first,) = await _ring_conn_ids(redis)
@@ -325,7 +223,7 @@ async def test_a_ring_on_an_idle_connection_is_written_within_the_call(bell_env)
         for i in range(20):
             pub.ring(topic, b"%d" % i)
             assert pub.rings_sent == sent + i + 1, "the ring was queued, not written"
-        await _until(lambda: sub.rings_heard >= heard + 20, 10, lambda: f"heard {sub.rings_heard - heard} of 20")
+        await until(lambda: sub.rings_heard >= heard + 20, 10, lambda: f"heard {sub.rings_heard - heard} of 20")
         assert carried[-20:] == [b"%d" % i for i in range(20)]
     finally:
         await sub.close()
@@ -353,7 +251,7 @@ async def test_a_server_that_keeps_replying_gets_plain_publishes(bell_env, redis
         await _ring_until_heard(pub, sub, topic)
         heard = sub.rings_heard
         pub.ring_acked(topic, protocol.AckedRecord(partition=3, offset=9, request_id="pooled-1", attempt=0))
-        await _until(lambda: sub.rings_heard > heard, 10)  # heard, and its acked key written before it
+        await until(lambda: sub.rings_heard > heard, 10)  # heard, and its acked key written before it
         assert await redis.get(RedisKeys(settings.redis_prefix).acked(topic, "pooled-1", 0)) == b"3"
     finally:
         await sub.close()
@@ -373,7 +271,7 @@ async def test_a_consumer_asleep_on_the_bell_stops_cleanly(bell_env):
     await consumer.start()
     bell.attach(consumer, topic)
     try:
-        await _until(lambda: bool(consumer._fetcher._pending_tasks), 30)  # a fetch is out, then asleep
+        await until(lambda: bool(consumer._fetcher._pending_tasks), 30)  # a fetch is out, then asleep
         await asyncio.sleep(0.3)
         await asyncio.wait_for(consumer.stop(), 10)  # raised CancelledError before the fix
     finally:
@@ -396,7 +294,7 @@ async def test_a_ring_its_callback_finds_nothing_to_fetch_in_wakes_nobody(bell_e
         woken, heard = bell.rings, sub.rings_heard
         for k in range(3):
             pub.ring(topic, b"payload")
-            await _until(lambda k=k: sub.rings_heard == heard + k + 1, 10)
+            await until(lambda k=k: sub.rings_heard == heard + k + 1, 10)
         assert bell.rings == woken + 2  # the first ring woke nobody, the other two did
     finally:
         await sub.close()
@@ -424,7 +322,7 @@ async def test_a_carried_record_rings_again_once_acked_with_its_offset(bell_env)
         for _ in range(2):
             await produce_all(producer, [Produce(topic, "k", msg)], deadline_unix_ms=now + 60_000, doorbell=pub,
                               carry=True)
-        await _until(lambda: len(heard) >= 4, 10, lambda: f"heard {heard}")
+        await until(lambda: len(heard) >= 4, 10, lambda: f"heard {heard}")
         rings = [protocol.decoder_for(protocol.RingPayload).decode(p) for p in heard]
         assert [type(r).__name__ for r in rings] == ["CarriedRecord", "AckedRecord"] * 2
         assert rings[0].value == protocol.encode(msg)
