@@ -141,3 +141,37 @@ async def test_an_empty_answer_below_the_broker_highwater_is_fetched_again_at_on
         await asyncio.gather(waiting, return_exceptions=True)
     finally:
         await sub.close()
+
+
+async def test_empty_fetches_inside_the_window_leave_the_highwater_repeats_whole(redis):
+    """Inside the window after a ring an empty fetch is followed by another anyway: those fetches,
+    however many, spend none of the repeats an empty answer below the highwater gets once the
+    window has closed."""
+    sub = Doorbell(redis, f"t{uuid.uuid4().hex[:8]}", idle_fetch_interval_ms=60_000, expect_ms=400)
+    _state, assignment = _assignment(highwater=2, position=1)
+    request = _request()
+    answers: list[bool] = []
+
+    async def fetch(_assignment, _node_id, _request) -> bool:
+        return answers.pop(0)
+
+    consumer = _consumer(fetch)
+    sub.attach(consumer, TOPIC)
+    wrapped = consumer._fetcher._proc_fetch_request
+    try:
+        sub._bells[TOPIC].ring()  # the window opens
+        answers[:] = [False] * (_BEHIND_REPEATS + 2)
+        t0 = time.monotonic()
+        async with asyncio.timeout(5):
+            for _ in range(_BEHIND_REPEATS + 2):  # all inside the 400 ms window
+                assert await wrapped(assignment, 0, request) is False
+        assert time.monotonic() - t0 < 0.4
+        await asyncio.sleep(0.5)  # the window is over
+        answers[:] = [False] * _BEHIND_REPEATS
+        t0 = time.monotonic()
+        async with asyncio.timeout(5):  # (the wrapper ends quietly when cancelled: the time says it)
+            for _ in range(_BEHIND_REPEATS):
+                assert await wrapped(assignment, 0, request) is False
+        assert time.monotonic() - t0 < 4, "still repeated at once: the budget is whole"
+    finally:
+        await sub.close()
