@@ -42,6 +42,30 @@ def _consumer(fetch):
     return SimpleNamespace(_fetcher=SimpleNamespace(_proc_fetch_request=fetch))
 
 
+def _answering(redis, *, expect_ms: float):
+    """A doorbell attached to a fetch that returns the scripted ``answers`` in turn: (doorbell,
+    the wrapped fetch to call as aiokafka would, the answers list to fill)."""
+    sub = Doorbell(redis, f"t{uuid.uuid4().hex[:8]}", idle_fetch_interval_ms=60_000, expect_ms=expect_ms)
+    answers: list[bool] = []
+
+    async def fetch(_assignment, _node_id, _request) -> bool:
+        return answers.pop(0)
+
+    consumer = _consumer(fetch)
+    sub.attach(consumer, TOPIC)
+    return sub, consumer._fetcher._proc_fetch_request, answers
+
+
+async def _still_waiting(fetch, after_s: float = 0.3) -> bool:
+    """Whether the wrapped ``fetch`` (a coroutine) is still asleep after ``after_s``; then cancelled."""
+    task = asyncio.create_task(fetch)
+    await asyncio.sleep(after_s)
+    waiting = not task.done()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return waiting
+
+
 class _ScriptedBroker:
     """Stands in for aiokafka's one-fetch method: a fetch sent before ``lands_at`` holds
     ``hold_s`` and comes back empty (the broker at its highwater); one sent after it returns the
@@ -98,17 +122,9 @@ async def test_an_empty_answer_below_the_broker_highwater_is_fetched_again_at_on
     """The broker answered empty yet reported a highwater past the consumer's position (tansu, on a
     slowed machine, for a record acked a second before): the fetch is repeated at once, not after
     the idle interval (a minute here), and at most _BEHIND_REPEATS times in a row."""
-    sub = Doorbell(redis, f"t{uuid.uuid4().hex[:8]}", idle_fetch_interval_ms=60_000, expect_ms=0)
+    sub, wrapped, answers = _answering(redis, expect_ms=0)
     state, assignment = _assignment(highwater=2, position=1)
     request = _request()
-    answers: list[bool] = []
-
-    async def fetch(_assignment, _node_id, _request) -> bool:
-        return answers.pop(0)
-
-    consumer = _consumer(fetch)
-    sub.attach(consumer, TOPIC)
-    wrapped = consumer._fetcher._proc_fetch_request
     try:
         answers[:] = [False, True]  # empty below the highwater, then the records
         t0 = time.monotonic()
@@ -119,26 +135,16 @@ async def test_an_empty_answer_below_the_broker_highwater_is_fetched_again_at_on
             for _ in range(_BEHIND_REPEATS):
                 assert await wrapped(assignment, 0, request) is False
         assert time.monotonic() - t0 < 4
-        last = asyncio.create_task(wrapped(assignment, 0, request))
-        await asyncio.sleep(0.3)
-        assert not last.done(), "past the repeats an empty fetch waits for a ring or the idle interval"
-        last.cancel()
-        await asyncio.gather(last, return_exceptions=True)
+        assert await _still_waiting(wrapped(assignment, 0, request)), \
+            "past the repeats an empty fetch waits for a ring or the idle interval"
         state.highwater = 1  # at the highwater: an empty answer waits at once
         answers[:] = [False]
-        waiting = asyncio.create_task(wrapped(assignment, 0, request))
-        await asyncio.sleep(0.3)
-        assert not waiting.done()
-        waiting.cancel()
-        await asyncio.gather(waiting, return_exceptions=True)
+        assert await _still_waiting(wrapped(assignment, 0, request))
         _other_state, unassigned = _assignment(highwater=5, position=1)
         unassigned.state_value = lambda tp: (_ for _ in ()).throw(KeyError(tp))  # revoked meanwhile
         answers[:] = [False]
-        waiting = asyncio.create_task(wrapped(unassigned, 0, request))
-        await asyncio.sleep(0.3)
-        assert not waiting.done(), "a partition no longer assigned is not a reason to fetch again"
-        waiting.cancel()
-        await asyncio.gather(waiting, return_exceptions=True)
+        assert await _still_waiting(wrapped(unassigned, 0, request)), \
+            "a partition no longer assigned is not a reason to fetch again"
     finally:
         await sub.close()
 
@@ -147,17 +153,9 @@ async def test_empty_fetches_inside_the_window_leave_the_highwater_repeats_whole
     """Inside the window after a ring an empty fetch is followed by another anyway: those fetches,
     however many, spend none of the repeats an empty answer below the highwater gets once the
     window has closed."""
-    sub = Doorbell(redis, f"t{uuid.uuid4().hex[:8]}", idle_fetch_interval_ms=60_000, expect_ms=400)
+    sub, wrapped, answers = _answering(redis, expect_ms=400)
     _state, assignment = _assignment(highwater=2, position=1)
     request = _request()
-    answers: list[bool] = []
-
-    async def fetch(_assignment, _node_id, _request) -> bool:
-        return answers.pop(0)
-
-    consumer = _consumer(fetch)
-    sub.attach(consumer, TOPIC)
-    wrapped = consumer._fetcher._proc_fetch_request
     try:
         sub._bells[TOPIC].ring()  # the window opens
         answers[:] = [False] * (_BEHIND_REPEATS + 2)
