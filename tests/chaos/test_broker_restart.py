@@ -25,6 +25,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from services.supervisor import EMBEDDED_BROKER_THREADS
 from tests import procs
 from tests.chaos.load import PROMPTS, TIMEOUT_MS, load_with_fault, one, reference_texts
 
@@ -85,6 +86,8 @@ def test_broker_killed_and_restarted_under_load(redis_url, model_dir, logs_dir, 
             base, REQUESTS, CONCURRENCY, lambda _tasks: _kill_broker(supervisor.pid)))
         elapsed = time.monotonic() - t0
         restarted = _broker_pid(supervisor.pid)
+        # the broker `mmfleet up` started again is started as the first: one runtime worker
+        restarted_env = Path(f"/proc/{restarted}/environ").read_bytes().split(b"\0") if restarted else []
         idle = asyncio.run(_idle_kills(base, supervisor.pid, rounds=3))
     outcomes = Counter(kind for _, kind, _ in results)
     wrong = [(i, text) for i, kind, text in results if kind == "completed" and text != references[i % len(PROMPTS)]]
@@ -95,6 +98,7 @@ def test_broker_killed_and_restarted_under_load(redis_url, model_dir, logs_dir, 
         if kind != "completed":
             print(f"  request {i}: {kind}: {text[:300]}")
     assert killed is not None and restarted is not None and restarted != killed, "the broker was restarted"
+    assert f"TOKIO_WORKER_THREADS={EMBEDDED_BROKER_THREADS}".encode() in restarted_env
     assert len(results) == REQUESTS  # none hung past its deadline
     assert not wrong, f"{len(wrong)} completed streams differ from the reference: {wrong[:3]}"
     assert redriven >= 1, "the gateway noticed the restart and re-drove its unfinished requests"
