@@ -86,7 +86,7 @@ def test_broker_killed_and_restarted_under_load(redis_url, model_dir, logs_dir, 
             base, REQUESTS, CONCURRENCY, lambda _tasks: _kill_broker(supervisor.pid)))
         elapsed = time.monotonic() - t0
         restarted = _broker_pid(supervisor.pid)
-        # the broker `mmfleet up` started again is started as the first: one runtime worker
+        # the broker `mmfleet up` started again runs with the first one's setting: one runtime worker
         restarted_env = Path(f"/proc/{restarted}/environ").read_bytes().split(b"\0") if restarted else []
         idle = asyncio.run(_idle_kills(base, supervisor.pid, rounds=3))
     outcomes = Counter(kind for _, kind, _ in results)
