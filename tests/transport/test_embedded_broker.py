@@ -1,5 +1,5 @@
 """The embedded broker as ``mmfleet up``, the harness and the tests start it
-(``services.supervisor.embedded_broker``): one tokio worker thread, and it serves Kafka."""
+(``services.embedded_broker``): one tokio worker thread, and it serves Kafka."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from loadtest.procs import spawn, stop_group, wait_port
-from services.supervisor import EMBEDDED_BROKER_THREADS, embedded_broker
+from services import embedded_broker
 from tests import procs
 from tests.waits import until
 
@@ -39,7 +39,7 @@ def test_the_embedded_broker_runs_one_worker_thread_and_serves(tmp_path):
     with procs.broker(tmp_path, pids) as bootstrap:
         # counted before any client came: the main thread and the runtime's workers (tokio's
         # default: one a core); its blocking pool adds threads on demand later
-        assert _threads(pids[0]) <= 1 + EMBEDDED_BROKER_THREADS
+        assert _threads(pids[0]) <= 1 + embedded_broker.THREADS
         assert asyncio.run(_round_trip(bootstrap)) == b"one record"
 
 
@@ -49,12 +49,12 @@ def test_without_the_setting_the_broker_starts_a_worker_a_core(tmp_path):
     if cores < 2:
         pytest.skip("one core: tokio's default is one worker as well, nothing to tell apart")
     port = procs.free_port()
-    argv, env = embedded_broker(f"tcp://127.0.0.1:{port}")
+    argv, env = embedded_broker.command(f"tcp://127.0.0.1:{port}")
     env.pop("TOKIO_WORKER_THREADS")
     proc = spawn(argv, log_path=tmp_path / "tansu.log", env=env)
     try:
         wait_port(port, proc)
-        asyncio.run(until(lambda: _threads(proc.pid) > 1 + EMBEDDED_BROKER_THREADS, 10,
+        asyncio.run(until(lambda: _threads(proc.pid) > 1 + embedded_broker.THREADS, 10,
                           lambda: f"({_threads(proc.pid)} threads with {cores} cores)"))
     finally:
         stop_group(proc)
