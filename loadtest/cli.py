@@ -12,6 +12,8 @@
   split         a Qwen2-VL's encode / prefill / decode split in one process (the bench model's
                 proportions against Qwen2-VL-2B's shapes)
   steps         a batched decode step's CPU cost by batch width (the engine's decode_steps)
+  cold          a prefill forward's CPU cost back to back, after a sleep and after other work
+                (what a fleet stage's cold process pays at low load)
   media-server  serve deterministic images at /img/<seed>-<w>x<h>.png (latency injection)
   inproc        the in-process OpenAI server (the same engine without the fleet)
 
@@ -172,6 +174,9 @@ def _parser() -> argparse.ArgumentParser:
     from loadtest import stepcost
 
     stepcost.add_arguments(sub.add_parser("steps", help="a batched decode step's CPU cost by batch width"))
+    from loadtest import coldcost
+
+    coldcost.add_arguments(sub.add_parser("cold", help="a forward's CPU cost hot, after a sleep, after other work"))
     media_server.add_arguments(sub.add_parser("media-server", help="serve deterministic test images"))
     inproc_server.add_arguments(sub.add_parser("inproc", help="run the in-process OpenAI server"))
     return p
@@ -193,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "steps":
         from loadtest.stepcost import run
+
+        return run(args)
+    if args.command == "cold":
+        from loadtest.coldcost import run
 
         return run(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
