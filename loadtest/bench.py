@@ -151,6 +151,7 @@ async def _run_target(ep: Endpoint, cfg: BenchConfig, levels: list[list], warm_s
                 run["cpu"] = {"idle_pct": idle, "load_pct": busy.pct if ep.pid else None,
                               "by_process_s": busy.by_role_s if ep.pid else {}, "window_s": busy.wall_s,
                               "by_thread_s": busy.by_thread_s if ep.pid else {},
+                              "switches": busy.switches if ep.pid else {},
                               "counts": "target processes" + (" + broker + redis" if fleet else "")}
                 run["base_label"] = shape.label
                 if cfg.repeat > 1:

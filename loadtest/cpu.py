@@ -10,7 +10,10 @@ broker, ...), reported as CPU milliseconds per finished request (:func:`by_proce
 Python process's CPU by thread class (:func:`thread_class`: its event loop, its compute lanes, the
 rest; Linux), so that a fleet's messaging cost shows apart from its model work (:func:`by_thread_md`).
 A thread that ends within the window is not counted in the split (its process total has it);
-threads are timed to the nanosecond, processes to the clock tick.
+threads are timed to the nanosecond, processes to the clock tick. The window also counts each
+process's context switches (all its threads; Linux), voluntary (it waited: a wake-up each) and
+involuntary (preempted), per finished request (:func:`switches_md`): every hop of a fleet is a
+wake-up of another process, dear on a VM (README, "Seventh session of 2026-11-28").
 """
 
 from __future__ import annotations
@@ -103,6 +106,27 @@ def _threads(p) -> dict[int, tuple[str, float]]:
     return out
 
 
+def _switches(p) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of ``p``'s live threads; (0, 0) where /proc
+    cannot say. Per thread: a process's own /proc status counts its main thread only."""
+    vol = invol = 0
+    try:
+        tids = [t.id for t in p.threads()]
+    except (psutil.Error, OSError):
+        return 0, 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{p.pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        vol += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches:"):
+                        invol += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return vol, invol
+
+
 def _seconds(p) -> float:
     try:
         t = p.cpu_times()
@@ -119,6 +143,7 @@ class CpuWindow:
         self.pct: float | None = None
         self.by_role_s: dict[str, float] = {}  # CPU seconds over the window by process_role
         self.by_thread_s: dict[str, dict[str, float]] = {}  # process_role -> thread_class -> CPU seconds
+        self.switches: dict[str, list[int]] = {}  # process_role -> [voluntary, involuntary] over the window
         self.wall_s = 0.0
 
     def __enter__(self) -> CpuWindow:
@@ -126,6 +151,7 @@ class CpuWindow:
         self._roles = [process_role(p) for p in self._procs]
         self._t0_threads = [{} if role in _WHOLE else _threads(p) for p, role in zip(self._procs, self._roles,
                                                                                    strict=True)]
+        self._sw0 = [_switches(p) for p in self._procs]
         self._t0 = time.monotonic()
         return self
 
@@ -133,8 +159,12 @@ class CpuWindow:
         self.wall_s = wall = time.monotonic() - self._t0
         if not self._procs:
             return
-        for p, c0, role, before in zip(self._procs, self._c0, self._roles, self._t0_threads, strict=True):
+        for p, c0, role, before, sw0 in zip(self._procs, self._c0, self._roles, self._t0_threads, self._sw0,
+                                            strict=True):
             self.by_role_s[role] = self.by_role_s.get(role, 0.0) + max(_seconds(p) - c0, 0.0)
+            sw = self.switches.setdefault(role, [0, 0])
+            for i, (n1, n0) in enumerate(zip(_switches(p), sw0, strict=True)):
+                sw[i] += max(n1 - n0, 0)
             if role in _WHOLE:
                 continue
             split = self.by_thread_s.setdefault(role, {})
@@ -211,6 +241,36 @@ def by_thread_md(runs: list[dict]) -> list[str]:
     ratios = [f"{t[LOOP] / t[COMPUTE]:.2f}" if t[COMPUTE] > 0 else "–" for t in totals]
     out.append("| **all** | event loop ÷ compute | " + " | ".join(ratios) + " |")
     return out + [""]
+
+
+def switches_md(runs: list[dict]) -> list[str]:
+    """Per run: each process's context switches per finished request, voluntary / involuntary."""
+    runs = [r for r in runs if (r.get("cpu") or {}).get("switches") and r["aggregates"].get("ok")]
+    if not runs:
+        return []
+    roles = sorted({role for r in runs for role in r["cpu"]["switches"]},
+                   key=lambda role: -max(r["cpu"]["switches"].get(role, [0, 0])[0] / r["aggregates"]["ok"]
+                                         for r in runs))
+    out = ["## Context switches per request by process", "",
+           "Per finished request over each load window, every thread of each process (Linux): voluntary "
+           "(the thread waited and was woken: a message arrived, a timer fired) / involuntary (preempted). "
+           "A hop between processes costs wake-ups on both sides; threads that ended within the window are "
+           "not counted.", "",
+           "| process | " + " | ".join(f"`{r['target']}` {r['label']}" for r in runs) + " |",
+           "|---|" + "---:|" * len(runs)]
+
+    def cell(r: dict, role: str | None) -> str:
+        sw, ok = r["cpu"]["switches"], r["aggregates"]["ok"]
+        if role is None:
+            vol, invol = sum(v for v, _ in sw.values()), sum(i for _, i in sw.values())
+        elif role in sw:
+            vol, invol = sw[role]
+        else:
+            return "–"
+        return f"{vol / ok:.1f} / {invol / ok:.1f}"
+
+    out += [f"| {role} | " + " | ".join(cell(r, role) for r in runs) + " |" for role in roles]
+    return out + ["| **all** | " + " | ".join(cell(r, None) for r in runs) + " |", ""]
 
 
 def _class_totals(by_thread_s: dict[str, dict[str, float]]) -> dict[str, float]:

@@ -116,6 +116,7 @@ def summary_md(result: dict, plot_note: str = "") -> str:
     lines += ttft_split.split_md(result["runs"])
     lines += cpu.by_process_md(result["runs"])
     lines += cpu.by_thread_md(result["runs"])
+    lines += cpu.switches_md(result["runs"])
     lines += rediscount.commands_md(result["runs"])
     if result.get("goals"):
         lines += ["## Goals", "", "| goal | measured | verdict |", "|---|---|---|"]

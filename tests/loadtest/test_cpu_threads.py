@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,73 @@ def test_a_lane_busy_for_less_than_a_clock_tick_is_counted() -> None:
     split = _window(0.004, 0.0).by_thread_s
     (role,) = split
     assert 0.004 <= split[role][cpu.COMPUTE] < 0.0095
+
+
+# Blocks on its stdin for each of N lines (a wake-up each), on a thread of its own and then on
+# its main thread, and waits to be told to exit: a window over it counts both threads' waits.
+_WAITER = textwrap.dedent("""
+    import sys, threading
+
+    def wait_lines(n):
+        for _ in range(n):
+            sys.stdin.readline()
+
+    print("ready", flush=True)
+    n = int(sys.argv[1])
+    t = threading.Thread(target=wait_lines, args=(n,))
+    t.start()
+    t.join()
+    print("half", flush=True)
+    wait_lines(n)
+    print("done", flush=True)
+    sys.stdin.readline()
+""")
+
+
+@linux_only
+def test_window_counts_the_wake_ups_of_every_thread() -> None:
+    """Each line the child waits for is a voluntary switch of the thread that waited; the count
+    covers the thread that is not the main one too (a process's own /proc status would not)."""
+    n = 30
+    proc = subprocess.Popen([sys.executable, "-c", _WAITER, str(n)], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, bufsize=1)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        with cpu.CpuWindow(proc.pid, with_infra=False) as window:
+            for _ in range(n):
+                proc.stdin.write("x\n")
+                proc.stdin.flush()
+                time.sleep(0.005)  # the reader is asleep again before the next line
+            assert proc.stdout.readline().strip() == "half"
+            # the helper thread has ended: its waits are no longer in /proc. The main thread's are
+            for _ in range(n):
+                proc.stdin.write("x\n")
+                proc.stdin.flush()
+                time.sleep(0.005)
+            assert proc.stdout.readline().strip() == "done"
+        proc.stdin.write("exit\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (role,) = window.switches
+    vol, invol = window.switches[role]
+    assert vol >= n and invol >= 0
+
+
+def test_switches_table() -> None:
+    runs = [{"target": "fleet:e-p-d", "label": "c=8", "aggregates": {"ok": 10},
+             "cpu": {"switches": {"broker": [500, 100], "gateway": [140, 150]}}},
+            {"target": "inproc", "label": "c=8", "aggregates": {"ok": 20}, "cpu": {"switches": {"inproc": [20, 40]}}},
+            {"target": "url:x", "label": "c=8", "aggregates": {"ok": 5}, "cpu": {"switches": {}}}]
+    table = cpu.switches_md(runs)
+    assert table[0] == "## Context switches per request by process"
+    rows = {line.split(" | ")[0]: line for line in table if line.startswith("| ")}
+    assert rows["| broker"] == "| broker | 50.0 / 10.0 | – |"  # most wake-ups first; a url: target has no column
+    assert rows["| inproc"] == "| inproc | – | 1.0 / 2.0 |"
+    assert rows["| **all**"] == "| **all** | 64.0 / 25.0 | 1.0 / 2.0 |"
+    assert [line.split(" | ")[0] for line in table if line.startswith("| ") and "---" not in line][1:] == \
+        ["| broker", "| gateway", "| inproc", "| **all**"]
+    assert cpu.switches_md([runs[2]]) == []

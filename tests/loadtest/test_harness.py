@@ -275,6 +275,7 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
     assert inproc_run["cpu"]["load_pct"] > 0
     assert set(inproc_run["cpu"]["by_process_s"]) == {"inproc"}  # a url: target has no processes to count
     assert inproc_run["cpu"]["by_thread_s"]["inproc"][cpu.COMPUTE] > 0  # its model ran on its named lanes
+    assert inproc_run["cpu"]["switches"]["inproc"][0] > 0  # it waited for its requests: wake-ups counted
     assert fleet_run["cpu"]["by_process_s"] == {}
     # the fleet's Redis commands, counted by the server: each request claims its stages and
     # appends its tokens by script, and the gateway reads them with XREAD
@@ -284,6 +285,7 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
     write_all(result, tmp_path, plots=False)
     summary = (tmp_path / "summary.md").read_text()
     assert "## CPU per request by process" in summary and "| inproc | " in summary
+    assert "## Context switches per request by process" in summary
     assert "Per-stage breakdown" in summary and "same text as" in summary
     assert "Medians over repetitions" in summary
     assert "## TTFT split" in summary and "## Redis commands per request" in summary
