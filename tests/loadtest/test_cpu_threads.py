@@ -92,8 +92,8 @@ def test_a_lane_busy_for_less_than_a_clock_tick_is_counted() -> None:
     assert 0.004 <= split[role][cpu.COMPUTE] < 0.0095
 
 
-# Blocks on its stdin for each of N lines (a wake-up each), on a thread of its own and then on
-# its main thread, and waits to be told to exit: a window over it counts both threads' waits.
+# Blocks on its stdin for each of N lines (a wake-up each) on a thread of its own, then for N
+# more on its main thread, the first thread still alive, and waits to be told to exit.
 _WAITER = textwrap.dedent("""
     import sys, threading
 
@@ -103,36 +103,40 @@ _WAITER = textwrap.dedent("""
 
     print("ready", flush=True)
     n = int(sys.argv[1])
-    t = threading.Thread(target=wait_lines, args=(n,))
+    done, stay = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: (wait_lines(n), done.set(), stay.wait()))
     t.start()
-    t.join()
+    done.wait()
     print("half", flush=True)
     wait_lines(n)
     print("done", flush=True)
     sys.stdin.readline()
+    stay.set()
+    t.join()
 """)
+
+
+def _feed(proc: subprocess.Popen, lines: int) -> None:
+    for _ in range(lines):
+        proc.stdin.write("x\n")
+        proc.stdin.flush()
+        time.sleep(0.01)  # the reader is asleep again before the next line
 
 
 @linux_only
 def test_window_counts_the_wake_ups_of_every_thread() -> None:
-    """Each line the child waits for is a voluntary switch of the thread that waited; the count
-    covers the thread that is not the main one too (a process's own /proc status would not)."""
+    """Each line the child waits for is a voluntary switch of the thread that waited. Half of
+    them are its second thread's: a count of the main thread's alone (what a process's own
+    /proc status gives) would come to about n, not 2n."""
     n = 30
     proc = subprocess.Popen([sys.executable, "-c", _WAITER, str(n)], cwd=REPO, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, bufsize=1)
     try:
         assert proc.stdout.readline().strip() == "ready"
         with cpu.CpuWindow(proc.pid, with_infra=False) as window:
-            for _ in range(n):
-                proc.stdin.write("x\n")
-                proc.stdin.flush()
-                time.sleep(0.005)  # the reader is asleep again before the next line
+            _feed(proc, n)
             assert proc.stdout.readline().strip() == "half"
-            # the helper thread has ended: its waits are no longer in /proc. The main thread's are
-            for _ in range(n):
-                proc.stdin.write("x\n")
-                proc.stdin.flush()
-                time.sleep(0.005)
+            _feed(proc, n)
             assert proc.stdout.readline().strip() == "done"
         proc.stdin.write("exit\n")
         proc.stdin.flush()
@@ -143,7 +147,7 @@ def test_window_counts_the_wake_ups_of_every_thread() -> None:
             proc.wait()
     (role,) = window.switches
     vol, invol = window.switches[role]
-    assert vol >= n and invol >= 0
+    assert vol >= 1.5 * n and invol >= 0
 
 
 def test_switches_table() -> None:
