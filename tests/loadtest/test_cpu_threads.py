@@ -53,16 +53,15 @@ def test_thread_class() -> None:
     assert cpu.thread_class("decode core", 30, 31, "python") == cpu.OTHER
 
 
-def _window(lane_s: float, main_s: float) -> cpu.CpuWindow:
-    """A window over a child that spins ``lane_s`` on a compute lane and ``main_s`` on its loop."""
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(lane_s), str(main_s)], cwd=REPO,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def _window_over(script: str, args: list[str], drive) -> cpu.CpuWindow:
+    """A window over a child running ``script`` (it says "ready", then waits for ``drive(proc)``
+    inside the window, then exits when told), the child reaped whatever happens."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, bufsize=1)
     try:
         assert proc.stdout.readline().strip() == "ready"
         with cpu.CpuWindow(proc.pid, with_infra=False) as window:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            assert proc.stdout.readline().strip() == "done"
+            drive(proc)
         proc.stdin.write("exit\n")
         proc.stdin.flush()
         assert proc.wait(timeout=60) == 0
@@ -71,6 +70,16 @@ def _window(lane_s: float, main_s: float) -> cpu.CpuWindow:
             proc.kill()
             proc.wait()
     return window
+
+
+def _window(lane_s: float, main_s: float) -> cpu.CpuWindow:
+    """A window over a child that spins ``lane_s`` on a compute lane and ``main_s`` on its loop."""
+    def drive(proc: subprocess.Popen) -> None:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "done"
+
+    return _window_over(_CHILD, [str(lane_s), str(main_s)], drive)
 
 
 @linux_only
@@ -129,22 +138,14 @@ def test_window_counts_the_wake_ups_of_every_thread() -> None:
     them are its second thread's: a count of the main thread's alone (what a process's own
     /proc status gives) would come to about n, not 2n."""
     n = 30
-    proc = subprocess.Popen([sys.executable, "-c", _WAITER, str(n)], cwd=REPO, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, bufsize=1)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        with cpu.CpuWindow(proc.pid, with_infra=False) as window:
-            _feed(proc, n)
-            assert proc.stdout.readline().strip() == "half"
-            _feed(proc, n)
-            assert proc.stdout.readline().strip() == "done"
-        proc.stdin.write("exit\n")
-        proc.stdin.flush()
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    def drive(proc: subprocess.Popen) -> None:
+        _feed(proc, n)
+        assert proc.stdout.readline().strip() == "half"
+        _feed(proc, n)
+        assert proc.stdout.readline().strip() == "done"
+
+    window = _window_over(_WAITER, [str(n)], drive)
     (role,) = window.switches
     vol, invol = window.switches[role]
     assert vol >= 1.5 * n and invol >= 0
