@@ -1,9 +1,10 @@
 """What a forward costs when its process comes to it cold, in one process: ``python -m loadtest cold``.
 
 What it measures: the engine's own prefill forward (``compute.prefill`` of a ``--prompt-tokens``
-text prompt), in thread CPU time, under four conditions, ``--forwards`` times each: ``hot``
+text prompt), in thread CPU time, under five conditions, ``--forwards`` times each: ``hot``
 (right after the same forward), ``idle`` (the thread sleeps ``--idle-ms`` first, as a stage's
-process does between two requests at low load), ``pressure`` (other work runs first, untimed: it
+process does between two requests at low load), ``busy`` (the thread busy-waits ``--idle-ms``
+instead: the same time passes with the process never off its CPU), ``pressure`` (other work runs first, untimed: it
 reads ``--pressure-bytes`` of memory and builds and drops a dict of 20,000 entries, as another
 process would leave the core's caches), and ``idle+pressure`` (both: a fleet stage at
 concurrency 1). The conditions take turns forward by forward, ``--repeats`` times; medians and
@@ -25,7 +26,7 @@ import torch
 
 from loadtest.repeats import spread
 
-CONDITIONS = ("hot", "idle", "pressure", "idle+pressure")
+CONDITIONS = ("hot", "idle", "busy", "pressure", "idle+pressure")
 
 
 class _Pressure:
@@ -41,6 +42,12 @@ class _Pressure:
         del churn
 
 
+def _busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def _timed(forward) -> tuple[float, float]:
     c0, w0 = time.thread_time(), time.perf_counter()
     forward()
@@ -50,7 +57,7 @@ def _timed(forward) -> tuple[float, float]:
 def _one_repeat(forward, forwards: int, idle_s: float, pressure: _Pressure) -> dict[str, dict]:
     """``forwards`` timed forwards per condition, the conditions taking turns forward by forward
     (so that the machine's drift, large on a shared VM, falls on all of them alike). Each timed
-    forward follows an untimed one, then the condition's prelude (nothing, other work, a sleep)."""
+    forward follows an untimed one, then the condition's prelude (nothing, a sleep, a busy-wait, other work)."""
     times: dict[str, list[tuple[float, float]]] = {c: [] for c in CONDITIONS}
     for _ in range(forwards):
         for c in CONDITIONS:
@@ -59,6 +66,8 @@ def _one_repeat(forward, forwards: int, idle_s: float, pressure: _Pressure) -> d
                 pressure()
             if "idle" in c:
                 time.sleep(idle_s)
+            elif c == "busy":
+                _busy_wait(idle_s)
             times[c].append(_timed(forward))
     out = {c: {"cpu_ms": statistics.median(t[0] for t in ts), "wall_ms": statistics.median(t[1] for t in ts)}
            for c, ts in times.items()}
@@ -97,6 +106,7 @@ def markdown(res: dict) -> str:
 
     rows = ["| before each forward | CPU (ms) | wall (ms) | CPU ÷ hot, same repeat |", "|---|---:|---:|---:|"]
     what = {"hot": "nothing (back to back)", "idle": f"a {res['idle_ms']:g} ms sleep",
+            "busy": f"a {res['idle_ms']:g} ms busy-wait (no sleep)",
             "pressure": f"other work ({res['pressure_bytes'] // 2**20} MiB read, 20k objects)",
             "idle+pressure": "other work, then the sleep"}
     for c in res["conditions"]:
@@ -110,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=96)
     p.add_argument("--forwards", type=int, default=60, help="timed forwards per condition and repeat")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--idle-ms", type=float, default=50.0, help="the sleep before each forward when idle")
+    p.add_argument("--idle-ms", type=float, default=50.0, help="the sleep (idle) or busy-wait (busy) "
+                   "before each forward")
     p.add_argument("--pressure-bytes", type=int, default=8 * 2**20, help="memory read before each forward "
                    "under pressure (more than the core's L2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (a fleet worker runs 1)")

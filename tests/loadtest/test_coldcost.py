@@ -28,7 +28,7 @@ def test_measure_reports_every_condition_consistently(model_dir):
         assert all(s["min"] <= s["median"] <= s["max"] for s in stats.values())
     assert res["by_condition"]["hot"]["vs_hot"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     table = coldcost.markdown(res).splitlines()
-    assert len(table) == 2 + 4 and table[2].startswith("| nothing (back to back) |")
+    assert len(table) == 2 + len(coldcost.CONDITIONS) and table[2].startswith("| nothing (back to back) |")
 
 
 def test_a_sleep_before_each_forward_shows_in_wall_time_not_in_cpu(model_dir):
@@ -37,6 +37,18 @@ def test_a_sleep_before_each_forward_shows_in_wall_time_not_in_cpu(model_dir):
     compute = compute_class(model_dir)(model_dir, parts=frozenset({LM}))
     res = coldcost.measure(compute, prompt_tokens=8, forwards=3, repeats=1, idle_ms=200, pressure_bytes=0)
     assert res["by_condition"]["idle"]["wall_ms"]["median"] < 150
+
+
+def test_the_busy_condition_waits_on_the_cpu_outside_the_timed_forward(model_dir):
+    """``busy`` spends ``idle_ms`` before each forward on the CPU (thread CPU time, which a sleep
+    would not use) and, like the sleep, outside the timed forward."""
+    import time
+
+    compute = compute_class(model_dir)(model_dir, parts=frozenset({LM}))
+    c0 = time.thread_time()
+    res = coldcost.measure(compute, prompt_tokens=8, forwards=3, repeats=1, idle_ms=200, pressure_bytes=0)
+    assert time.thread_time() - c0 >= 3 * 0.2 * 0.9  # the three busy-waits, at least
+    assert res["by_condition"]["busy"]["wall_ms"]["median"] < 150
 
 
 def test_the_command_writes_its_json(model_dir, tmp_path, capsys):
