@@ -4,10 +4,10 @@ What it measures: the engine's own prefill forward (``compute.prefill`` of a ``-
 text prompt), in thread CPU time, under five conditions, ``--forwards`` times each: ``hot``
 (right after the same forward), ``idle`` (the thread sleeps ``--idle-ms`` first, as a stage's
 process does between two requests at low load), ``busy`` (the thread busy-waits ``--idle-ms``
-instead: the same time passes with the process never off its CPU), ``pressure`` (other work runs first, untimed: it
-reads ``--pressure-bytes`` of memory and builds and drops a dict of 20,000 entries, as another
-process would leave the core's caches), and ``idle+pressure`` (both: a fleet stage at
-concurrency 1). The conditions take turns forward by forward, ``--repeats`` times; medians and
+instead: the same time passes, the process never off its CPU), ``pressure`` (other work runs
+first, untimed: it reads ``--pressure-bytes`` of memory and builds and drops a dict of 20,000
+entries, as another process would leave the core's caches), and ``idle+pressure`` (both: a fleet
+stage at concurrency 1). The conditions take turns forward by forward, ``--repeats`` times; medians and
 ranges over the repeats, and each condition's CPU over the same repeat's ``hot`` (``vs_hot``).
 Why: at concurrency 1 every fleet stage on the request's path wakes to a cold process, while the
 one-process server runs its stages back to back (README, "Seventh session of 2026-11-28").
@@ -57,7 +57,8 @@ def _timed(forward) -> tuple[float, float]:
 def _one_repeat(forward, forwards: int, idle_s: float, pressure: _Pressure) -> dict[str, dict]:
     """``forwards`` timed forwards per condition, the conditions taking turns forward by forward
     (so that the machine's drift, large on a shared VM, falls on all of them alike). Each timed
-    forward follows an untimed one, then the condition's prelude (nothing, a sleep, a busy-wait, other work)."""
+    forward follows an untimed one, then the condition's prelude (nothing, a sleep, a busy-wait,
+    other work)."""
     times: dict[str, list[tuple[float, float]]] = {c: [] for c in CONDITIONS}
     for _ in range(forwards):
         for c in CONDITIONS:

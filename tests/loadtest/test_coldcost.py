@@ -5,6 +5,7 @@ never asserted here; that every condition is measured, consistently, and written
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -42,8 +43,6 @@ def test_a_sleep_before_each_forward_shows_in_wall_time_not_in_cpu(model_dir):
 def test_the_busy_condition_waits_on_the_cpu_outside_the_timed_forward(model_dir):
     """``busy`` spends ``idle_ms`` before each forward on the CPU (thread CPU time, which a sleep
     would not use) and, like the sleep, outside the timed forward."""
-    import time
-
     compute = compute_class(model_dir)(model_dir, parts=frozenset({LM}))
     c0 = time.thread_time()
     res = coldcost.measure(compute, prompt_tokens=8, forwards=3, repeats=1, idle_ms=200, pressure_bytes=0)
