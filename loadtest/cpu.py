@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from loadtest.mdtable import runs_header
 from shared.compute import LANE_THREAD_PREFIX
 
 try:
@@ -195,8 +196,7 @@ def by_process_md(runs: list[dict]) -> list[str]:
     out = ["## CPU per request by process", "",
            "CPU milliseconds (user + system) per finished request over each load window, by process "
            "(fleets: + the broker and Redis the harness started); percent of one core in brackets.", "",
-           "| process | " + " | ".join(f"`{r['target']}` {r['label']}" for r in runs) + " |",
-           "|---|" + "---:|" * len(runs)]
+           *runs_header(("process",), runs)]
 
     def cell(r: dict, role: str | None) -> str:
         by, ok, wall = r["cpu"]["by_process_s"], r["aggregates"]["ok"], r["cpu"].get("window_s") or 0
@@ -224,8 +224,7 @@ def by_thread_md(runs: list[dict]) -> list[str]:
            "UCX, tokenizers, executors). A lane's job run inline (`compute_inline_max_ms`: on the event loop, "
            "its thread idle) counts as event loop. CPU milliseconds per finished request; the last row, the "
            "event loops' CPU over the compute's, moves little with the machine's speed at a fixed setting.", "",
-           "| process | thread | " + " | ".join(f"`{r['target']}` {r['label']}" for r in runs) + " |",
-           "|---|---|" + "---:|" * len(runs)]
+           *runs_header(("process", "thread"), runs)]
     for role, cls in rows:
         cells = []
         for r in runs:
@@ -256,8 +255,7 @@ def switches_md(runs: list[dict]) -> list[str]:
            "(the thread waited and was woken: a message arrived, a timer fired) / involuntary (preempted). "
            "A hop between processes costs wake-ups on both sides; threads that ended within the window are "
            "not counted.", "",
-           "| process | " + " | ".join(f"`{r['target']}` {r['label']}" for r in runs) + " |",
-           "|---|" + "---:|" * len(runs)]
+           *runs_header(("process",), runs)]
 
     def cell(r: dict, role: str | None) -> str:
         sw, ok = r["cpu"]["switches"], r["aggregates"]["ok"]

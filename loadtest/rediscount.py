@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from loadtest.mdtable import runs_header
+
 TOP = 14  # commands listed in the report; the rest are summed in "other"
 
 
@@ -76,8 +78,7 @@ def commands_md(runs: list[dict]) -> list[str]:
     out = ["## Redis commands per request", "",
            "Calls per finished request over each load window, from the server's `INFO commandstats` "
            "(commands run inside scripts count too; so does idle polling during the window).", "",
-           "| command | " + " | ".join(f"`{r['target']}` {r['label']}" for r in runs) + " |",
-           "|---|" + "---:|" * len(runs)]
+           *runs_header(("command",), runs)]
     out += [f"| {cmd} | " + " | ".join(f"{r['redis_commands'].get(cmd, 0.0):.1f}" for r in runs) + " |"
             for cmd in shown]
     if len(total) > len(shown):
