@@ -22,6 +22,7 @@ import asyncio
 import time
 
 from loadtest.mdtable import runs_header
+from loadtest.procs import argv_of
 from shared.compute import LANE_THREAD_PREFIX
 
 try:
@@ -52,9 +53,9 @@ def target_processes(pid: int | None, *, with_infra: bool) -> list:
 
 def process_role(p) -> str:
     """What a target process is: ``worker <stages>``, ``decode core``, ``gateway``,
-    ``supervisor``, ``broker``, ``redis``, ``inproc``, else its name."""
+    ``supervisor``, ``zygote``, ``broker``, ``redis``, ``inproc``, else its name."""
     try:
-        name, argv = p.name(), p.cmdline()
+        name, argv = p.name(), argv_of(p.pid)
     except psutil.Error:
         return "gone"
     if "tansu" in name:
@@ -63,6 +64,8 @@ def process_role(p) -> str:
         return "redis"
     if "shared.engines.decode_core_main" in argv:
         return "decode core"
+    if "shared.zygote_main" in argv:
+        return "zygote"
     if "services.cli" in argv:
         verb = argv[argv.index("services.cli") + 1:][:1]
         if verb == ["worker"] and "--stages" in argv:

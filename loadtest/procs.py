@@ -170,16 +170,20 @@ def pause_trees(roots: list[int], sig: int = signal.SIGSTOP) -> int:
     return n
 
 
+def argv_of(pid: int) -> list[str]:
+    """``pid``'s command line; [] if it is gone. A process the zygote forked shows the command
+    line it stands for as one title (shared/zygote_main.py): split on its spaces."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    argv = raw.rstrip(b"\0").decode(errors="replace").split("\0")
+    return argv[0].split(" ") if len(argv) == 1 else argv
+
+
 def worker_count(supervisor_pid: int) -> int:
     """Worker processes (``mmfleet worker --stages ...``) among a supervisor's children."""
-    n = 0
-    for pid in children_of(supervisor_pid):
-        try:
-            if b"--stages" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                n += 1
-        except OSError:
-            pass
-    return n
+    return sum("--stages" in argv_of(pid) for pid in children_of(supervisor_pid))
 
 
 def alive(pid: int) -> bool:

@@ -5,7 +5,10 @@ Order: Kafka (use the broker at ``kafka_bootstrap`` if one answers, else start t
 port) → the demo model (built once, cached) → topics → one worker per stage group (more where
 ``stage_replicas`` asks, e.g. ``prefill=3``) → gateway.
 
-Children get ``PR_SET_PDEATHSIG`` so they die with the supervisor even if it is SIGKILLed. Each
+Workers and the gateway are forked by a zygote that imported torch, transformers and the
+model's code once (``shared/zygote.py``; setting ``zygote``), else started as ``python -m``:
+either way each is the supervisor's own child. Children get ``PR_SET_PDEATHSIG`` so they die
+with the supervisor even if it is SIGKILLed. Each
 runs in a session (process group) of its own; once a child has exited, whatever is left in its
 group (a vLLM engine core whose worker was SIGKILLed) is SIGKILLed before the restart. A
 worker or gateway that exits unexpectedly is restarted with backoff (1 s doubling to 30 s,
@@ -46,6 +49,7 @@ from shared.keys import RedisKeys
 from shared.models.registry import resolve_model_path
 from shared.redis_conn import make_redis
 from shared.settings import Settings
+from shared.zygote import Adopted, Zygote, ZygoteGone, become_subreaper, reap_strays
 
 log = logging.getLogger("mmfleet.up")
 
@@ -67,16 +71,25 @@ class Child:
     argv: list[str]
     restart: bool
     env: dict[str, str] | None = None
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | Adopted | None = None
     restarts: int = 0
     started_at: float = 0.0
     restarting: bool = False
     host: str = "127.0.0.1"  # infra: the address it listens on (the bootstrap's / redis_url's host)
     port: int | None = None  # infra: where it must listen again after a restart
     log_path: Path | None = None
+    zygote: Zygote | None = None  # forks it (shared/zygote.py) where it can; else Popen
     _log_file: object = field(default=None, repr=False)
 
     def start(self) -> None:
+        if self.zygote is not None:
+            try:
+                self.proc = self.zygote.spawn(self.argv, self.env or dict(os.environ), self.log_path)
+                self.started_at = time.monotonic()
+                log.info("started %s (pid %d, forked by the zygote)", self.name, self.proc.pid)
+                return
+            except ZygoteGone:
+                self.zygote = None
         out = None
         if self.log_path is not None:
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
@@ -187,6 +200,8 @@ class Fleet:
         self.stop_timeout_s = stop_timeout_s
         self.infra: list[Child] = []
         self.services: list[Child] = []
+        self.zygote: Zygote | None = None
+        self._subreaper = False
         self._stopping = asyncio.Event()
 
     async def start(self) -> None:
@@ -198,6 +213,12 @@ class Fleet:
         except ValueError as exc:
             raise CannotStart(str(exc)) from None
         self.settings = s = self.settings.with_overrides(model=str(model_dir))
+        env = settings_mod.child_env(s)
+        if s.zygote:  # its imports overlap the broker's and Redis's start
+            become_subreaper()
+            self._subreaper = True
+            self.zygote = Zygote.start(env, self.log_dir / "zygote.log" if self.log_dir else None,
+                                       model_dir=str(model_dir), engine=s.engine)
         khost, kport = _host_port(s.kafka_bootstrap, 9092)
         if not _answers(khost, kport):
             await self._start_infra(broker_child(khost, kport), khost, kport)
@@ -207,7 +228,8 @@ class Fleet:
         await ensure_topics(s, fleet_topics(s))
         if any(c.name.startswith("kafka") for c in self.infra):
             await self._bump(RedisKeys.broker_epoch, RedisKeys.broker_ready)
-        env = settings_mod.child_env(s)
+        if self.zygote is not None and not await asyncio.to_thread(self.zygote.wait_ready):
+            self.zygote = None  # it said why; every process starts as its own `python -m`
         cli = [sys.executable, "-m", "services.cli"]
         for stages in MODES[self.mode]:
             name = "+".join(stages)
@@ -256,7 +278,7 @@ class Fleet:
 
     def _child(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
         log_path = self.log_dir / f"{name}.log" if self.log_dir else None
-        return Child(name, argv, restart=True, env=env, log_path=log_path)
+        return Child(name, argv, restart=True, env=env, log_path=log_path, zygote=self.zygote)
 
     async def _start_infra(self, child: Child, host: str, port: int) -> None:
         if self.log_dir:
@@ -303,6 +325,9 @@ class Fleet:
                     task = asyncio.create_task(self._restart_later(child))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
+            if self._subreaper:  # a dead worker's own children come to us
+                reap_strays({c.proc.pid for c in [*self.infra, *self.services] if c.proc is not None}
+                            | ({self.zygote.proc.pid} if self.zygote else set()))
             await wait_event(self._stopping, 0.5)
         for task in pending:
             task.cancel()
@@ -361,6 +386,8 @@ class Fleet:
         deadline = time.monotonic() + self.stop_timeout_s
         for child in reversed(self.services):
             child.stop(max(deadline - time.monotonic(), 0.1))
+        if self.zygote is not None:
+            self.zygote.stop()
         for child in reversed(self.infra):
             child.stop(self.stop_timeout_s)
 

@@ -318,6 +318,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
                                                       "stabilization window)")] = 30.0
     up_ready_timeout_s: Annotated[float, _d("how long `mmfleet up` waits for every worker group to serve, then as "
                                             "long for the gateway's /ready, before it gives up")] = 180.0
+    zygote: Annotated[bool, _d("`mmfleet up` forks workers and the gateway from one process that has imported "
+                               "torch, transformers and the model's code once (a zygote): each starts in about a "
+                               "second instead of ~7 s of imports. false: each is its own `python -m` process")] = True
 
     # --- operations
     log_level: Annotated[str, _d("DEBUG, INFO, WARNING or ERROR")] = "INFO"

@@ -14,6 +14,7 @@ from pathlib import Path
 # the harness and the tests start brokers, redis-servers and check children the same way
 from loadtest.procs import (  # noqa: F401
     alive,
+    argv_of,
     broker,
     children_of,
     free_port,

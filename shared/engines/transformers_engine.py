@@ -226,3 +226,18 @@ def _report_memory(compute) -> None:
     log.info("model loaded: %s weights, encoder %.1f MiB, LM %.1f MiB; process resident %.1f MiB",
              str(compute.dtype).removeprefix("torch."), held["encoder"] / mib, held["lm"] / mib,
              resident_bytes() / mib)
+
+
+def preload_family(model_dir: str | Path) -> None:
+    """Imports what :meth:`TransformersEngine.start` will for this model (its family's compute
+    path, the model and processor classes) without loading weights: the zygote's preload
+    (shared/zygote_main.py)."""
+    from transformers import AutoConfig, AutoProcessor
+
+    compute_class(model_dir)
+    AutoProcessor.from_pretrained(str(model_dir))
+    config = AutoConfig.from_pretrained(str(model_dir))
+    import transformers
+
+    for name in config.architectures or ():
+        getattr(transformers, name, None)  # the lazy module imports the modeling code

@@ -35,11 +35,8 @@ CONCURRENCY = 6
 
 def _broker_pid(supervisor_pid: int) -> int | None:
     for pid in procs.children_of(supervisor_pid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and b"tansu" in os.path.basename(argv[0]) and b"broker" in argv:
+        argv = procs.argv_of(pid)
+        if argv and "tansu" in os.path.basename(argv[0]) and "broker" in argv:
             return pid
     return None
 

@@ -10,7 +10,6 @@ import os
 import signal
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -26,12 +25,9 @@ VLLM_TIMEOUT_MS = 240_000  # above two vLLM engines' restart at once on 2 shared
 def _stage_pids(supervisor_pid: int) -> dict[str, int]:
     out = {}
     for pid in procs.children_of(supervisor_pid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"--stages" in argv:
-            out[argv[argv.index(b"--stages") + 1].decode()] = pid
+        argv = procs.argv_of(pid)
+        if "--stages" in argv:
+            out[argv[argv.index("--stages") + 1]] = pid
     return out
 
 
