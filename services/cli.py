@@ -190,10 +190,18 @@ def main(argv: list[str] | None = None) -> int:
         return aio.run(run_up(settings, mode=args.mode, log_dir=args.log_dir, ready_file=args.ready_file,
                               autoscale=args.autoscale), settings.event_loop)
     if args.command == "worker":
-        from services.worker import run_worker
+        from services.worker import run_worker, uses_decode_core
+        from shared import zygote
 
-        return aio.run(run_worker(settings, [s.strip() for s in args.stages.split(",") if s.strip()]),
-                       settings.event_loop)
+        stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+        spawner = None
+        if zygote.preloaded and uses_decode_core(settings, tuple(stages)):
+            # forked by the zygote, so still one thread with everything imported: fork a zygote
+            # of our own here, for the decode core (and its restarts) to start without imports
+            from shared.zygote_main import fork_here
+
+            spawner = fork_here()
+        return aio.run(run_worker(settings, stages, spawner), settings.event_loop)
     if args.command == "gateway":
         from services.gateway.main import run_gateway
 

@@ -65,16 +65,23 @@ def _engine_class(name: str):
     raise SystemExit(f"unknown engine {name!r}; choose transformers or vllm")
 
 
-def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...] = ()) -> Engine:
+def uses_decode_core(settings: Settings, stages: tuple[str, ...]) -> bool:
+    """The LM decodes in this worker and nothing else: its decode runs in a core process."""
+    decode_only = "decode" in stages and not {"prefill", "encode"} & set(stages)
+    return settings.engine == "transformers" and settings.decode_core and decode_only
+
+
+def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...] = (), spawner=None) -> Engine:
     """The engine for a worker running ``stages``: a vLLM engine running prefill apart from
-    decode is built as KV producer, one running decode apart as KV consumer (vllm_pd)."""
+    decode is built as KV producer, one running decode apart as KV consumer (vllm_pd). A
+    transformers decode core is forked by ``spawner`` (a ``shared.zygote.Zygote``) when given."""
     cls = _engine_class(name)
-    decode_only = "decode" in stages and not {"prefill", "encode"} & set(stages)  # the LM decodes, nothing else
-    if name == "transformers" and settings.decode_core and decode_only:
+    if name == "transformers" and uses_decode_core(settings, stages):
         from shared.engines.decode_core import CoreDecodeEngine
 
         return CoreDecodeEngine(model_dir, device=settings.device, dtype=settings.dtype,
-                                max_batch=settings.decode_max_batch, torch_threads=settings.torch_threads)
+                                max_batch=settings.decode_max_batch, torch_threads=settings.torch_threads,
+                                spawner=spawner)
     if name == "transformers":
         from shared.models.loading import parts_for
 
@@ -104,7 +111,9 @@ def engine_capabilities(name: str):
     return _engine_class(name).capabilities
 
 
-async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
+async def run_worker(settings: Settings, stages_arg: list[str], spawner=None) -> int:
+    """``spawner``: a ``shared.zygote.Zygote`` this worker forked (services/cli.py) for its
+    decode core; stopped with the worker."""
     stages = normalise(stages_arg)
     if {"prefill", "decode"} & set(stages):
         check_engine(stages, settings.engine, engine_capabilities(settings.engine))
@@ -128,6 +137,8 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
     except ValueError as exc:
         raise SystemExit(f"cannot start worker: {exc}") from None
     async with AsyncExitStack() as stack:
+        if spawner is not None:  # after the engines (the exit stack unwinds in reverse)
+            stack.callback(spawner.stop)
         metrics_server = await stack.enter_async_context(MetricsServer(settings.metrics_host, settings.metrics_port))
         log.info("metrics on http://%s:%d/metrics", settings.metrics_host, metrics_server.port)
         redis = make_redis(settings)
@@ -155,7 +166,7 @@ async def run_worker(settings: Settings, stages_arg: list[str]) -> int:
         if settings.doorbell:
             doorbell = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=settings.idle_fetch_interval_ms)
             stack.push_async_callback(doorbell.close)
-        engines = _Engines(settings, model_dir, stages, stack)
+        engines = _Engines(settings, model_dir, stages, stack, spawner)
         parts = StageParts(settings=settings, model_dir=model_dir, stages=stages, stack=stack,
                            engine=engines, redis=redis, keys=keys,
                            transfer=transfer, worker_id=worker_id, router=router, index=_index(settings, redis, keys),
@@ -241,13 +252,15 @@ class _Engines:
     stopped with the worker. An engine whose ``start`` returns before it can serve (the decode
     core loads its model in its own process) has ``started()``: :meth:`started` waits for them all."""
 
-    def __init__(self, settings: Settings, model_dir, stages: tuple[str, ...], stack: AsyncExitStack) -> None:
+    def __init__(self, settings: Settings, model_dir, stages: tuple[str, ...], stack: AsyncExitStack,
+                 spawner=None) -> None:
         self._settings, self._model_dir, self._stages, self._stack = settings, model_dir, stages, stack
+        self._spawner = spawner
         self._by_name: dict[str, Engine] = {}
 
     async def __call__(self, name: str) -> Engine:
         if name not in self._by_name:
-            eng = make_engine(name, self._settings, self._model_dir, self._stages)
+            eng = make_engine(name, self._settings, self._model_dir, self._stages, self._spawner)
             await eng.start()
             self._stack.push_async_callback(eng.stop)
             self._by_name[name] = eng

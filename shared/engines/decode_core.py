@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import socket
 import struct
 import subprocess
@@ -107,15 +108,16 @@ class CoreDecodeEngine:
     core_module = "shared.engines.decode_core_main"  # what the child runs (``python -m``)
 
     def __init__(self, model_dir, *, device: str = "cpu", dtype: str = "auto", max_batch: int = 16,
-                 torch_threads: int = 1) -> None:
+                 torch_threads: int = 1, spawner=None) -> None:
         self._model_dir = str(model_dir)
+        self._spawner = spawner  # a shared.zygote.Zygote that forks the core (no imports to pay), else Popen
         self._argv = [sys.executable, "-m", self.core_module, "--model-dir", self._model_dir,
                       "--device", device, "--dtype", dtype, "--max-batch", str(max_batch),
                       "--threads", str(torch_threads)]
         self.tokenizer = None
         self.eos_token_ids: frozenset[int] = frozenset()
         self.max_model_len = 0
-        self._proc: subprocess.Popen | None = None
+        self._proc = None  # subprocess.Popen, or shared.zygote.Adopted
         self._writer: asyncio.StreamWriter | None = None
         self._reader: asyncio.Task | None = None
         self._boot: asyncio.Task | None = None  # the core's start: done once its Ready arrived
@@ -162,13 +164,24 @@ class CoreDecodeEngine:
 
     def _spawn(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        argv = [*self._argv, "--fd", str(theirs.fileno())]
         try:
-            self._proc = subprocess.Popen([*self._argv, "--fd", str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+            self._proc = None
+            if self._spawner is not None:  # in this worker's process group, as a Popen child would be
+                from shared.zygote import ZygoteGone
+
+                try:
+                    self._proc = self._spawner.spawn(argv, dict(os.environ), None, new_session=False,
+                                                     pass_fds=(theirs.fileno(),))
+                except ZygoteGone:
+                    self._spawner = None
+            if self._proc is None:
+                self._proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
         self._boot = asyncio.create_task(self._await_ready(mine, self._proc), name="decode-core-boot")
 
-    async def _await_ready(self, sock: socket.socket, proc: subprocess.Popen) -> None:
+    async def _await_ready(self, sock: socket.socket, proc) -> None:
         reader, self._writer = await asyncio.open_unix_connection(sock=sock)
         try:
             head = await asyncio.wait_for(reader.readexactly(HEAD.size), READY_TIMEOUT_S)

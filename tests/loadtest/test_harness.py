@@ -246,9 +246,16 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
     log_dir = logs_dir / "loadtest-fleet"
     log_dir.mkdir()
     with procs.fleet(env, log_dir) as (base, proc):
-        roles = {cpu.process_role(p) for p in cpu.target_processes(proc.pid, with_infra=False)}
+        by_role = {}
+        for p in cpu.target_processes(proc.pid, with_infra=False):
+            by_role.setdefault(cpu.process_role(p), []).append(p)
+        roles = set(by_role)
         assert {"supervisor", "gateway", *(f"worker {','.join(g)}" for g in MODES["e-p-d"])} <= roles, roles
         assert "decode core" in roles, roles  # the decode worker's child: its CPU is counted too
+        # the workers and gateway were forked from the fleet's zygote (shared/zygote.py), the decode
+        # core from the decode worker's own
+        assert len(by_role["zygote"]) == 2, by_role
+        assert cpu.process_role(by_role["decode core"][0].parent()) == "worker decode"
         cfg = _config(tmp_path, [f"url:{base}", "inproc"], n=4, idle_cpu_s=1.0)  # a CPU sample, not a figure
         result = run_bench(cfg, TargetOptions(model_dir=model_dir, log_dir=tmp_path, redis_url=redis_url,
                                               redis_prefix=prefix))
