@@ -112,6 +112,7 @@ def _become(spawn: zygote.Spawn, fds: list[int], parent: int) -> None:
     os.environ.update(spawn.env)
     zygote.preloaded = True
     sys.argv = [spawn.module, *spawn.args]
+    sys.modules.pop(spawn.module, None)  # preloaded (services.cli): runpy runs it afresh as __main__
     gc.freeze()  # what it inherited stays out of its collections (shared until written)
     gc.enable()  # as in a new interpreter; a fleet process turns it off while it starts (gcpolicy)
 
