@@ -5,7 +5,6 @@ left in its process group; the broker and Redis children, and waiting for a port
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import shutil
@@ -18,14 +17,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from services import embedded_broker
-from shared.zygote import Adopted, Zygote, ZygoteGone
+from shared.zygote import Adopted, Zygote, ZygoteGone, die_with_parent
 
 log = logging.getLogger("mmfleet.up")
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -61,7 +55,7 @@ class Child:
         # before Redis and the broker (a terminal's SIGINT to the whole group would kill the
         # broker while workers still drain).
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         self.started_at = time.monotonic()
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
