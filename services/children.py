@@ -39,9 +39,9 @@ class Child:
     _log_file: object = field(default=None, repr=False)
 
     def start(self) -> None:
-        if self.zygote is not None:
+        if self.zygote is not None and self.env is not None:  # services: the env the supervisor built
             try:
-                self.proc = self.zygote.spawn(self.argv, self.env or dict(os.environ), self.log_path)
+                self.proc = self.zygote.spawn(self.argv, self.env, self.log_path)
                 self.started_at = time.monotonic()
                 log.info("started %s (pid %d, forked by the zygote)", self.name, self.proc.pid)
                 return
