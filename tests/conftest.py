@@ -18,6 +18,20 @@ torch.set_num_threads(1)
 CACHE_DIR = procs.REPO / ".mmfleet" / "cache"
 
 
+# files whose tests start vLLM engines (GiBs each): one pytest-xdist worker runs them all, one
+# after another, so two never run at once (`make test` runs two workers)
+VLLM_FILES = ("tests/engines/", "tests/e2e/test_modes.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup``: a test file runs whole on one worker (its
+    module fixtures, a fleet, start once), the vLLM files together on one."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        group = "vllm" if path.startswith(VLLM_FILES) else path
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     from shared.models.qwen2_vl_tiny import ensure_tiny_qwen2_vl
