@@ -99,6 +99,12 @@ class RedisKeys:
         """A worker's liveness record (stage, pid, started), refreshed with a TTL."""
         return f"{self.prefix}:worker:{worker_id}"
 
+    def alive(self, worker_id: str) -> str:
+        """Set (with a TTL) while a worker's process runs, partitions or not: its NIXL pool can
+        be read from. The embedding index checks owners here, so a rebalance, in which a live
+        owner briefly holds no partition (and has no ``worker`` record), drops nothing."""
+        return f"{self.prefix}:alive:{worker_id}"
+
     def rate(self, key_id: str, window: int) -> str:
         """Requests an API key (by its hash prefix, never the key) made in one rate window."""
         return f"{self.prefix}:rate:{key_id}:{window}"

@@ -1,7 +1,8 @@
 """Liveness records in Redis: who serves what right now, and where to scrape it.
 
 A worker writes its ``WorkerInfo`` under ``keys.worker(id)`` with a TTL while every runner of it
-holds partitions (at once when that changes, then every ``interval_s``); a gateway writes its
+holds partitions (at once when that changes, then every ``interval_s``), and ``keys.alive(id)``
+while its process runs; a gateway writes its
 ``GatewayInfo`` (its URL) under ``keys.gateway(id)`` while it listens. A record is deleted on a
 clean stop, and a crashed process's record expires after ``ttl_s``. Readers (the supervisor's
 readiness check, operators, tests finding every ``/metrics``) list them with
@@ -54,9 +55,12 @@ async def keep_record(redis: aioredis.Redis, key: str, value: bytes, serving: Ca
 
 async def heartbeat(redis: aioredis.Redis, keys: RedisKeys, info: protocol.WorkerInfo,
                     serving: Callable[[], bool], *, interval_s: float = 2.0, ttl_s: float = 6.0) -> None:
-    """A worker's record (see :func:`keep_record`)."""
-    await keep_record(redis, keys.worker(info.worker_id), protocol.encode(info), serving,
-                      interval_s=interval_s, ttl_s=ttl_s)
+    """A worker's record (see :func:`keep_record`), and its ``alive`` key, held for as long as
+    this runs whether it serves or not (what embedding-cache readers check an owner by)."""
+    await asyncio.gather(
+        keep_record(redis, keys.worker(info.worker_id), protocol.encode(info), serving,
+                    interval_s=interval_s, ttl_s=ttl_s),
+        keep_record(redis, keys.alive(info.worker_id), b"1", lambda: True, interval_s=interval_s, ttl_s=ttl_s))
 
 
 async def _records(redis: aioredis.Redis, pattern: str, type_: type[msgspec.Struct]) -> list:

@@ -8,7 +8,8 @@ Contracts:
   embedding (``still_valid``).
 - Advisory: every read swallows Redis errors and answers "no entry" / "not valid", so a Redis
   outage or FLUSHALL costs misses, never errors. ``lookup_live`` also checks the owner's
-  liveness record: an entry whose owner is not serving is not used (and is dropped).
+  ``alive`` key (held while its process runs, through rebalances): an entry whose owner is gone
+  is not used (and is dropped).
 - Lease: ``SET NX PX`` on ``RedisKeys.embedding_lease(key)`` with the holder's name; released
   by its holder (compare-and-delete) or by expiry if the holder died. A Redis error while
   taking it counts as taken (encode without coordination rather than fail).
@@ -87,12 +88,12 @@ class EmbeddingIndex:
             return None
 
     async def lookup_live(self, key: str) -> protocol.EmbeddingIndexEntry | None:
-        """The entry if its owner is serving now; an entry of a dead owner is dropped."""
+        """The entry if its owner runs now; an entry of a dead owner is dropped."""
         entry = await self.lookup(key)
         if entry is None:
             return None
         try:
-            alive = await self._redis.exists(self._keys.worker(entry.owner.name))
+            alive = await self._redis.exists(self._keys.alive(entry.owner.name))
         except _ERRORS:
             return None
         if not alive:
@@ -129,7 +130,7 @@ class EmbeddingIndex:
             return None, bool(leased)
         entry = self._dec.decode(raw)
         try:
-            alive = await self._redis.exists(self._keys.worker(entry.owner.name))
+            alive = await self._redis.exists(self._keys.alive(entry.owner.name))
         except _ERRORS:
             alive = False
         if not alive:

@@ -241,8 +241,11 @@ def test_no_message_on_any_topic_exceeds_a_few_kib(client, kafka_bootstrap):
     chat(client, image_parts([png_data_url(big)], "What is this?"))
     sizes = asyncio.run(_record_sizes(kafka_bootstrap))
     assert sum(len(v) for v in sizes.values()) > 0
+    # records carry descriptors, not tensors: ~0.5 KiB per NIXL owner (AgentRef) and ~0.2 KiB
+    # per item, so a two-image request's record is ~4 KiB here (the names inside grow with pid
+    # and port digits); the big image's pixels alone are 1.2 MiB
     for topic, values in sizes.items():
-        assert max(values, default=0) <= 4096, f"{topic}: a record of {max(values)} bytes"
+        assert max(values, default=0) <= 8192, f"{topic}: a record of {max(values)} bytes"
     assert sizes["mm.media-fetch"] and sizes["mm.encode"] and sizes["mm.prefill"] and sizes["mm.decode"]
 
 

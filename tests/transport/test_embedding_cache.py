@@ -47,7 +47,7 @@ async def env(redis_url):
     agents = [TransferAgent(f"{n}-{os.getpid()}-{uuid.uuid4().hex[:6]}", 1 << 20) for n in ("enc0", "enc1", "pre")]
     for a in agents:
         await a.start()
-        await redis.set(keys.worker(a.name), b"x", px=60_000)  # "serving" liveness records
+        await redis.set(keys.alive(a.name), b"1", px=60_000)  # their processes run
     try:
         yield redis, keys, index, agents
     finally:
@@ -254,9 +254,23 @@ async def test_dead_owner_entries_are_not_used_and_are_dropped(env) -> None:
     key = cache_key("fp", "dead-owner")
     await cache.embed(pixel_item(key), CountingEncoder(a, 0)(5), fleet_ok=True, deadline_unix_ms=2**62)
     await cache.drain()
-    await redis.delete(keys.worker(a.name))  # the owner stopped serving
+    await redis.delete(keys.alive(a.name))  # the owner's process is gone
     assert await index.lookup_live(key) is None
     assert await index.lookup(key) is None  # dropped for everyone
+
+
+async def test_an_owner_between_partitions_keeps_its_entries(env) -> None:
+    """A rebalance leaves a live owner without partitions (and without its ``worker`` record)
+    for seconds: its entries stay usable, since its pool still serves reads."""
+    redis, keys, index, (a, _, _) = env
+    cache, _ = make_cache(index, a)
+    key = cache_key("fp", "rebalancing-owner")
+    await cache.embed(pixel_item(key), CountingEncoder(a, 0)(5), fleet_ok=True, deadline_unix_ms=2**62)
+    await cache.drain()
+    assert await redis.exists(keys.worker(a.name)) == 0  # no partitions held (never had any here)
+    assert (await index.lookup_live(key)).owner.name == a.name
+    entry, leased = await index.lookup_or_lease(key, "someone")
+    assert entry is not None and entry.owner.name == a.name and not leased
 
 
 async def test_redis_flushed_only_costs_misses(env) -> None:

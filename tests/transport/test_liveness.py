@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+from shared import protocol
 from shared import settings as settings_mod
-from shared.liveness import keep_record
+from shared.keys import RedisKeys
+from shared.liveness import heartbeat, keep_record
 from shared.redis_conn import make_redis
 
 LONG_INTERVAL_S = 60.0  # no refresh tick falls inside the test: what shows, the change wrote
@@ -53,3 +55,32 @@ def test_a_change_of_serving_is_written_at_once_and_the_record_goes_with_its_hol
 
 async def _absent(redis, key: str) -> bool:
     return not await redis.exists(key)
+
+
+def test_a_workers_alive_key_outlives_its_partitions_but_not_its_process(redis_url):
+    """``heartbeat``: the ``worker`` record follows ``serving()``, the ``alive`` key (what the
+    embedding index checks owners by) is held throughout and goes when the heartbeat stops."""
+    async def go():
+        redis = make_redis(settings_mod.from_env({}, redis_url=redis_url))
+        keys = RedisKeys("liveness-alive-test")
+        info = protocol.WorkerInfo(worker_id="w2", stages=("encode",), pid=1, host="h", started_unix_ms=0,
+                                   metrics_port=0, metrics_url="")
+        state = {"serving": True}
+        task = asyncio.create_task(heartbeat(redis, keys, info, lambda: state["serving"],
+                                             interval_s=LONG_INTERVAL_S, ttl_s=LONG_INTERVAL_S * 3))
+        try:
+            assert await _until(lambda: _count(redis, keys.worker("w2"), keys.alive("w2"), want=2), 10)
+            state["serving"] = False  # a rebalance: no partitions for a while
+            assert await _until(lambda: _absent(redis, keys.worker("w2")), 10)
+            assert await redis.exists(keys.alive("w2"))
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert await redis.exists(keys.worker("w2"), keys.alive("w2")) == 0
+        await redis.aclose()
+
+    asyncio.run(go())
+
+
+async def _count(redis, *keys: str, want: int) -> bool:
+    return await redis.exists(*keys) == want
