@@ -43,11 +43,11 @@ chromium:
 # lint first (pyflakes, import order, pycodestyle; [tool.ruff] in pyproject.toml): seconds, not minutes
 # two pytest workers: the suite waits more than it computes (fleet starts, broker joins, chaos
 # kills; ~1 core busy on average with one worker). Each test file runs whole on one worker, the
-# vLLM files all on one (tests/conftest.py); PYTEST_WORKERS=0 runs it in one process
+# longest files first (tests/conftest.py); PYTEST_WORKERS=0 runs it in one process
 PYTEST_WORKERS ?= 2
 test: install $(VLLM_STAMP) chromium
 	$(BIN)/ruff check .
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # the benchmark suites (~30 minutes on 2 cores); results under loadtest/results/<time>/. The plumbing
 # overhead suite (with the vLLM-engine fleets and vLLM's own client beside ours: `engines`)

@@ -18,18 +18,22 @@ torch.set_num_threads(1)
 CACHE_DIR = procs.REPO / ".mmfleet" / "cache"
 
 
-# files whose tests start vLLM engines (GiBs each): one pytest-xdist worker runs them all, one
-# after another, so two never run at once (`make test` runs two workers)
-VLLM_FILES = ("tests/engines/", "tests/e2e/test_modes.py")
+# Test files by what they cost, the longest first (prefixes; a file not named ranks last). Under
+# `make test`'s two pytest-xdist workers (`--dist loadfile --no-loadscope-reorder`) each file runs
+# whole on one worker (its module fixtures, a fleet, start once) and files are handed out in this
+# order, so the vLLM files (minutes each) start at once, on both workers, and the many short
+# files fill the end instead of one long file running alone there.
+LONGEST_FIRST = ("tests/e2e/test_modes.py", "tests/engines/test_vllm_engine.py", "tests/engines/",
+                 "tests/chaos/", "tests/multihost/", "tests/e2e/", "tests/loadtest/", "tests/unit/test_decode_core")
+
+
+def _rank(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return next((i for i, prefix in enumerate(LONGEST_FIRST) if path.startswith(prefix)), len(LONGEST_FIRST))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's ``--dist loadgroup``: a test file runs whole on one worker (its
-    module fixtures, a fleet, start once), the vLLM files together on one."""
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        group = "vllm" if path.startswith(VLLM_FILES) else path
-        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=_rank)  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")
