@@ -60,7 +60,9 @@ async def heartbeat(redis: aioredis.Redis, keys: RedisKeys, info: protocol.Worke
     await asyncio.gather(
         keep_record(redis, keys.worker(info.worker_id), protocol.encode(info), serving,
                     interval_s=interval_s, ttl_s=ttl_s),
-        keep_record(redis, keys.alive(info.worker_id), b"1", lambda: True, interval_s=interval_s, ttl_s=ttl_s))
+        # nothing to watch for (it is held whatever happens): wake once a refresh, not every check_s
+        keep_record(redis, keys.alive(info.worker_id), b"1", lambda: True, interval_s=interval_s, ttl_s=ttl_s,
+                    check_s=interval_s))
 
 
 async def _records(redis: aioredis.Redis, pattern: str, type_: type[msgspec.Struct]) -> list:
