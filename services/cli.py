@@ -1,19 +1,10 @@
-"""``mmfleet``: one command line for every process of the fleet.
-
-  mmfleet up        the whole fleet locally (broker, Redis, workers, gateway)
-  mmfleet worker    one worker process running the given stages
-  mmfleet gateway   the OpenAI-compatible HTTP gateway
-  mmfleet topics    create the topics (idempotent) and list them
-  mmfleet model     build the tiny offline demo model (cached) and print its path
-  mmfleet submit    run a JSONL file of requests through Kafka (mm.requests), replies to JSONL
-  mmfleet keys hash print the sha256 of an API key read from stdin (for MMFLEET_API_KEY_HASHES)
-  mmfleet top       the live fleet view in the terminal (the gateway serves it at /fleet)
-  mmfleet settings  every setting: variable, default, description (--effective: the values in force)
-  mmfleet bench     benchmark the fleet against in-process and vllm serve (see loadtest/README.md)
+"""``mmfleet``: one command line for every process of the fleet (``mmfleet <command> --help``).
 
 Settings, lowest precedence first: defaults < a TOML config file (--config FILE, or the
 MMFLEET_CONFIG variable; keys are setting names, e.g. `gateway_port = 8080`) < environment
 variables MMFLEET_<NAME> < the flags of a subcommand. Unknown keys and variables are errors.
+
+Docs: docs/guide/configuration.md.
 """
 
 from __future__ import annotations
@@ -82,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     from services.modes import MODES, STAGE_ORDER  # the stage registry (services/stages.py)
 
     up.add_argument("--mode", default="e-p-d", choices=list(MODES),
-                    help="which stages share a worker: epd (one worker), e-pd (encode apart), e-p-d (all "
-                         "apart), ep-d (decode apart)")
+                    help="which stages share a worker: epd (one worker), e-pd (encode apart), e-p-d (media-fetch "
+                         "+ encode, prefill, decode), ep-d (decode apart), m-e-p-d (every stage apart)")
     up.add_argument("--port", type=int, dest="gateway_port", help="gateway port (env MMFLEET_GATEWAY_PORT)")
     up.add_argument("--log-dir", type=Path, help="write each child's output to DIR/<name>.log")
     up.add_argument("--ready-file", type=Path, help="write the gateway URL to FILE once every stage serves")
@@ -133,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     shape.add_argument("--effective", action="store_true",
                        help="print MMFLEET_<NAME>=value as in force here (defaults < file < environment; "
                             "secrets redacted)")
-    shape.add_argument("--markdown", action="store_true", help="print the table as Markdown (the README's)")
+    shape.add_argument("--markdown", action="store_true",
+                       help="print the table as Markdown (as in docs/guide/configuration.md)")
     doctor = add("doctor", "print the compute device, the tensor transfer paths this host offers, and a "
                            "1/16/256 MiB bandwidth probe of each (between two processes)")
     config(doctor)
@@ -182,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(settings, process=args.command)
     if args.command in ("up", "worker", "gateway"):  # long-lived fleet processes: shared/gcpolicy.py
         from shared import gcpolicy
+        from shared.device import keep_triton_out
 
         gcpolicy.starting()
+        keep_triton_out(settings.device)  # before anything imports torch._dynamo
     if args.command == "up":
         from services.supervisor import run_up
 

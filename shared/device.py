@@ -17,13 +17,15 @@ Contracts:
 from __future__ import annotations
 
 import socket
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-__all__ = ["Placement", "resolve_placement", "cuda_available", "host_id", "device_uuid", "local_index"]
+__all__ = ["Placement", "resolve_placement", "cuda_available", "host_id", "device_uuid", "local_index",
+           "keep_triton_out"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,6 +76,16 @@ def resolve_placement(device: str = "cpu", dtype: str = "auto",
     else:
         raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return Placement(tdev, tdtype)
+
+
+def keep_triton_out(device: str) -> None:
+    """On ``device`` ``cpu``: make ``import triton`` fail in this process (and in what it forks).
+    Call it before ``torch._dynamo`` is imported (torchvision imports it, through transformers'
+    processors), which imports triton when installed only to note that it is; triton serves
+    GPU kernels alone. Imported, triton's types are reported as leaked at exit, because a fleet
+    process freezes its heap then (``shared.gcpolicy``): pages of warnings on Ctrl-C."""
+    if device.strip().lower() == "cpu":
+        sys.modules.setdefault("triton", None)
 
 
 @lru_cache(maxsize=1)

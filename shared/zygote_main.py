@@ -2,9 +2,11 @@
 started by :class:`shared.zygote.Zygote`): imports what a fleet process will (:func:`preload`),
 says ``Ready`` (with its thread count: it must fork single-threaded), then serves ``Spawn``
 requests on its socket until EOF. Each is forked twice so that the new process is reparented to
-the zygote's parent, a child subreaper (see :mod:`shared.zygote` for the contract); the forked
-process then runs its module as ``__main__``, as ``python -m`` would, and exits the way that
-process would have. :func:`fork_here` forks such a zygote from a running process instead."""
+the zygote's parent, a child subreaper; the forked process then runs its module as ``__main__``,
+as ``python -m`` would. :func:`fork_here` forks such a zygote from a running process instead.
+
+Design: docs/design/startup.md.
+"""
 
 from __future__ import annotations
 
@@ -147,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     parent = os.getppid()
     gc.disable()  # start-up objects are frozen below, as in every fleet process (shared/gcpolicy.py)
     try:
+        from shared.device import keep_triton_out
+        from shared.settings import from_env
+
+        keep_triton_out(from_env().device)  # the children's settings; before preload imports torch._dynamo
         preload(args.model_dir, args.engine)
     except Exception as exc:  # noqa: BLE001 - reported; the parent starts processes without us
         zygote.send(sock, zygote.Failed(f"preload: {type(exc).__name__}: {exc}"))
