@@ -1,21 +1,12 @@
-"""Settings: read once in ``main``, then passed down. Nothing else in the code base reads the
-environment or the config file.
-
-Precedence, lowest first: the defaults below < a TOML config file (``--config FILE`` or
-``MMFLEET_CONFIG``; keys are setting names) < environment ``MMFLEET_<NAME>`` < command-line
-flags. Unknown keys in the file and unknown ``MMFLEET_*`` variables are errors that name the key,
-so a typo never silently falls back to a default. ``KAFKA_BOOTSTRAP`` and ``REDIS_URL`` are
-honoured as well-known aliases of ``MMFLEET_KAFKA_BOOTSTRAP`` / ``MMFLEET_REDIS_URL``.
-
-Units are in the names (``_ms``, ``_bytes``, ``_s``). Every setting carries a one-line
-description (``msgspec.Meta``): the single source of ``mmfleet --help``, ``mmfleet settings``
-and the README's configuration table (see :mod:`shared.settings_doc`).
-
-``model_path`` (variable ``MMFLEET_MODEL_PATH``, config key, keyword) is the old name of
-``model`` and is still read as it. ``served_model_name`` not given defaults to ``model`` as given
-(vLLM's rule), so clients ask for the hub id they know — unless the model was named by its old
-name, which keeps the old default (``mmfleet-demo``).
-"""
+"""Settings: read once in ``main``, then passed down; nothing else reads the environment or the
+config file. Precedence, lowest first: defaults < a TOML file (``--config FILE`` or
+``MMFLEET_CONFIG``; keys are setting names) < ``MMFLEET_<NAME>`` (``KAFKA_BOOTSTRAP`` and
+``REDIS_URL`` too) < command-line flags. An unknown file key or ``MMFLEET_*`` variable is an error
+that names it. Units are in the names (``_ms``, ``_bytes``, ``_s``). Each setting's
+``msgspec.Meta`` description is the one source of ``mmfleet settings`` and of the table in
+docs/guide/configuration.md (:mod:`shared.settings_doc`). ``model_path`` is the old name of
+``model``; named so, the served model name stays ``mmfleet-demo``, else it defaults to ``model``
+as given (vLLM's rule)."""
 
 from __future__ import annotations
 
@@ -100,7 +91,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     commit_interval_ms: Annotated[int, _d("a consumer commits finished records at most this often (stop and "
                                           "rebalance commit at once)")] = 100
     # The doorbell (shared/doorbell.py) takes the broker's wait off the critical path: stage
-    # consumers fetch with no broker-side wait and sleep client-side until the upstream stage
+    # consumers fetch with a 1 ms broker-side wait (tansu answers a 0 ms fetch with no records)
+    # and sleep client-side until the upstream stage
     # rings (a Redis PUBLISH as its produce goes out) or the idle interval passes. A lost ring
     # costs at most the idle interval; the interval sets the idle fleet's polling CPU.
     doorbell: Annotated[bool, _d("stage consumers wait for a Redis pub/sub ring from the producing stage "
@@ -135,7 +127,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     lease_ttl_ms: Annotated[int, _d("how long a tensor slot named in a message is kept unacknowledged")] = \
         120_000
 
-    # --- embedding cache (issue #6). Each encode worker keeps embeddings it computed in its
+    # --- embedding cache. Each encode worker keeps embeddings it computed in its
     # NIXL pool (pinned, LRU) and publishes them in a Redis index so any worker can reuse them.
     embedding_cache_bytes: Annotated[int, _d(
         "each encode worker's embedding cache in its NIXL pool, bytes (capped at pool_bytes/2); 0: no cache, "
@@ -173,8 +165,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         "taken at most this long: no thread hand-over; 0: always the compute thread")] = 20.0
     device: Annotated[str, _d("where this worker's encoder, prefill and decode compute: cpu | cuda | cuda:N "
                               "(a GPU asked for and not visible is a start-up error)")] = "cpu"
-    dtype: Annotated[str, _d("model dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | "
-                             "float16")] = "auto"
+    dtype: Annotated[str, _d(
+        "model dtype: auto | float32 | bfloat16 | float16 (the last three force it); auto: a bfloat16 or float16 "
+        "checkpoint (as its config.json says) loads in its own dtype, any other in bfloat16 on CUDA and float32 on "
+        "CPU; the vLLM engine's language model takes bfloat16 on CUDA and float32 on CPU whatever the "
+        "checkpoint")] = "auto"
     transfer_cuda_ipc: Annotated[bool, _d(
         "a GPU worker also offers each tensor it ships in its GPU pool (the size of `MMFLEET_POOL_BYTES`, "
         "exported by CUDA IPC once), which a consumer on the same host and GPU copies from instead of the "
@@ -288,7 +283,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         "routing table in Redis) or 'round_robin' (next live prefill worker in turn, for "
         "comparison)")] = "kv"
     kv_block_size: Annotated[int, _d("prompt positions per KV block (hashing, prefix cache, routing)")] = 16
-    # 2: a miss is compute the fleet pays in full, a queue is one request's wait (README, KV suite)
+    # 2: a miss is compute the fleet pays in full, a queue is one request's wait (docs/benchmarks/results/bench-kv.json)
     kv_overlap_weight: Annotated[float, _d(
         "kv routing cost of a worker = weight * prompt blocks it would compute + blocks queued on "
         "it; higher weights favour cache hits over spreading load")] = 2.0

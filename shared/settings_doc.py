@@ -1,7 +1,7 @@
 """What may be shown of settings: every setting's documentation, generated from
 :class:`shared.settings.Settings` (its ``msgspec.Meta`` descriptions) for ``mmfleet --help``,
-``mmfleet settings`` and the README's configuration table (a test keeps the README equal to
-:func:`markdown_table`); and settings with their secrets redacted (:func:`redacted`), the only
+``mmfleet settings`` and the table in docs/guide/configuration.md (a test keeps that page equal
+to :func:`markdown_table`); and settings with their secrets redacted (:func:`redacted`), the only
 form in which they reach logs and screens."""
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def help_table() -> str:
 
 
 def markdown_table() -> str:
-    """The README's configuration table (a test keeps the README equal to it)."""
+    """The table in docs/guide/configuration.md (``mmfleet settings --markdown``; a test keeps the
+    page equal to it)."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for doc in describe():
         default = f"`{doc.default}`" if doc.default != "" else "(empty)"

@@ -1,6 +1,7 @@
 """Help: every setting, with its variable, default and description, appears in ``mmfleet
 settings`` (from shared/settings.py), to which every ``--help`` points instead of repeating it;
-the README's configuration table is that same table. ``--version``; a bad value is a clean exit."""
+the table in docs/guide/configuration.md is that same table. ``--version``; a bad value is a
+clean exit."""
 
 from __future__ import annotations
 
@@ -80,11 +81,15 @@ def test_settings_command_prints_the_same_table():
     assert out.getvalue().strip() == settings_doc.help_table().strip()
 
 
-def test_readme_configuration_table_is_generated_from_settings():
-    readme = (REPO / "README.md").read_text()
-    m = re.search(r"<!-- settings-table:begin -->\n(.*?)\n<!-- settings-table:end -->", readme, re.S)
-    assert m, "README lacks the generated settings table markers"
-    assert m.group(1).strip() == settings_doc.markdown_table(), \
-        "README settings table is stale: regenerate with `mmfleet settings --markdown`"
+CONFIGURATION_PAGE = REPO / "docs" / "guide" / "configuration.md"
+
+
+def test_configuration_page_table_is_generated_from_settings():
+    page = CONFIGURATION_PAGE.read_text()
+    m = re.search(r"<!-- settings-table:begin -->\n(.*?)\n<!-- settings-table:end -->", page, re.S)
+    assert m, f"{CONFIGURATION_PAGE.relative_to(REPO)} lacks the generated settings table markers"
+    assert m.group(1).strip() == settings_doc.markdown_table(), (
+        f"the settings table in {CONFIGURATION_PAGE.relative_to(REPO)} is stale: replace it with the output "
+        "of `mmfleet settings --markdown`")
     for d in settings_doc.describe():
-        assert f"`{d.env}`" in readme
+        assert f"`{d.env}`" in page
