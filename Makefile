@@ -55,9 +55,9 @@ test: install $(VLLM_STAMP) chromium
 # (qwen2-vl:bench, a 2B-class VLM's encode / prefill / decode proportions) serves the
 # compute split, the KV-routing and the reuse (cache on / off / vllm serve) suites.
 BENCH_MODEL ?= qwen2-vl:bench
-# sized to keep `make bench` near 30 minutes on 2 cores (measured 2026-11-23/25: engines ~6,
-# kv ~10 (its long workload 3 times, the policies alternating: the ratio swings ~±15 % run to
-# run here), reuse ~10, step ~3); raise them for tighter figures
+# sized to keep `make bench` near 30 minutes on 2 cores (minutes: engines ~6, kv ~10 (its long
+# workload 3 times, the policies alternating: the ratio swings ~±15 % run to run), reuse ~10,
+# step ~3); raise them for tighter figures
 BENCH_ARGS ?= --low-requests 12 --sat-requests 24
 KV_BENCH_ARGS ?= --repeats 3
 REUSE_BENCH_ARGS ?= --repeats 3 --num-requests 16

@@ -1,19 +1,12 @@
 """One benchmark: a workload under one or more load shapes, against one or more targets.
 
-Order: start the media server (http delivery) → for each target: start it, warm it up
-(``warmup`` requests of a workload with another seed, not recorded), then for each shape run
-the workload, then read the per-stage spans from the fleet's Redis, then stop the target →
-write the results (:mod:`loadtest.report`). A target that cannot run here (vllm missing) is
-recorded as skipped with its reason; one that fails to start is recorded as failed and the
-others still run.
-
-Request bodies are rendered (and their ``data:`` URLs encoded) before the clock starts, and
-http images are fetched once beforehand so the media server's first render is not measured.
-
-Every load level and every repetition sends new content (the workload with its own seed: see
-:func:`level_specs`), the same for every target: a fleet's embedding cache, or ``vllm serve``'s
-encoder and prefix caches, must not answer a level from what an earlier one sent (the reuse
-workload is how cache hits are measured).
+Order: start the media server (http delivery) → per target: start it, warm it up (``warmup``
+unrecorded requests, another seed), run each shape, read the fleet's per-stage spans, stop it →
+write the results (:mod:`loadtest.report`). A target that cannot run here is recorded as
+skipped with its reason, one that fails to start as failed; the others still run. Bodies are
+rendered and http images fetched once before the clock starts. Every load level and repetition
+sends new content, the same for every target (:func:`level_specs`), so no cache answers a level
+from an earlier one (the reuse workload measures hits). Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """``python -m loadtest`` / ``mmfleet bench``: benchmark the fleet against its baselines.
 
-  run           a workload under load shapes against targets; writes JSON, plots, summary.md
-  suite         the short standard suite (one-image requests at concurrency 1 and 8 against
-                fleet:e-p-d, fleet:epd, inproc, vllm-serve) with the goals as met / not met
-  step          step load (idle -> burst -> idle): `mmfleet up --autoscale` vs a fixed maximal
-                fleet, TTFT p99 vs the SLO and worker-seconds, with a plot
-  reuse         the embedding cache on vs off over image reuse ratios 0/50/80/90 %
-                (fleet:e-p-d vs fleet:e-p-d,embedding_cache_bytes=0 vs vllm-serve), with its goals
-  engines       the suite's targets plus the fleet with the vLLM engine (e-p-d, e-pd, epd), with
-                our client and vLLM's own (vllm.benchmarks.serve); what `make bench` runs
-  split         a Qwen2-VL's encode / prefill / decode split in one process (the bench model's
-                proportions against Qwen2-VL-2B's shapes)
-  steps         a batched decode step's CPU cost by batch width (the engine's decode_steps)
-  cold          a prefill forward's CPU cost back to back, after a sleep and after other work
-                (what a fleet stage's cold process pays at low load)
-  media-server  serve deterministic images at /img/<seed>-<w>x<h>.png (latency injection)
-  inproc        the in-process OpenAI server (the same engine without the fleet)
-
-Examples:
+Examples (each command's ``--help`` for the rest; the harness: loadtest/README.md):
+  python -m loadtest suite
   python -m loadtest run --target fleet:e-p-d --target inproc --workload image --concurrency 1,4,8
   python -m loadtest run --url http://127.0.0.1:8000 --redis-url redis://127.0.0.1:6379/0 \\
       --workload random-mm --images 1-3 --rate 2,4 --duration-s 60 --slo ttft_ms=200 --slo tpot_ms=50
-  python -m loadtest suite
+
+Docs: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -132,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     engines.add_argument("--duration-s", type=float, default=60)
     _common(engines)
 
-    kv = sub.add_parser("kv", help="KV-aware routing vs round-robin on multi-turn sessions (issue #7)")
+    kv = sub.add_parser("kv", help="KV-aware routing vs round-robin on multi-turn sessions")
     kv.add_argument("--sessions", type=int, default=13,
                     help="sessions (not a multiple of --prefill-replicas: round-robin would pin sessions by accident)")
     kv.add_argument("--turns", type=int, default=5, help="turns per session (the long workload)")
@@ -158,8 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     _common(step)
     reuse = sub.add_parser("reuse", help="embedding cache on vs off over image reuse ratios")
     reuse.add_argument("--target", action="append", default=[],
-                       help="cache on, then cache off, then optionally vllm-serve (default fleet:e-p-d, "
-                            "fleet:e-p-d,embedding_cache_bytes=0 and vllm-serve)")
+                       help="cache on, cache off, then optionally a baseline and a fleet compared with it "
+                            "(default fleet:e-p-d, fleet:e-p-d,embedding_cache_bytes=0, vllm-serve and "
+                            "fleet:e-p-d,engine=vllm)")
     reuse.add_argument("--ratios", type=_values, default=[0.0, 0.5, 0.8, 0.9], help="reuse ratios, e.g. 0,0.5,0.8,0.9")
     reuse.add_argument("--num-requests", type=int, default=24, help="requests per ratio and repeat")
     reuse.add_argument("--repeats", type=int, default=2, help="runs of every ratio on every target")

@@ -1,15 +1,11 @@
-"""An OpenAI SSE client that times every chunk (why not the ``openai`` package: it hides when
-each chunk arrived).
+"""An OpenAI SSE client that times every chunk (the ``openai`` package hides when each arrived).
 
-Per request (:class:`RequestRecord`), times in ms from just before the POST:
-- ``ttft_ms``: arrival of the first chunk whose ``delta.content`` is non-empty;
-- ``itl_ms``: gaps between consecutive such content chunks;
-- ``e2e_ms``: end of the stream (``[DONE]`` or EOF);
-- ``tpot_ms`` = (e2e − ttft) / (output_tokens − 1), None for fewer than 2 tokens;
-- ``output_tokens`` / ``prompt_tokens`` from the usage chunk (``stream_options.include_usage``);
-  a server that sends none falls back to the content-chunk count (``usage_reported`` False);
-- ``status``: the HTTP status; 0 when no response came (connection error, timeout). An error
-  object inside a 200 stream keeps the status and sets ``error``. ``ok`` = 200 and no error.
+Per request (:class:`RequestRecord`), ms from just before the POST: ``ttft_ms`` (the first chunk
+with non-empty ``delta.content``), ``itl_ms`` (gaps between such chunks), ``e2e_ms`` (``[DONE]``
+or EOF), ``tpot_ms`` = (e2e − ttft) / (output_tokens − 1) (None under 2 tokens);
+``output_tokens`` / ``prompt_tokens`` from the usage chunk, else the content-chunk count
+(``usage_reported`` False); ``status`` (0: no response; an error object in a 200 stream keeps
+the status and sets ``error``); ``ok`` = 200 and no error. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """What a forward costs when its process comes to it cold, in one process: ``python -m loadtest cold``.
 
-What it measures: the engine's own prefill forward (``compute.prefill`` of a ``--prompt-tokens``
-text prompt), in thread CPU time, under five conditions, ``--forwards`` times each: ``hot``
-(right after the same forward), ``idle`` (the thread sleeps ``--idle-ms`` first, as a stage's
-process does between two requests at low load), ``busy`` (the thread busy-waits ``--idle-ms``
-instead: the same time passes, the process never off its CPU), ``pressure`` (other work runs
-first, untimed: it reads ``--pressure-bytes`` of memory and builds and drops a dict of 20,000
-entries, as another process would leave the core's caches), and ``idle+pressure`` (both: a fleet
-stage at concurrency 1). The conditions take turns forward by forward, ``--repeats`` times; medians and
-ranges over the repeats, and each condition's CPU over the same repeat's ``hot`` (``vs_hot``).
-Why: at concurrency 1 every fleet stage on the request's path wakes to a cold process, while the
-one-process server runs its stages back to back (README, "Seventh session of 2026-11-28").
+The engine's own prefill forward of a ``--prompt-tokens`` text prompt, in thread CPU time, under
+five conditions taking turns forward by forward: ``hot`` (back to back), ``idle`` (after a
+``--idle-ms`` sleep), ``busy`` (after a ``--idle-ms`` busy-wait), ``pressure`` (after untimed
+work: ``--pressure-bytes`` of memory read and a 20,000-entry dict built and dropped) and
+``idle+pressure``. Medians and ranges over ``--repeats``, and each condition's CPU over the same
+repeat's ``hot`` (``vs_hot``). Why: at concurrency 1 every fleet stage wakes to a cold process,
+while the one-process server runs its stages back to back. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

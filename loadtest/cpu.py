@@ -1,19 +1,12 @@
 """CPU the target spends, idle and under load, beside the latency it buys (psutil).
 
-A target's processes: its root process and every descendant (a fleet's supervisor, workers
-and gateway; the inproc server), plus for fleets the broker and Redis the harness started
-(children of this process named ``tansu`` / ``redis-server``, shared by the fleets of one
-invocation, so they are counted for whichever fleet runs at the time). Figures are percent of
-ONE core: CPU seconds (user + system) over the wall seconds of the window. Under load the
-window also splits them by process role (``process_role``: a worker's stages, the gateway, the
-broker, ...), reported as CPU milliseconds per finished request (:func:`by_process_md`), and each
-Python process's CPU by thread class (:func:`thread_class`: its event loop, its compute lanes, the
-rest; Linux), so that a fleet's messaging cost shows apart from its model work (:func:`by_thread_md`).
-A thread that ends within the window is not counted in the split (its process total has it);
-threads are timed to the nanosecond, processes to the clock tick. The window also counts each
-process's context switches (all its threads; Linux), voluntary (it waited: a wake-up each) and
-involuntary (preempted), per finished request (:func:`switches_md`): every hop of a fleet is a
-wake-up of another process, dear on a VM (README, "Seventh session of 2026-11-28").
+A target's processes: its root and every descendant, plus for fleets the broker and Redis the
+harness started (counted for whichever fleet runs at the time). Figures are percent of ONE
+core. Under load the window also splits CPU ms per finished request by process role
+(:func:`by_process_md`) and each Python process's CPU by thread class (:func:`thread_class`:
+event loop, compute lanes, the rest; :func:`by_thread_md`), so messaging shows apart from model
+work, and counts context switches per request (:func:`switches_md`; Linux): every hop of a
+fleet is a wake-up of another process, dear on a VM. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -3,13 +3,10 @@ separate processes on CUDA, tensors moving between them through the transfer lay
 exactly the tokens of an in-process ``generate()`` for a text and an image prompt; then the
 transfer-path probe (:mod:`shared.transfer.probe`). Prints device, paths, parity, TTFT and GB/s.
 
-Needs no Kafka and no Redis (so it runs on a bare GPU host): a driver process plays the
-gateway and media-fetch, and forwards each stage's descriptors to the next stage over the stage
-processes' stdin/stdout (msgpack frames). Each flow runs twice: as shipped (a consumer on the
-same GPU opens the CUDA IPC handle) and with the IPC handles stripped from the descriptors
-down to the shared pinned pool (same host, no NIXL hop) and to the NIXL staging path (what a
-consumer on another host gets). The agents' counters prove which path each pull took.
-Exits 0 when every parity holds and every probed byte arrived; 2 with no GPU.
+No Kafka, no Redis: a driver plays the gateway and media-fetch and forwards descriptors over the
+stages' stdin/stdout. Each flow runs as shipped (CUDA IPC), then with the IPC handles stripped
+down to the shared pinned pool and to NIXL staging; the agents' counters prove each pull's path.
+Exits 0 when every parity holds and every probed byte arrived; 2 with no GPU. Design: docs/deploy/gpus.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ so the media server and ``data:`` URLs of one workload carry identical images, a
 that hashes content (the fleet's mm_hash) sees repeats exactly where the workload repeats.
 Images are smooth colour fields with mild noise: realistic compressed sizes (pure noise would
 make PNGs as large as raw pixels), and every seed looks different to the encoder.
+
+Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """The fleet's engine in ONE process, behind the same OpenAI surface: the ``inproc`` baseline.
 
-Same code as the fleet wherever the fleet has code: the gateway's request schema and
-``PromptBuilder`` (prompt ids, media, sampling, every validation), the media policy
-(``MediaFetcher``, ``decode_image``) and the model's ``ImagePreprocessor`` on a lane of its own
-(as the media-fetch stage), ``TransformersEngine`` (batched encode, ``generate`` as an epd
-worker runs it) and ``stream_completion`` (deltas, stop strings, usage), shaped into SSE by the
-gateway's ``Shaper``. What is missing is exactly the fleet: no Kafka, no Redis, no NIXL, no
-process boundary — the difference between this server and ``mmfleet up`` is the fleet's cost.
-
-Routes: ``POST /v1/chat/completions`` (stream or not), ``GET /v1/models``, ``GET /health``, and
-``POST /spans`` (``{"ids": [...]}`` → ``{id: [span, ...]}``): each request's steps timed in the
-fleet's span vocabulary (``loadtest.spans``) — media-fetch (transfer = fetching), encode,
-prefill (queue = waiting for a generation slot; until the first token) and decode (the rest) —
-so the summary can put the fleet's stages beside the same work done in one process. The last
-``SPANS_KEPT`` requests are kept.
-The model loads before the port opens (``cleanup_ctx``), so a listening port means ready.
-Run: ``python -m loadtest inproc --port 8200 [--model-dir DIR]`` (settings from ``MMFLEET_*``).
+Same code as the fleet wherever the fleet has code (request schema, ``PromptBuilder``, media
+policy, the model's preprocessor on a lane of its own, ``TransformersEngine``,
+``stream_completion``, the gateway's ``Shaper``); no Kafka, Redis, NIXL or process boundary, so
+its difference from ``mmfleet up`` is the fleet's cost. Routes: ``POST /v1/chat/completions``,
+``GET /v1/models``, ``GET /health``, ``POST /spans`` (the last ``SPANS_KEPT`` requests' steps in
+the fleet's span vocabulary). The model loads before the port opens: listening means ready.
+Run: ``python -m loadtest inproc --port 8200 [--model-dir DIR]``. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
-"""KV-aware routing vs round-robin (issue #7): ``python -m loadtest kv`` (part of ``make bench``).
+"""KV-aware routing vs round-robin: ``python -m loadtest kv`` (part of ``make bench``).
 
-The same multi-turn workload (sessions of ``turns`` turns, each resending the conversation
-with its last ``window`` images; turn-major, so a session's turns go out in order) against two
-``fleet:e-p-d`` fleets with ``prefill_replicas`` prefill workers, one routing ``kv``, one
-``round_robin``. Reported per policy, over the follow-up turns (turn >= 2, the ones that can
-hit): request hit rate (share with ``usage.prompt_tokens_details.cached_tokens > 0``, i.e.
-landed on a worker holding part of their prefix), token hit rate (cached / prompt tokens), and
-TTFT p50 / p99 (also over all turns), and why follow-ups missed: each request's routing note
-(``shared.kv.audit``: the winner's and the best candidate's overlap, its load term, the cause:
-hit / cold / load / evicted / moved / unrouted) and the lag of KV events into the routing table
-(p50 / p99 / max over the run). Goals: hit rate >= 90 % (round-robin ~ 1/N), follow-up TTFT
-p50 >= 2x better than round-robin and p99 no worse; with ``repeats`` the first workload runs that
-many times, the policies' order alternating, each goal judged on the median of the runs.
-
-``engines``: the language-model engines to run it on (``transformers``, ``vllm``: the fleet's
-``engine`` setting), each with both policies; with more than one, rows and goals are named
-``<engine>/<policy>``. With vLLM, its own prefix cache serves the hits and its KV events feed
-the routing table (shared.engines.vllm_kv_events).
+Multi-turn workloads (``LONG``, then ``SHORT``; turn-major, so a session's turns go in order)
+against two ``fleet:e-p-d`` fleets with ``prefill_replicas`` prefill workers, routing ``kv`` and
+``round_robin``, per engine in ``engines`` (rows ``<engine>/<policy>`` when several). Per policy,
+over follow-up turns: request and token hit rates, TTFT p50 / p99, why follow-ups missed
+(``shared.kv.audit``) and the KV events' lag into the routing table. Goals: hit rate >= 90 %;
+follow-up TTFT p50 >= 2x better than round-robin, p99 no worse; ``repeats`` runs the first
+workload again, the policies alternating, goals on the medians. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -48,8 +38,8 @@ class Sessions:
 
 
 # long: ~2k-token conversations by the last turn, every image kept (a dropped image would change
-# the prefix and no router could hit); prefill is most of TTFT there. short: the earlier suite's,
-# for contrast (prefill a small share of TTFT, so routing buys little).
+# the prefix and no router could hit); prefill is most of TTFT there. short: for contrast (prefill
+# a small share of TTFT, so routing buys little).
 LONG = Sessions("long", turns=5, window=5, text_words=250)
 SHORT = Sessions("short", turns=4, window=4, text_words=48)
 

@@ -1,13 +1,12 @@
 """Load shapes: who decides when each request of a workload is sent.
 
 - ``concurrency``: ``value`` requests in flight at all times (closed loop);
-- ``rate``: Poisson arrivals at ``value`` requests/s (open loop; exponential gaps from a
-  seeded generator), optionally capped at ``max_concurrency`` in flight.
-
-Every run is bounded twice and stops by itself: at most ``max_requests`` requests (the
-workload is cycled if shorter) and no new request after ``duration_s``; requests in flight at
-that point may finish within ``grace_s`` and are then cancelled (recorded as errors).
+- ``rate``: Poisson arrivals at ``value`` requests/s (seeded exponential gaps), optionally
+  capped at ``max_concurrency`` in flight.
+Every run stops by itself: at most ``max_requests`` requests (the workload cycled if shorter),
+none after ``duration_s``; requests then in flight get ``grace_s``, then are cancelled (errors).
 A sweep is several shapes run one after another on the same workload.
+Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

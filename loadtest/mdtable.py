@@ -1,5 +1,8 @@
 """The header of a summary table with one column per run: the row names' columns (left-aligned),
-then one right-aligned column per run, headed by its target and load label."""
+then one right-aligned column per run, headed by its target and load label.
+
+Design: docs/benchmarks/README.md.
+"""
 
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 
 Optional latency injection: each response waits ``N(mean_ms, std_ms)`` (clipped at 0), drawn
 from a seeded generator, to stand in for a remote image host. ``GET /health`` answers 200.
+:class:`ThreadedMediaServer` runs it in this process on a thread of its own (tests);
+:class:`MediaServerProcess` in a subprocess (``python -m loadtest media-server``), which the
+harness uses so serving images never competes with the client's timing for the GIL.
 
-Two ways to run it, same app:
-- :class:`ThreadedMediaServer` — in this process, on its own event loop in a thread (tests);
-- :class:`MediaServerProcess` — a subprocess (``python -m loadtest media-server``), which the
-  harness uses so serving images never competes with the client's timing for the GIL.
+Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

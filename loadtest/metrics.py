@@ -1,15 +1,12 @@
-"""Aggregates over one run's request records.
+"""Aggregates over one run's request records (ms; per second of first send → last completion).
 
-Contract (all times in ms, throughputs per second of the run's span — first send to last
-completion):
-- ``ttft_ms``, ``tpot_ms``, ``e2e_ms``: one value per successful request; ``itl_ms``: every
-  gap of every successful request pooled (a long answer weighs more, as in vLLM's bench);
-  each as ``{n, mean, p50, p90, p99}`` (linear-interpolated percentiles), or ``n: 0``;
-- ``request_throughput`` (ok requests/s), ``output_throughput`` (output tokens/s of ok
-  requests); ``errors``: failed requests counted by status (``"0"`` = no response);
-- ``goodput``: ok requests meeting every SLO (``ttft_ms``, ``tpot_ms``, ``e2e_ms``, ``itl_ms``
-  ≤ threshold; the request's own value, ITL as its worst gap; a request without a value for a
-  metric — e.g. TPOT of a one-token answer — meets that SLO), as a count and per second.
+- ``ttft_ms``, ``tpot_ms``, ``e2e_ms``: one value per ok request; ``itl_ms``: every gap pooled
+  (as vLLM's bench); each ``{n, mean, p50, p90, p99}`` (linear interpolation) or ``n: 0``;
+- ``request_throughput``, ``output_throughput`` (ok requests); ``errors`` by status ("0": no
+  response);
+- ``goodput``: ok requests meeting every SLO (``ttft_ms``, ``tpot_ms``, ``e2e_ms``, ``itl_ms`` as
+  the worst gap; a request with no value for a metric meets it), as a count and per second.
+Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Contract: every process started here dies with the harness (``PR_SET_PDEATHSIG``
 SIGKILLed harness leaves nothing behind) and is stopped by its owner in a ``finally``:
 SIGTERM to its process group, a bounded wait, then SIGKILL. Spawn only from the main thread:
 the death signal follows the *thread* that forked.
+
+Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

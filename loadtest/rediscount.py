@@ -6,6 +6,7 @@ round trip shows at once. The counts are the server's: a command a script runs c
 the ``EVALSHA`` that ran it, and everything the server did during the window counts, the
 fleet's idle polling too (a few commands a second per consumer). Only for targets whose Redis
 the harness can read (fleets, and ``url:`` targets given ``--redis-url``).
+Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ repetitions of TTFT p50 / p99, output tokens/s and the target's CPU (idle and un
 and per repetition the fleet − inproc TTFT p50 and fleet / inproc throughput (a fleet's k-th
 run against the baseline's k-th run), so one noisy repetition shows as spread, not as a figure.
 Baseline: the target named exactly ``inproc`` when present.
+
+Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
-"""Writing a benchmark's results: JSON per run, PNG plots and ``summary.md``.
+"""Writing a benchmark's results to ``out_dir``: ``runs/<target>__<load>.json`` (config, the
+target's facts, per-request records, aggregates, per-stage breakdown), ``index.json`` (all but
+the records, plus skipped / failed targets and goals), ``cdf_<load>.png`` (TTFT and e2e CDFs per
+target), ``throughput_vs_load.png`` (for a target run at two or more loads of one kind) and
+``summary.md`` (targets side by side per load, the per-stage breakdown, goals). Plots need
+matplotlib (the ``bench`` extra); without it they are skipped and the summary says so.
 
-Layout of ``out_dir``:
-- ``runs/<target>__<load>.json`` — one per (target, load shape): the bench config, the
-  target's facts (URL, start-up time, settings), per-request records, aggregates and the
-  per-stage breakdown;
-- ``index.json`` — config, the runs' aggregates (no records), skipped/failed targets, goals;
-- ``cdf_<load>.png`` — TTFT and e2e latency CDFs, one line per target, per load level;
-- ``throughput_vs_load.png`` — output tokens/s and TTFT p50 against load, per target (when
-  a target ran at two or more loads of one kind);
-- ``summary.md`` — targets side by side per load level, the per-stage breakdown, goals.
-Plots need matplotlib (the ``bench`` extra); without it they are skipped and the summary says so.
+Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The reuse suite (``python -m loadtest reuse``, part of ``make bench``): the embedding cache
 on vs off, and against ``vllm serve``, side by side in one run.
 
-Workload ``reuse``: each request carries one image; with probability ``reuse_ratio`` it is one
-of a pool of ``pool_size`` images, else an image seen nowhere else. Each ratio (default 0, 50,
-80, 90 %) and each repeat uses its own seed, so its pool starts cold in every fleet. Targets
-(default): ``fleet:e-p-d`` (cache on, the default settings), ``fleet:e-p-d,embedding_cache_bytes=0``
-(off) and ``vllm-serve`` (skipped with its reason where vllm is missing); all are started
-together (a broker and Redis per fleet) and run every ratio at one concurrency, taking turns
-(the order rotating per ratio and repeat), ``repeats`` times, so drift in the machine's other
-load hits every side alike and the spread shows; the targets not taking their turn are paused
-(SIGSTOP), so their idle polling does not take the 2 cores from the one measured. ``make
-bench`` runs it on the bench model (``MMFLEET_DEMO_MODEL=qwen2-vl:bench``), where encoding is
-most of a one-image request's TTFT.
-Written like every benchmark (runs/*.json, index.json, CDF plots, summary.md) plus
-``reuse_vs_ratio.png`` (TTFT p50 / p99 and throughput against the reuse ratio) and, per fleet
-run, the encoder items it cost (the fleet-wide counter ``RedisKeys.encoder_items``; the
-cache-off path does not count there). Goals (issue 15): at 80 % reuse TTFT p50 with the cache
->= 60 % lower than without; at 0 % at most 3 % higher (the miss path's cost); at 80 % the
-fleet serves >= 1.3x ``vllm serve``'s request rate with >= 50 % lower TTFT p50. A figure over
-repeats is the median of the per-run values, with the range.
+One image a request, from a pool of ``pool_size`` with probability ``reuse_ratio`` (each ratio
+and repeat its own seed: pools start cold). Targets ``ON``, ``OFF``, ``VLLM``, ``VLLM_FLEET``
+are started together and take turns (order rotating; the others SIGSTOPped), ``repeats`` times.
+Adds ``reuse_vs_ratio.png`` and each run's encoder items. Goals: at 80 % reuse TTFT p50 with
+the cache >= 60 % lower; at 0 % at most 3 % higher; at 80 % the fleet >= 1.3x ``vllm serve``'s
+request rate, TTFT p50 >= 50 % lower. Medians over repeats. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -39,7 +27,7 @@ from loadtest.targets import TargetOptions, Targets, TargetSkipped
 log = logging.getLogger("loadtest.reuse")
 
 ON, OFF, VLLM = "fleet:e-p-d", "fleet:e-p-d,embedding_cache_bytes=0", "vllm-serve"
-VLLM_FLEET = "fleet:e-p-d,engine=vllm"  # the cache on, vLLM as the engine (the vLLM issue's reuse goal)
+VLLM_FLEET = "fleet:e-p-d,engine=vllm"  # the cache on, vLLM as the engine (its own goal against vllm serve)
 RATIOS = (0.0, 0.5, 0.8, 0.9)
 GOAL_RATIO, GOAL_REDUCTION = 0.8, 0.60
 GOAL_MISS_COST = 0.03  # at 0 % reuse, TTFT p50 with the cache at most this much higher

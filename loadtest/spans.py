@@ -1,19 +1,12 @@
 """Per-stage breakdown of fleet requests, from each request's terminal ``Finish`` event.
 
-Contract: the fleet writes every request's events to the Redis stream
-``RedisKeys(prefix).token_stream(request_id)`` (request_id = the ``id`` of its response
-chunks), kept ``stream_ttl_s`` after the request; the last entry is the terminal event. A
-``protocol.Finish`` carries ``spans: tuple[StageSpan, ...]`` — per stage the request went
-through: ``stage, worker, queue_ms`` (upstream produce → this stage picked it up),
-``transfer_ms`` (NIXL pulls/puts, media fetches), ``total_ms`` (handler start to end) and
-``compute_ms`` = ``total_ms − transfer_ms``.
-Read them after a run, before the fleet stops.
-
-The ``inproc`` server times the same steps and serves them in the same shape over HTTP
-(:func:`fetch_spans_http`), so both sides of the comparison read alike.
-
-Degrades, never fails: Finish events without spans, or an unreachable Redis give
-``{"available": False, "reason": ...}`` and the report says so.
+The fleet keeps every request's events in ``RedisKeys(prefix).token_stream(request_id)`` for
+``stream_ttl_s`` (request_id = the response chunks' ``id``). A ``protocol.Finish`` carries
+``spans``: per stage ``stage, worker, queue_ms`` (upstream produce → picked up), ``transfer_ms``,
+``total_ms`` and ``compute_ms`` = total − transfer. Read them after a run, before the fleet
+stops. ``inproc`` serves the same shape over HTTP (:func:`fetch_spans_http`). Degrades, never
+fails: no spans or no Redis give ``{"available": False, "reason": ...}``.
+Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """A Qwen2-VL's compute split, in one process: ``python -m loadtest split`` (or ``python -m loadtest.split``).
 
-What it measures (model compute only: no image decode/resize, no HTTP, no fleet):
-- ``encode``: one vision-tower forward over a ``--image-side``² image (448² → 1024 patches,
-  256 LM tokens after the 2×2 merge);
-- ``prefill``: the language model over that image's tokens plus ``--text-tokens`` text tokens
-  (32 words of question + the chat template ≈ 64), sampling logits of the last position;
-- ``ttft = encode + prefill``; ``encode_share = encode / ttft``;
-- ``decode``: one token appended to that prompt's KV cache, mean over ``--decode-tokens`` steps;
-- ``long_prefill``: the LM over a ``--long-tokens`` multi-turn prompt (earlier turns' images
-  come from prefill's embedding cache, only the newest is encoded): ``long_prefill_share =
-  long_prefill / (encode + long_prefill)``;
-- ``suffix_prefill``: the same long prompt with its first ``--cached-tokens`` positions' KV
-  already cached (a follow-up turn that hits its prefix), ``long_over_suffix = long_prefill /
-  suffix_prefill``: what a prefix hit saves in compute, i.e. the most KV-aware routing can win.
-Every figure is measured ``--repeats`` times, the parts interleaved, and the ratios are taken
-per repeat (a shared machine's load moves absolute times several-fold, ratios much less); the
-median and the range are reported.
-
-``--model-dir`` / ``--demo-model`` measure a built model (float32, CPU, 1 torch thread: what a
-fleet worker runs); ``--arch qwen2-vl-2b`` builds Qwen2-VL-2B's real shapes with random
-weights (no download; weights do not change the cost) on ``--device`` (``cuda``: bf16) — the
-proportions the bench model is meant to mimic; ``--layers N`` builds only N language and N vision
-layers of those shapes (every layer costs the same, so per-layer ratios such as
-``long_over_suffix`` hold; absolute times and shares do not).
+Model compute only: ``encode`` (one ``--image-side``² image; 448² → 256 LM tokens), ``prefill``
+(its tokens + ``--text-tokens``), ``ttft`` = their sum and ``encode_share``, ``decode`` (one
+token, mean over ``--decode-tokens``), ``long_prefill`` (a ``--long-tokens`` multi-turn prompt)
+and ``suffix_prefill`` (that prompt past ``--cached-tokens`` cached: what a prefix hit saves).
+Each ``--repeats`` times interleaved, ratios per repeat, median and range. ``--model-dir`` /
+``--demo-model`` measure a built model as a fleet worker runs it; ``--arch qwen2-vl-2b`` builds
+the real shapes with random weights on ``--device``. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """A batched decode step's CPU cost by batch width, in one process: ``python -m loadtest steps``.
 
-What it measures: the engine's own ``decode_steps`` with its kept ``Stack``, in thread CPU time
-(a busy machine stretches wall time, not these figures). For each width w of ``--widths``, w
-sequences holding the KV of a ``--prompt-tokens`` prompt step together ``--steps`` times
-(``step_ms``: the median step), then ``--steps`` times more with one member leaving and a new one
-joining before each step (``join_step_ms``: the stack is rebuilt, as when a request starts or ends
-decoding). ``per_seq_ms`` = step_ms / w: what one token costs at that width. Every width is
-measured ``--repeats`` times, the widths interleaved; medians and ranges over the repeats.
-Why: at c=8 the fleet's decode core steps fewer sequences a forward than one process does
-(README, "Session of 2026-11-28"); this says what a narrower batch costs per token.
+The engine's own ``decode_steps`` with its kept ``Stack``, in thread CPU time: for each width w of
+``--widths``, w sequences of a ``--prompt-tokens`` prompt step together ``--steps`` times
+(``step_ms``: the median), then ``--steps`` more with one member leaving and one joining before
+each (``join_step_ms``: the stack rebuilt). ``per_seq_ms`` = step_ms / w, one token's cost at that
+width. Widths interleaved, ``--repeats`` times; medians and ranges. Why: the fleet's decode core
+and the in-process batcher step different numbers of sequences at once under the same load.
+Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

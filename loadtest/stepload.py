@@ -1,14 +1,12 @@
-"""Step load, autoscaled vs fixed (issue 22): ``python -m loadtest step`` (part of ``make bench``).
+"""Step load, autoscaled vs fixed: ``python -m loadtest step`` (part of ``make bench``).
 
-The same open-loop load — idle (a trickle), then a burst at ``burst_rate`` requests/s, then
-idle again — against two fleets of one mode (default ``e-pd``: on 2 shared cores a fixed
-``e-p-d`` fleet of 8 workers did not even start within the supervisor's 180 s) on a broker and
-Redis the harness starts: ``autoscaled`` (``mmfleet up --autoscale``, 1..``max_workers`` workers
-per stage group) and ``fixed`` (``max_workers`` per group all along, sized for the peak). Reported per fleet:
-TTFT p50/p99 over the whole run and over the burst against the TTFT SLO, requests that failed,
-and worker-seconds (worker processes of the fleet, sampled every 0.5 s from /proc, integrated
-over the run) — the cost the autoscaler saves. The plot shows worker count and each request's
-TTFT over time. One-image requests (224x224), 32 tokens, temperature 0.
+The same open-loop load (idle, a burst at ``burst_rate`` requests/s, idle) against two fleets of
+one mode (default ``e-pd``) on a broker and Redis the harness starts: ``autoscaled`` (``mmfleet
+up --autoscale``, 1..``max_workers`` workers per stage group) and ``fixed`` (``max_workers`` per
+group all along). Per fleet: TTFT p50/p99 over the run and over the burst against the SLO, failed
+requests, and worker-seconds (worker processes sampled every 0.5 s from /proc): what autoscaling
+saves. The plot shows worker count and each request's TTFT over time. One 224x224 image, 32
+tokens, temperature 0. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The standard suite (``python -m loadtest suite``, what ``make bench`` runs): a few minutes.
+"""The standard suite (``python -m loadtest suite``; ``engines``, which ``make bench`` runs, adds to it).
 
 One-image requests (http delivery from the local media server) at low load (concurrency 1)
 and at saturation (concurrency 8), against ``fleet:e-p-d``, ``fleet:epd``, ``inproc`` and
-``vllm-serve`` (skipped with its reason where vllm is missing), then the goals stated as met /
-not met:
+``vllm-serve`` (skipped with its reason where vllm is missing), then the goals as met / not met:
 - fleet TTFT p50 − inproc TTFT p50 ≤ 10 ms at low load;
 - fleet output throughput ≥ 0.9 × inproc at saturation;
 - fleet TTFT p50 ≤ 1.1 × vllm-serve TTFT p50 (at each load).
+Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

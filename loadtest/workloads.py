@@ -1,25 +1,12 @@
 """Workloads: a seed and a few numbers → the exact list of requests to send.
 
-Contract: ``build(config)`` is a pure function of ``config`` (its ``seed`` included): the same
-config gives the same requests, in the same order, in every process; ``render`` turns one
-request into an OpenAI chat-completion body (streamed, ``include_usage``, temperature 0 by
-default). Images are :class:`ImageRef` names, delivered as ``data:`` URLs or as ``http`` URLs
-of the media server (the fleet then needs ``MMFLEET_MEDIA_ALLOW_HOSTS=127.0.0.1``).
-
-Kinds:
-- ``text``      text only;
-- ``image``     one fresh image per request (a resolution bucket each);
-- ``random-mm`` ``images`` = (min, max) images per request, buckets, text words and max_tokens
-                drawn per request from their ranges;
-- ``reuse``     each image slot repeats one of a pool of ``pool_size`` images with probability
-                ``reuse_ratio``, else is a fresh image seen nowhere else;
-- ``multiturn`` sessions of ``turns`` turns; turn k resends the whole conversation (user turns
-                and a fixed synthetic assistant reply, so requests do not depend on answers)
-                but keeps only the last ``window`` images. Requests are ordered turn-major
-                (every session's turn 1, then turn 2, ...), so under bounded concurrency a
-                session's turns go out in order.
-Text lengths are in words (≈ tokens with the demo tokenizer; the usage chunk reports the real
-prompt length).
+``build(config)`` is a pure function of ``config`` (seed included); ``render`` makes one request
+an OpenAI chat-completion body (streamed, ``include_usage``, temperature 0 by default). Images are
+:class:`ImageRef` names sent as ``data:`` URLs or media-server ``http`` URLs. Kinds: ``text``;
+``image`` (one fresh image); ``random-mm`` (images, sizes, words, max_tokens drawn per request);
+``reuse`` (each image slot from a ``pool_size`` pool with probability ``reuse_ratio``);
+``multiturn`` (sessions of ``turns`` turns resending the conversation with fixed assistant
+replies and the last ``window`` images; turn-major). Words, not tokens. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """``mmfleet up --autoscale``: the supervisor's loop that adds and removes workers per stage
 group between ``autoscale_min_workers`` and ``autoscale_max_workers``.
 
-Every ``autoscale_interval_ms`` it reads, for each group of the fleet's mode, the consumer-group
-lag of the topics the group consumes (committed offset vs end offset, from Kafka — what KEDA's
-kafka scaler reads; the runner commits a record only when its outputs are durable, so work in
-flight counts as lag) and the gateway's TTFT p99 over the last ``_WINDOW_S`` (from its
-``/metrics``; the histogram KEDA's Prometheus trigger reads). :class:`shared.autoscale.GroupScaler`
-decides; this module starts a worker (a supervised child like any other) or stops the newest one
-of the group (SIGTERM: it drains its in-flight work within ``drain_timeout_ms``, and what it
-had not committed is redelivered to the others). A signal that cannot be read (broker or gateway
-restarting) leaves every group as it is for that tick.
+Every ``autoscale_interval_ms`` it reads each group's consumer-group lag (committed vs end
+offset: work in flight counts, as the runner commits only durable outputs) and the gateway's
+TTFT p99 over the last ``_WINDOW_S`` (``/metrics``); :class:`shared.autoscale.GroupScaler`
+decides. A worker is added as a supervised child or the group's newest is stopped (SIGTERM: it
+drains, and what it had not committed is redelivered). An unreadable signal holds every group.
+Design: docs/deploy/autoscaling.md.
 """
 
 from __future__ import annotations

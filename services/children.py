@@ -1,6 +1,9 @@
 """The processes ``mmfleet up`` supervises: :class:`Child` starts one (forked by the zygote
 where there is one, else ``Popen``), stops it (SIGTERM, a bound, SIGKILL) and kills what it
-left in its process group; the broker and Redis children, and waiting for a port."""
+left in its process group; the broker and Redis children, and waiting for a port.
+
+Design: docs/design/startup.md.
+"""
 
 from __future__ import annotations
 

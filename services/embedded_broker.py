@@ -4,6 +4,8 @@
 Contract: ``command(url)`` gives its command line, listening on and advertising ``url``
 (``tcp://host:port``), and the environment to start it with: ``env`` (default this process's)
 plus its runtime's worker-thread count.
+
+Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations
@@ -11,8 +13,7 @@ from __future__ import annotations
 import os
 
 # One tokio worker thread (its default is one a core): the broker serves a handful of local
-# clients, and on two cores the second thread only handed requests across threads (measured:
-# README, "Sixth session of 2026-11-28").
+# clients, and on two cores a second thread only handed requests across threads.
 THREADS = 1
 
 

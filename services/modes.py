@@ -1,24 +1,12 @@
 """Deployment modes are configuration: which stages run together in one worker process.
 
-- ``epd``     one worker does everything (media-fetch, encode, prefill, decode);
-- ``e-pd``    media-fetch + encode apart; prefill + decode together;
-- ``e-p-d``   media-fetch + encode, prefill, decode: three workers (the encode worker fetches its
-  media, as Dynamo's E/P/D does: no Kafka hop between fetching and encoding);
-- ``ep-d``    media-fetch + encode + prefill together; decode apart (models whose engine takes no
-  embedding input);
-- ``m-e-p-d`` every stage its own worker (media-fetch scaled apart from encode).
-
-The stages, their order and their part of a mode's name come from the registry
-(``services.stages``). Inside one worker, a stage's output addressed to another local stage is
-handed over in memory (the runner calls the next handler; tensors stay in the process's own pool, read without NIXL)
-instead of going through Kafka. A worker consumes only the topics where work enters its chain:
-``mm.encode`` only if media-fetch runs elsewhere, ``mm.decode`` only if prefill runs elsewhere
-(``mm.prefill`` always: text-only requests enter there from the gateway).
-
-Engines: the encode stage always uses the transformers vision encoder; ``--engine`` chooses the
-language-model runtime. Prefill apart from decode needs KV export, decode apart needs KV
-import, prefill with decode needs generate; an engine lacking what a layout needs is refused
-at start-up with :class:`UnsupportedLayout`.
+``epd`` one worker does everything; ``e-pd`` media-fetch + encode, then prefill + decode;
+``e-p-d`` media-fetch + encode, prefill, decode (the encode worker fetches its media: no Kafka
+hop between them); ``ep-d`` all but decode together; ``m-e-p-d`` every stage apart. Stages and
+their order come from ``services.stages``. Inside a worker, output for a local stage is handed
+over in memory; a worker consumes only the topics where work enters its chain (``mm.prefill``
+always). An engine lacking what a layout needs (KV export, KV import, generate) is refused at
+start-up with :class:`UnsupportedLayout`. Design: docs/guide/modes-and-engines.md.
 """
 
 from __future__ import annotations

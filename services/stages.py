@@ -3,6 +3,8 @@
 Each stage declares itself once, in ``services/<stage>/spec.py`` (a :class:`shared.stage.StageSpec`:
 topic, message, what it produces, its place in the modes, how to build its handler); the
 worker, the modes, the supervisor, the autoscaler and the CLI derive what they need from here.
+
+Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations

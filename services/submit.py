@@ -1,18 +1,12 @@
 """``mmfleet submit``: run a JSONL file of requests through the Kafka ingress, replies to JSONL.
 
-Input: one request per line in the OpenAI Batch API shape,
-``{"custom_id": "req-1", "url": "/v1/chat/completions", "body": {...}}`` (``url`` optional,
-``/v1/completions`` for text completions). ``custom_id`` is the request_id: unique per file.
-
-Output: one line per answered request, also the Batch API shape,
-``{"custom_id", "response": {"status_code", "body"}, "error"}``; with ``"stream": true`` in the
-body, ``body`` is the list of chunks in order. An error reply has ``error`` set to the OpenAI
-error object and ``response.body`` to the whole error body.
-
-Resumable by request_id: ids already in the output file are not sent again, and replies are
-read from the beginning of the reply topic, so a reply that arrived for an id before an
-interruption (the fleet answers a request_id only once) is still found. Memory and the
-backlog are bounded by ``max_outstanding`` unanswered requests.
+Input, one per line in the OpenAI Batch API shape: ``{"custom_id", "url", "body"}`` (``url``
+optional, ``/v1/completions`` for text completions); ``custom_id`` is the request_id, unique.
+Output, one line per answer: ``{"custom_id", "response": {"status_code", "body"}, "error"}``
+(streamed: ``body`` is the chunks in order; an error sets ``error`` to the OpenAI error object).
+Resumable: ids already in the output are not sent again, and the reply topic is read from its
+start, so a reply that arrived before an interruption is still found. At most
+``max_outstanding`` requests are unanswered at once. Design: docs/guide/kafka-ingress.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """``mmfleet up``: the whole fleet on one machine, as supervised child processes.
 
-Order: Kafka (use the broker at ``kafka_bootstrap`` if one answers, else start the embedded
-``tansu`` broker there) → Redis (``redis_url`` if it answers, else a ``redis-server`` on that
-port) → the demo model (built once, cached) → topics → one worker per stage group (more where
-``stage_replicas`` asks, e.g. ``prefill=3``) → gateway.
-
-Workers and the gateway are forked by a zygote that imported torch, transformers and the
-model's code once (``shared/zygote.py``; setting ``zygote``), else started as ``python -m``:
-either way each is the supervisor's own child. Children get ``PR_SET_PDEATHSIG`` so they die
-with the supervisor even if it is SIGKILLed. Each
-runs in a session (process group) of its own; once a child has exited, whatever is left in its
-group (a vLLM engine core whose worker was SIGKILLed) is SIGKILLed before the restart. A
-worker or gateway that exits unexpectedly is restarted with backoff (1 s doubling to 30 s,
-reset after a minute of good health). A broker or Redis started here is restarted too, and
-the topics are created again after a broker restart: the embedded broker keeps everything in
-memory, so what was queued in it is lost and those requests end at their deadline. SIGINT /
-SIGTERM stop children in reverse order: SIGTERM, wait ``stop_timeout_s``, then SIGKILL.
+Order: Kafka (the broker at ``kafka_bootstrap``, else the embedded ``tansu`` started there) →
+Redis (``redis_url``, else a ``redis-server``) → the model → topics → one worker per stage group
+(more per ``stage_replicas``) → gateway. Workers and the gateway are forked by the zygote
+(setting ``zygote``) or started as ``python -m``; each dies with the supervisor (PDEATHSIG) and
+leads a process group, killed whole once it exits. An exited service restarts with backoff (1 s
+doubling to 30 s); a broker or Redis started here restarts too, with fresh broker tokens in
+Redis so gateways re-drive. SIGINT / SIGTERM stop services, then Redis and the broker. Design: docs/design/startup.md.
 """
 
 from __future__ import annotations
@@ -229,7 +220,7 @@ class Fleet:
         log.warning("%s exited with %s; restarting it", child.name, child.proc.returncode)
         broker = child.name.startswith("kafka")
         if broker:
-            # Before the new broker exists (README "Nothing lost"): consumers drop their
+            # Before the new broker exists (docs/guide/operations.md): consumers drop their
             # watermarks, and commits decided earlier give up (shared.consume.COMMIT_TIMEOUT_MS).
             await self._bump(RedisKeys.broker_epoch)
             await asyncio.sleep(BROKER_RESTART_GRACE_MS / 1000)

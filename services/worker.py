@@ -1,17 +1,12 @@
-"""A worker process: builds the stages it runs (each from its ``StageSpec`` in the registry,
-``services.stages``) and drives each entry stage with the generic runner. The set of stages is
-configuration (``--stages encode,prefill,decode``), see :mod:`services.modes` for the layouts
-and what crosses Kafka.
+"""A worker process: builds the stages it runs (``--stages encode,prefill,decode``, each from its
+``StageSpec`` in ``services.stages``; layouts in :mod:`services.modes`) and drives each entry
+stage with the generic runner.
 
-Shared per process: one Kafka producer, one Redis client, one NIXL agent, one engine per kind
-(the language-model engine chosen by ``settings.engine``; the transformers vision encoder for
-the encode stage, the same instance when the engine is transformers). The engine is checked
-against the layout before anything is consumed. SIGTERM/SIGINT stop every runner, which
-drain within ``drain_timeout_ms``; a runner that dies of a fatal error stops the process
-(non-zero exit) so its supervisor restarts it.
-
-Every worker serves ``/metrics`` on ``metrics_host:metrics_port`` (0: an ephemeral port) from
-start-up on; the bound port is in its liveness record (``WorkerInfo.metrics_port``).
+Shared per process: one Kafka producer, one Redis client, one NIXL agent, one engine per kind,
+checked against the layout before anything is consumed. SIGTERM/SIGINT stop every runner, which
+drain within ``drain_timeout_ms``; a runner's fatal error stops the process (non-zero exit) so
+its supervisor restarts it. ``/metrics`` is served on ``metrics_host:metrics_port`` from start-up
+(0: an ephemeral port, named in ``WorkerInfo.metrics_port``). Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations

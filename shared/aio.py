@@ -1,22 +1,8 @@
-"""asyncio helpers shared by the fleet's long-running loops.
+"""asyncio helpers shared by the fleet's long-running loops: an event wait that keeps a cancel
+(:func:`wait_event`), a ``gather`` that awaits a lone awaitable in place, and the event loop a
+long-lived process runs on (:func:`loop_factory`: uvloop, asyncio's, or ``auto``).
 
-``wait_event(event, timeout_s)``: wait until ``event`` is set or ``timeout_s`` passes; True when
-it is set. Why not ``asyncio.wait_for(event.wait(), timeout_s)``: on Python 3.11 that loses a
-cancel arriving in the same loop turn as the event (it returns the inner result instead of
-raising), so a loop cancelled at shutdown just as it was woken runs on, and whoever awaits it
-hangs. ``asyncio.timeout`` tells its own expiry from an outside cancel.
-
-``succeeded(fut)``: ``fut`` finished, not cancelled and without an exception.
-
-``gather(*aws, return_exceptions=False)``: ``asyncio.gather``, except that a lone awaitable is
-awaited in place. A task of its own starts a loop turn later, behind every callback ready by
-then: on a stage's loop, busy with the record's own fetch and claim, that was ~1 ms of a
-request's one embedding pull (measured). A cancel of the caller still raises.
-
-``loop_factory(name)`` / ``run(main, name)``: the event loop a long-lived process runs on
-(setting ``event_loop``): uvloop, the standard library's, or ``auto`` (uvloop where installed).
-uvloop cut the fleet's CPU a request by ~7 % at c=8 (README, "Fleet overhead"); an explicit
-``uvloop`` that is not installed is an error, not a silent fallback.
+Design: docs/design/runner.md.
 """
 
 from __future__ import annotations
@@ -29,6 +15,11 @@ T = TypeVar("T")
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until ``event`` is set or ``timeout_s`` passes; True when it is set.
+
+    Not ``asyncio.wait_for(event.wait(), timeout_s)``: on Python 3.11 that loses a cancel arriving
+    in the same loop turn as the event (it returns instead of raising), so a loop cancelled at
+    shutdown just as it was woken runs on. ``asyncio.timeout`` tells its own expiry from a cancel."""
     if event.is_set():
         return True
     if timeout_s <= 0:
@@ -42,10 +33,14 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
 
 
 def succeeded(fut: asyncio.Future) -> bool:
+    """``fut`` finished, not cancelled and without an exception."""
     return fut.done() and not fut.cancelled() and fut.exception() is None
 
 
 async def gather(*aws: Awaitable[Any], return_exceptions: bool = False) -> list[Any]:
+    """``asyncio.gather``, except that a lone awaitable is awaited in place: a task of its own
+    starts a loop turn later, behind every ready callback (~1 ms of a request's one embedding
+    pull on a busy stage loop, measured). A cancel of the caller still raises."""
     if len(aws) != 1:
         return await asyncio.gather(*aws, return_exceptions=return_exceptions)
     try:
@@ -57,7 +52,8 @@ async def gather(*aws: Awaitable[Any], return_exceptions: bool = False) -> list[
 
 
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """``name``: the ``event_loop`` setting. None: asyncio's own loop."""
+    """``name``: the ``event_loop`` setting. None: asyncio's own loop. ``auto`` takes uvloop where
+    installed; an explicit ``uvloop`` that is not installed is an error, not a silent fallback."""
     if name == "asyncio":
         return None
     try:

@@ -1,16 +1,10 @@
-"""Autoscaling policy (pure): how many workers a stage group should have, from the same signals
-the KEDA ScaledObjects of deploy/k8s use.
+"""Autoscaling policy (pure): how many workers a stage group should have, from the signals the
+KEDA ScaledObjects of deploy/k8s use: ``ceil(lag / lag_per_worker)`` clamped to [min, max], one
+more for a prefill / decode group while the fleet's TTFT p99 is above the SLO, up at once, down
+one worker at a time after ``scale_down_after_s`` (:meth:`GroupScaler.decide`). No I/O here:
+:mod:`services.autoscale` reads the signals and starts / stops the workers.
 
-Contract, per group, at each tick:
-- ``wanted = ceil(lag / lag_per_worker)`` (KEDA's kafka scaler), clamped to [min, max];
-- a group that prefills or decodes gets at least one more worker than it has while the fleet's
-  TTFT p99 is above the SLO and more records are unfinished than it has workers (the lag alone
-  can look small while each record is slow; with no more records than workers, each may
-  already be on its own worker and one more would sit idle — the idle tail of a burst);
-- up: at once, to ``wanted``; down: only after ``wanted < current`` held for
-  ``scale_down_after_s`` without a break, then by one worker, and the wait starts over
-  (hysteresis: a burst's tail or a noisy p99 never makes the fleet flap).
-No I/O here: :mod:`services.autoscale` reads the signals and starts / stops the workers.
+Design: docs/deploy/autoscaling.md.
 """
 
 from __future__ import annotations
@@ -50,7 +44,13 @@ class GroupScaler:
     _below_since: float | None = field(default=None, repr=False)
 
     def decide(self, current: int, lag: int, ttft_p99_s: float | None, now_s: float) -> tuple[int, str]:
-        """(target worker count, why). ``ttft_p99_s`` None: no requests seen in the window."""
+        """(target worker count, why). ``ttft_p99_s`` None: no requests seen in the window.
+
+        A prefill / decode group gets one more worker than it has while TTFT p99 is above the SLO
+        and more records are unfinished than it has workers (the lag alone can look small while
+        each record is slow; with no more records than workers, one more would sit idle). Down
+        only after ``wanted < current`` held for ``scale_down_after_s`` without a break, then by
+        one worker, and the wait starts over: a burst's tail or a noisy p99 never makes it flap."""
         b = self.bounds
         wanted = math.ceil(max(lag, 0) / b.lag_per_worker)
         why = f"lag {lag}"

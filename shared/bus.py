@@ -3,6 +3,8 @@
 Everything that knows aiokafka's constructor arguments lives here so stages, the gateway, the
 ingress and ``mmfleet submit`` share one configuration, TLS and SASL included
 (:func:`kafka_client_kwargs`).
+
+Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations

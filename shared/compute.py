@@ -1,25 +1,12 @@
 """Running blocking model work off the event loop, and batching it across messages.
 
-``ComputeLane``: one worker thread per process. Torch releases the GIL inside kernels, so the
-loop keeps serving Kafka, Redis and NIXL progress while a forward runs; one thread (and
-``torch.set_num_threads(settings.torch_threads)``) keeps a process from oversubscribing the
-machine's cores. With ``inline_max_ms``, a job runs on the caller's thread (the event loop)
-instead when the lane has no job in flight and jobs of its kind (the function's qualified name
-and the caller's ``size`` hint within a factor of two) have lately taken at most that long: a
-short job then costs no thread hand-over and no GIL ping-pong with the loop (README, "Fleet
-overhead"), at the price of the loop waiting for it. A kind not seen yet runs on the thread.
+:class:`ComputeLane`: one worker thread per process (torch releases the GIL inside kernels, so
+the loop keeps serving Kafka, Redis and NIXL while a forward runs), or the caller's thread for
+a job of a kind known to be short. :class:`MicroBatcher`: single items gathered for up to
+``max_wait_ms`` into ONE batched call on the lane. :class:`LaneBatcher`: batching with no wait,
+calls that arrive while the lane is busy share one call.
 
-``MicroBatcher``: callers ``submit`` single items; a loop collects up to ``max_items`` items,
-waiting at most ``max_wait_ms`` after the first, runs ONE batched call on the lane and resolves
-each caller's future with its own result. The pending queue is bounded (``max_pending``):
-``submit`` waits for room rather than buffering without limit.
-
-A lane's thread carries an OS-visible name (``LANE_THREAD_PREFIX`` + the lane's name, Linux), so
-that per-thread CPU accounting (``loadtest/cpu.py``) can tell compute from the event loop.
-
-``LaneBatcher``: batches with no wait. Each ``submit`` queues its item and one job on the lane;
-the first job the lane runs takes every item queued by then (up to ``max_items``), so calls that
-arrive while the lane is busy share one call, and a lone call starts at once.
+Design: docs/design/runner.md.
 """
 
 from __future__ import annotations
@@ -59,6 +46,17 @@ _EWMA_NEW = 0.25  # weight of a job's latest wall time in its kind's estimate
 
 
 class ComputeLane:
+    """One worker thread per process; ``torch.set_num_threads(settings.torch_threads)`` keeps a
+    process from oversubscribing the cores. The thread carries an OS-visible name
+    (``LANE_THREAD_PREFIX`` + the lane's name, Linux) so per-thread CPU accounting
+    (``loadtest/cpu.py``) can tell compute from the event loop.
+
+    With ``inline_max_ms``, a job runs on the caller's thread (the event loop) instead when the
+    lane has no job in flight and jobs of its kind (the function's qualified name and the
+    ``size`` hint within a factor of two) have lately taken at most that long: a short job then
+    costs no thread hand-over and no GIL ping-pong with the loop, at the price of the loop
+    waiting for it. A kind not seen yet runs on the thread."""
+
     def __init__(self, name: str, *, inline_max_ms: float = 0.0) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"compute-{name}", initializer=name_os_thread,
@@ -110,6 +108,11 @@ class ComputeLane:
 
 
 class MicroBatcher(Generic[T, R]):
+    """Callers ``submit`` single items; a loop collects up to ``max_items`` items, waiting at most
+    ``max_wait_ms`` after the first, runs ONE batched call on the lane and resolves each caller's
+    future with its own result. The pending queue is bounded (``max_pending``): ``submit`` waits
+    for room rather than buffering without limit."""
+
     def __init__(self, fn: Callable[[Sequence[T]], Sequence[R]], lane: ComputeLane, *, max_items: int,
                  max_wait_ms: float, max_pending: int = 1024, size_of: Callable[[T], int] | None = None) -> None:
         self._fn = fn
@@ -179,7 +182,11 @@ class _Slot:
 
 
 class LaneBatcher(Generic[T, R]):
-    """``fn(items)`` returns one result per item; a result that is an ``Exception`` fails that
+    """Batches with no wait: each ``submit`` queues its item and one job on the lane; the first
+    job the lane runs takes every item queued by then (up to ``max_items``), so calls that arrive
+    while the lane is busy share one call, and a lone call starts at once.
+
+    ``fn(items)`` returns one result per item; a result that is an ``Exception`` fails that
     caller alone (one bad prompt must not fail its batch-mates). ``fn`` raising fails the whole
     batch. At most ``max_pending`` callers wait at once; more wait for room."""
 

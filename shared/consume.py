@@ -1,18 +1,12 @@
-"""The one Kafka consume loop: fetch → process → commit the watermark of what is done.
+"""The one Kafka consume loop (:class:`ConsumeLoop`): fetch → process → commit the watermark of
+what is done, for every consumer of the fleet (the stage runner and the Kafka ingress).
+Bounded (at most ``concurrency`` records in flight; beyond it the partitions are paused and the
+backlog stays in Kafka); at-least-once (an offset is committed only once every record below it
+is processed, :class:`OffsetTracker`); every (re)assigned partition, and every partition after a
+broker restart that lost its records (:class:`~shared.ledger.EpochWatch`), starts with a fresh
+watermark; ``stop()`` drains for ``drain_timeout_ms``, and what is left is redelivered.
 
-Every consumer of the fleet (the stage runner, the Kafka ingress, the KV table) drives one
-:class:`ConsumeLoop`. Its rules:
-- bounded: at most ``concurrency`` records in flight; beyond it the partitions are paused
-  (``getmany`` keeps being called, so the group never times the consumer out) and the backlog
-  stays in Kafka;
-- at-least-once: an offset is committed only once every record below it is processed
-  (:class:`OffsetTracker`), never before; a record left unfinished is redelivered;
-- rebalances: finished work is committed before partitions go, and every (re)assigned partition
-  starts with a fresh watermark (a kept one could commit past records nobody processed);
-- broker restarts (with an :class:`~shared.ledger.EpochWatch`): a broker that lost its records
-  makes every watermark stale, so they are dropped and every partition is read again;
-- ``stop()``: a bounded drain (``drain_timeout_ms``); what does not finish is cancelled and
-  redelivered to the group.
+Design: docs/design/runner.md.
 """
 
 from __future__ import annotations

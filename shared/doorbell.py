@@ -1,38 +1,12 @@
 """Doorbell: a Redis pub/sub nudge that tells an idle stage consumer to fetch now.
 
-Why: the embedded broker (tansu) never answers a waiting fetch when data arrives, so a
-consumer that waits broker-side pays up to ``fetch_max_wait_ms`` per hop (README, "Fleet overhead"). With the
-doorbell on, consumers fetch with a 1 ms broker-side wait (tansu answers a 0 ms fetch with no
-records at all) and, after an empty fetch, wait
-client-side until either a ring on their topic's channel or ``idle_fetch_interval_ms``.
+The embedded broker (tansu) never answers a waiting fetch when data arrives, so with the doorbell
+on, consumers fetch with a 1 ms broker-side wait and, after an empty fetch, wait client-side for
+a ring on their topic's channel or ``idle_fetch_interval_ms``. A ring is a wake-up, at most
+carrying a copy of a record also produced to Kafka (``shared.early``): Kafka stays the record of
+truth, and a lost ring costs at most one idle interval. :class:`Doorbell` does both sides.
 
-Contract:
-- A ring is a wake-up: at most a copy of a record also produced to Kafka rides on it (below).
-  Kafka stays the record of truth; a lost ring (Redis away, a subscriber reconnecting) costs at
-  most one idle interval.
-- ``Doorbell.ring(topic)`` is called as a produce to ``topic`` goes out, before the broker's
-  ack (so the next stage fetches while the broker acks), and again once acked if that took
-  longer than ``Doorbell.late`` allows; it never raises and never blocks the caller. Rings
-  are written on a connection of their own with replies off (:class:`_RingWire`): a ring is
-  one socket write, not a pooled command whose reply is parsed.
-- A ring may carry a copy of the stage record produced with it (``ring(topic, carried)``,
-  a ``protocol.CarriedRecord``), and a second ring, once the broker acked it, a
-  ``protocol.AckedRecord``; ``on_carried(topic, callback)`` hands those payloads to the topic's
-  runner, which may start the work early (``shared.early``). A ring wakes the consumer either way,
-  unless the callback returns False: the ring announces nothing to fetch (an ack for a record
-  Kafka already delivered there; waking would only send empty fetches for ``expect_ms``).
-  The ack's ring (``ring_acked``) sets ``RedisKeys.acked`` for the record in the same write, for
-  ``ACKED_TTL_MS``: an early run's guarded stream write checks it in Redis (``shared.stage.WriteGuard``).
-- ``Doorbell.attach(consumer, topic)`` is called after ``consumer.start()``: it wraps the
-  consumer's fetcher so that an empty fetch waits for the doorbell (the ring counter is read
-  before the fetch is sent, so a ring landing during the fetch is never missed), except for
-  ``expect_ms`` after a ring: the record may still be on its way, so an empty fetch that began
-  in that window is repeated at once (each holds ``fetch_max_wait_ms`` at the broker) until one
-  returns records. The window is judged by when a fetch began, not when it came back: a fetch
-  sent just before the record landed can come back empty after the window closed (seen: ~1 request
-  in 40 at c=1 waited the whole idle interval at one hop that way), and the one after it finds the record.
-  (A fetch that brings records ends the window even when a ring came during it: keeping the
-  window open then kept every consumer fetching without pause under load, measured.)
+Design: docs/design/doorbell.md.
 """
 
 from __future__ import annotations
@@ -224,7 +198,14 @@ def _commands(rings: list[tuple[str, bytes, tuple[str, str] | None]]) -> list[tu
 
 
 class Doorbell:
-    """Per process: rings topics (publisher) and wakes this process's consumers (subscriber)."""
+    """Per process: rings topics (publisher) and wakes this process's consumers (subscriber).
+
+    :meth:`ring` is called as a produce to the topic goes out, before the broker's ack (so the
+    next stage fetches while the broker acks), and again once acked if that was :meth:`late`; it
+    never raises and never blocks the caller. Rings are written on a connection of their own with
+    replies off (:class:`_RingWire`): one socket write, not a pooled command whose reply is parsed.
+    A ring may carry a copy of the record produced with it (``protocol.CarriedRecord``) and, once
+    the broker acked it, a second one (``protocol.AckedRecord``, :meth:`ring_acked`)."""
 
     def __init__(self, redis, prefix: str, *, idle_fetch_interval_ms: int, expect_ms: float = EXPECT_MS) -> None:
         self._redis = redis
@@ -252,7 +233,8 @@ class Doorbell:
 
     def ring_acked(self, topic: str, acked: protocol.AckedRecord) -> None:
         """The ring for a carried record the broker acked: carries ``acked`` and sets
-        ``RedisKeys.acked`` (its partition) in the same write."""
+        ``RedisKeys.acked`` (its partition) in the same write, for ``ACKED_TTL_MS``: an early run's
+        guarded stream write checks it in Redis (``shared.stage.WriteGuard``)."""
         key = self._keys.acked(topic, acked.request_id, acked.attempt)
         self._wire.send(self.channel(topic), protocol.encode(acked), (key, str(acked.partition)))
 
@@ -264,7 +246,8 @@ class Doorbell:
     def on_carried(self, topic: str, callback) -> None:
         """Hand the records rings on ``topic`` carry to ``callback(payload: bytes)`` (called on the
         listener's task: it must not block); :meth:`attach` is still what makes a ring a wake-up,
-        unless ``callback`` returns False for it (nothing to fetch)."""
+        unless ``callback`` returns False for it (nothing to fetch: an ack for a record Kafka
+        already delivered here, where waking would only send empty fetches for ``expect_ms``)."""
         self._bell(topic).on_carried = callback
 
     def _bell(self, topic: str) -> _Bell:
@@ -276,7 +259,15 @@ class Doorbell:
     def attach(self, consumer, topic: str) -> None:
         """Make ``consumer`` (started, fetch_max_wait_ms=1) wait for rings on ``topic`` after
         an empty fetch. Wraps aiokafka's fetcher method that sends one fetch request: its
-        background routine calls it by attribute, once per fetch, never two to one broker at once."""
+        background routine calls it by attribute, once per fetch, never two to one broker at once.
+
+        The ring counter is read before the fetch is sent, so a ring landing during the fetch is
+        never missed. For ``expect_ms`` after a ring the record may still be on its way, so an
+        empty fetch that began in that window is repeated at once until one returns records. The
+        window is judged by when a fetch began, not when it came back: a fetch sent just before the
+        record landed can come back empty after the window closed. A fetch that brings records
+        ends the window even when a ring came during it (kept open, it kept every consumer
+        fetching without pause under load)."""
         bell = self._bell(topic)
         fetcher = consumer._fetcher  # aiokafka 0.14 internals: see tests/transport/test_doorbell.py
         send_fetch = fetcher._proc_fetch_request

@@ -1,27 +1,12 @@
 """Early start: a stage begins a record's work on the copy its doorbell ring carries, before
-Kafka delivers the record, and holds every effect others can see until Kafka does.
+Kafka delivers it, and holds every effect others can see until Kafka does.
 
-Contract (the runner's side is ``StageRunner``; why and what it measured: README, "Fleet overhead"):
-- ``EarlyStarts.offer(payload)`` (a ``protocol.CarriedRecord`` from the doorbell) starts a run
-  only for a partition this consumer owns and is not pausing, within the runner's concurrency,
-  and never for a record Kafka already delivered here (``seen``) or one already running.
-- A run works under the stage's ledger claim like a delivered record, but its claim's round trip
-  overlaps the work (:meth:`EarlyRun.claim`): what it shows waits for the claim too. A claim held
-  elsewhere, a done-mark or an abort drops the run with nothing shown (``handled`` False) and
-  the record, when it comes, takes the usual path.
-- Its outputs, releases, done-mark and error events wait for the record itself
-  (:meth:`EarlyRun.confirmed`): Kafka stays the record of truth, and a copy whose produce never
-  lands changes nothing anyone sees. Its token-stream writes wait for the record to be in Kafka:
-  delivered here, or acked by the broker (a second ring, ``protocol.AckedRecord``: :meth:`acked`;
-  ``offer`` answers False for one whose record was delivered here, and the doorbell wakes no
-  fetch for it), whichever comes first (:meth:`EarlyRun.durable`); the log's compare-and-append
-  keeps a write a later owner of the record repeats from showing twice. A delta written before
-  the run has seen both (their replies still unread behind a forward that held the loop) is a
-  guarded append: Redis writes it only if it shows the claim this run's and the record acked
-  (``shared.stage.WriteGuard``), else the write waits as above. Caches it fills (embeddings, prefix KV) may stay.
-- The runner adopts the run when it consumes the record (``adopt``): the record's offset is done
-  when the run is. Not delivered within ``confirm_ms``, or its partition revoked, the run is
-  dropped (its claim released; tensor slots it put lapse with their leases).
+A run (:class:`EarlyRun`) works under the stage's ledger claim like a delivered record; its
+outputs, releases, done-mark and error events wait for the record's delivery, its token-stream
+writes for the record to be in Kafka (delivered or acked). Not delivered within ``confirm_ms``,
+or its partition revoked, the run is dropped and nothing it did shows (caches it filled stay).
+
+Design: docs/design/doorbell.md.
 """
 
 from __future__ import annotations
@@ -53,7 +38,16 @@ class Unclaimed(Unconfirmed):
 
 
 class EarlyRun:
-    """One record started from its carried copy."""
+    """One record started from its carried copy.
+
+    Its claim's round trip overlaps the work (:meth:`claimed`): what it shows waits for the claim
+    too. A claim held elsewhere, a done-mark or an abort drops the run with nothing shown
+    (``handled`` False) and the record, when it comes, takes the usual path. Effects wait for the
+    record (:meth:`confirmed`); stream writes for it to be in Kafka (:meth:`durable`), except a
+    guarded append that Redis writes only if it shows the claim this run's and the record acked
+    (``shared.stage.WriteGuard``); the log's compare-and-append keeps a write a later owner of the
+    record repeats from showing twice. Dropped, the run releases its claim; tensor slots it put
+    lapse with their leases."""
 
     def __init__(self, carried: protocol.CarriedRecord, msg, confirm_s: float) -> None:
         self.value = carried.value
@@ -204,7 +198,12 @@ class _GatedEvents:
 
 class EarlyStarts:
     """A runner's early runs. ``start(run)`` does the work (the runner's record path);
-    ``owns(partition)`` and ``free()`` come from its consume loop."""
+    ``owns(partition)`` and ``free()`` come from its consume loop.
+
+    :meth:`offer` starts a run only for a partition this consumer owns and is not pausing, within
+    the runner's concurrency, and never for a record Kafka already delivered here or one already
+    running. :meth:`adopt` hands the delivered record to its run: the record's offset is done when
+    the run is."""
 
     def __init__(self, *, decoder: msgspec.msgpack.Decoder, start: Callable[[EarlyRun], Awaitable[None]],
                  owns: Callable[[int], bool], free: Callable[[], int], confirm_ms: int, stage: str = "") -> None:

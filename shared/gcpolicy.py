@@ -1,15 +1,12 @@
 """The garbage collector in a fleet process (worker, gateway, ``mmfleet up``).
 
-Contract: :func:`starting` at process start, :func:`serving` once the process serves. Between
-them the cyclic collector is off; at :func:`serving` everything alive is frozen (out of every
-later collection's scan) and the collector comes back on. At exit the heap is frozen, so the
-interpreter's final collection does not scan it.
+:func:`starting` at process start, :func:`serving` once the process serves. Between them the
+cyclic collector is off; at :func:`serving` everything alive is frozen (out of every later
+collection's scan) and the collector comes back on. At exit the heap is frozen, so the final
+collection does not scan it. Why: the ~400k long-lived objects torch, transformers and the model
+code leave cost a worker's start ~1.4 s of CPU in full collections, and its exit ~2 s.
 
-Why (measured; README "Starting and stopping a fleet"): importing torch, transformers and the
-model code leaves ~400k long-lived objects, and a worker's start ran 7 full collections over them
-(33 → 380 ms each, ~1.4 s of CPU a process, four processes on two cores); at exit the final
-collection took ~2 s a process. Startup garbage kept by turning the collector off is a one-time
-amount, frozen with the rest.
+Design: docs/design/startup.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Which address this process tells others to reach it at, and which network device it uses.
+A fleet on one host can advertise anything; across hosts each process must advertise its own
+routable address, never 127.0.0.1 or a wildcard. :func:`advertise_host`: ``advertise_host`` if
+set, else the bind address unless it is a wildcard, else the host name; it goes into liveness
+records and the NIXL agent's ref (``AgentRef.host``). :func:`ucx_env`: the UCX variables a NIXL
+agent is created under (``nixl_net_devices``, else the device holding a routable advertised
+IPv4 address; empty when nothing is pinned).
 
-A fleet on one host can advertise anything (every peer is local); across hosts each process
-must advertise its own routable address, never 127.0.0.1 or a wildcard. Contract:
-- :func:`advertise_host` — ``settings.advertise_host`` if set; else the bind address
-  (``metrics_host``, or the gateway's ``gateway_host``) unless it is a wildcard; else the host name.
-  It goes into liveness
-  records (worker metrics URL, gateway URL) and into the NIXL agent's ref (``AgentRef.host``),
-  so a puller can tell a cross-host READ from a local one.
-- :func:`ucx_env` — the UCX variables a NIXL agent is created under: ``nixl_net_devices`` if
-  set, else the device that holds the advertised address when that is a routable IPv4 address
-  (so UCX's worker address, carried in the agent metadata, names that interface and not
-  loopback); empty when nothing is pinned.
+Design: docs/deploy/hosts.md.
 """
 
 from __future__ import annotations
@@ -57,7 +53,9 @@ def device_of(address: str) -> str | None:
 
 
 def ucx_env(settings: Settings, bind: str | None = None) -> dict[str, str]:
-    """UCX variables for this process's NIXL agent (see module contract). A loopback or
+    """UCX variables for this process's NIXL agent: ``nixl_net_devices`` if set, else the device
+    that holds the advertised address when that is a routable IPv4 address (so UCX's worker
+    address, carried in the agent metadata, names that interface and not loopback). A loopback or
     unresolvable advertised host pins nothing: one host, UCX's own choice (shared memory)."""
     devices = settings.nixl_net_devices
     if not devices:

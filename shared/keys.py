@@ -2,6 +2,8 @@
 
 Keys are namespaced by a prefix (settings ``redis_prefix``) so several fleets or test runs can
 share one Redis without colliding.
+
+Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations

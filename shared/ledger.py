@@ -1,17 +1,12 @@
-"""Idempotent stages: who is working on (request, stage, attempt), and whether it is done.
+"""Idempotent stages (:class:`StageLedger`): who is working on (request, stage, attempt), and
+whether it is done, so a record Kafka delivers again (after a worker crash before its commit, or
+a rebalance mid-work) is safe. ``claim`` is ``SET NX PX``: one worker at a time, refreshed while
+it works, so a crashed holder's claim lapses within ``lease_ms``; ``mark_done`` after the outputs
+are acknowledged, so a redelivered record whose work is done is acknowledged without redoing it.
+A request restarted from its source runs every stage again under a fresh ``attempt`` from
+``next_attempt`` (one counter per request: a number whose done-marks exist is never reused).
 
-Kafka delivers at least once, so a record can come back: after a worker crash before its
-commit, or after a rebalance moved its partition while it was still working. The ledger makes
-that safe:
-- ``claim`` is ``SET NX PX``: one worker at a time works on a (request, stage, attempt); the
-  holder refreshes the claim while it works, so a crashed holder's claim lapses within
-  ``lease_ms`` and a redelivery can take over.
-- ``mark_done`` after the stage's outputs are acknowledged: a redelivered record whose work is
-  done is acknowledged without redoing it.
-``attempt`` is part of the key: a request restarted from its source (a lost tensor owner, a
-broker restart that lost its records) runs every stage again. ``next_attempt`` hands out those
-numbers from one counter per request, so two restarts never reuse a number whose done-marks
-exist (which would skip the work and lose the request).
+Design: docs/design/runner.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Liveness records in Redis: who serves what right now, and where to scrape it.
 
 A worker writes its ``WorkerInfo`` under ``keys.worker(id)`` with a TTL while every runner of it
-holds partitions (at once when that changes, then every ``interval_s``), and ``keys.alive(id)``
-while its process runs; a gateway writes its
+holds partitions, and ``keys.alive(id)`` while its process runs; a gateway writes its
 ``GatewayInfo`` (its URL) under ``keys.gateway(id)`` while it listens. A record is deleted on a
-clean stop, and a crashed process's record expires after ``ttl_s``. Readers (the supervisor's
-readiness check, operators, tests finding every ``/metrics``) list them with
-:func:`live_workers` and :func:`live_gateways`.
+clean stop; a crashed process's expires after ``ttl_s``. Readers (the supervisor's readiness
+check, operators, tests) list them with :func:`live_workers` and :func:`live_gateways`.
+
+Design: docs/guide/observability.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """One log setup for every process: text for people, JSON lines for machines.
 
-``setup(settings, process=...)`` is called once in ``main``. Records carry, besides the message:
-the process's identity (``process``: "gateway" or the worker id; set again with
-:func:`set_process` once a worker knows its id) and, from context variables, the ``stage`` and
-``request_id`` being worked on. The runner binds both around each record it handles and the
-gateway binds the request id per HTTP request (:func:`bind`), so one request id can be grepped
-through every stage's log. Context variables follow asyncio tasks, so concurrent requests in one
-process never mix their ids.
+``setup(settings, process=...)`` is called once in ``main``. Records carry the process's identity
+(``process``: "gateway" or the worker id, :func:`set_process`) and, from context variables that
+follow asyncio tasks, the ``stage`` and ``request_id`` being worked on (:func:`bind`), so one
+request id can be grepped through every stage's log. JSON fields: ts (RFC 3339 UTC, ms), level,
+logger, pid, process, stage, request_id, msg, and exc (the traceback); unset fields are left out.
 
-JSON fields: ts (RFC 3339 UTC, ms), level, logger, pid, process, stage, request_id, msg, and
-exc (the traceback) when there is one. Fields that are unset are left out.
+Design: docs/guide/observability.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Prometheus metrics of every process, on the default registry, and their ``/metrics`` endpoint.
 
-Every series the fleet defines is declared here, so one file lists what an operator can scrape
-(other modules add their own series to the same default registry). Names carry their unit.
+Every series the fleet defines is declared here (other modules add their own to the same
+registry), so one file lists what an operator can scrape; names carry their unit. The gateway
+adds :func:`metrics_view` to its own aiohttp app; a worker runs :class:`MetricsServer`
+(``metrics_host`` / ``metrics_port``, 0 = ephemeral), whose bound port goes into its liveness
+record.
 
-- gateway: requests by HTTP status, time to first token, inter-token latency, end to end,
-  requests in flight, admission rejections by reason.
-- every worker, per stage: queue wait / transfer / compute histograms (observed by the runner
-  from each record's ``tracing`` span), records by outcome, consumer lag per partition.
-- NIXL (``shared.transfer``): bytes moved and pull duration.
-- media-fetch: bytes and seconds of loading each media item, by source.
-
-Exposition: the gateway adds :func:`metrics_view` to its own aiohttp app; a worker runs
-:class:`MetricsServer`, a small aiohttp server of its own (``metrics_host``/``metrics_port``,
-0 = ephemeral), whose bound port goes into the worker's liveness record.
+Design: docs/guide/observability.md.
 """
 
 from __future__ import annotations

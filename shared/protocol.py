@@ -1,15 +1,12 @@
 """Every message that crosses a process boundary: Kafka records and Redis stream entries.
 
-Contracts:
-- Each Kafka topic carries one tagged message type (``MediaFetchRequest``, ``EncodeRequest``,
-  ...); a record's value is its msgpack encoding, decoded with the topic's typed decoder
-  (:func:`decoder_for`). No tensors ride in messages: tensors stay in the producer's
-  NIXL-registered pool and messages carry :class:`TensorRef` descriptors plus the owner's
-  :class:`AgentRef` (agent metadata, ~0.5 KiB), so a record stays a few KiB whatever the media.
-- Schema evolution: new fields always get defaults; fields are never renamed or re-typed.
-- Token streams: one Redis stream per request; every entry holds one :class:`StreamEvent`
-  member in the ``e`` field. The stream is a log: a ``TokenDelta`` has a sequence number so a
-  reader (or a resumed decode) knows exactly which tokens were already written.
+Each Kafka topic carries one tagged message type, msgpack-encoded and decoded with the topic's
+typed decoder (:func:`decoder_for`). No tensors ride in messages: they stay in the producer's
+NIXL-registered pool, and messages carry :class:`TensorRef` descriptors plus the owner's
+:class:`AgentRef`, a few KiB whatever the media. New fields always get defaults; fields are never
+renamed or re-typed. Token streams: one Redis stream per request, entries :class:`StreamEvent`.
+
+Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations
@@ -428,7 +425,9 @@ class Usage(Struct, frozen=True):
 
 
 class TokenDelta(Struct, frozen=True, tag="delta", tag_field="event"):
-    """``seq``: index of the first token in ``token_ids`` within the completion."""
+    """``seq``: index of the first token in ``token_ids`` within the completion, so a reader (or a
+    resumed decode) knows exactly which tokens were already written. Every stream entry holds one
+    ``StreamEvent`` member in the ``e`` field."""
 
     seq: int
     token_ids: tuple[int, ...]

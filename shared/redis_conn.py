@@ -2,6 +2,8 @@
 
 Credentials come from ``redis_username`` / ``redis_password`` (or the URL's userinfo), TLS from
 a ``rediss://`` URL plus the ``redis_ssl_*`` files; nothing here logs a secret.
+
+Design: docs/guide/security.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
-"""A lean pipelined Redis connection for a process's per-request calls (token-log appends and
-reads, the token streams' shared XREAD, stage claims, the routing table, the embedding index):
-hiredis packs each command and parses each reply, nothing else runs per call. redis-py costs
-~75 µs of client CPU a call here against ~30 for this (README, "Fleet overhead"); these calls are
-~30 of a request's ~35 round trips.
+"""A lean pipelined Redis connection (:class:`LeanRedis`) for a process's per-request calls
+(token-log appends and reads, the shared XREAD, stage claims, the routing table, the embedding
+index): hiredis packs each command and parses each reply, nothing else runs per call (redis-py
+costs ~75 µs of client CPU a call against ~30 for this). Calls are pipelined on one connection
+and resolve in call order; errors are redis-py's. :func:`lean_of` gives a redis-py client's one
+shared ``LeanRedis``; a blocking reader opens its own.
 
-Contract:
-- ``lean_of(client)``: the one shared ``LeanRedis`` of a redis-py client (its owner closes it
-  with the client); a blocking reader opens its own ``LeanRedis(client)``.
-- ``LeanRedis(client)`` talks to the server of a redis-py client with that client's connection
-  settings (host and port or unix path, TLS context, username / password, db); it connects at
-  its first call and again at the first call after a connection was lost.
-- ``await call(*args)``: the reply as hiredis gives it (RESP2: bytes, ints, lists; None for nil).
-  An error reply raises what redis-py raises for it (``ResponseError``, ``NoScriptError``, ...).
-  ``await pipeline(commands)``: their replies, in one write; the first error reply raises, once
-  every reply is in.
-- Calls are written at once and pipelined on the one connection: Redis runs them, and their
-  replies resolve, in call order. At most ``max_in_flight`` calls are in flight; more wait.
-- A lost connection fails every call in flight with ``redis.exceptions.ConnectionError``. A reply
-  later than the client's ``socket_timeout`` (plus ``blocking_s`` for a call that blocks in Redis,
-  e.g. XREAD BLOCK) drops the connection and fails its calls with ``TimeoutError`` (redis-py's),
-  as redis-py's own read timeout would. A caller cancelled while its call blocks drops the
-  connection, so that later calls do not queue behind that reply; any other cancelled call's
-  reply is read and discarded.
+Design: docs/design/runner.md.
 """
 
 from __future__ import annotations
@@ -114,6 +98,21 @@ class _Protocol(asyncio.Protocol):
 
 
 class LeanRedis:
+    """Talks to the server of a redis-py client with that client's connection settings (host and
+    port or unix path, TLS context, username / password, db); connects at its first call and again
+    at the first call after a connection was lost.
+
+    - ``await call(*args)``: the reply as hiredis gives it (RESP2: bytes, ints, lists; None for
+      nil); an error reply raises what redis-py raises for it (``ResponseError``,
+      ``NoScriptError``, ...). ``await pipeline(commands)``: their replies, in one write; the first
+      error reply raises, once every reply is in.
+    - At most ``max_in_flight`` calls are in flight; more wait.
+    - A lost connection fails every call in flight with ``redis.exceptions.ConnectionError``. A
+      reply later than the client's ``socket_timeout`` (plus ``blocking_s`` for a call that blocks
+      in Redis, e.g. XREAD BLOCK) drops the connection and fails its calls with redis-py's
+      ``TimeoutError``. A caller cancelled while its call blocks drops the connection, so later
+      calls do not queue behind that reply; any other cancelled call's reply is read and discarded."""
+
     def __init__(self, client: aioredis.Redis, *, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         self.client = client
         pool = client.connection_pool

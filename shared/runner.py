@@ -1,11 +1,12 @@
 """The one generic stage runner: consume → handle → produce → release → commit.
 
-Every stage gets the same semantics: at-least-once (commit after the outputs are acked),
-bounded (``concurrency`` in flight, partitions paused beyond), deadlines (504 without work),
-idempotent under a ``StageLedger`` claim, restarts from the source on a lost tensor owner,
-retries then dead-letter on faults, a bounded drain on ``stop()``, and (with a doorbell)
-client-side idle waits that an upstream produce cuts short, and early starts on the record a ring
-carries (``shared.early``: effects wait for Kafka's delivery). Each rule, and why: docs/runner.md.
+Every stage gets the same semantics: at-least-once (commit after the outputs are acked), bounded
+(``concurrency`` in flight, partitions paused beyond), deadlines (504 without work), idempotent
+under a ``StageLedger`` claim, restarts from the source on a lost tensor owner, retries then
+dead-letter on faults, a bounded drain on ``stop()``, and (with a doorbell) client-side idle
+waits that an upstream produce cuts short and early starts on the record a ring carries.
+
+Design: docs/design/runner.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""The contract between a stage's pure handler and the one generic runner.
+"""The contract between a stage's pure handler and the one generic runner. A stage is ``async
+handle(msg, ctx) -> Outcome``: it reads one decoded message, works through the ports in ``ctx``
+(tensor transfer, token streams) and returns what to produce; it never touches Kafka. The runner
+produces the outcome, waits for the ack, releases the upstream leases in ``Outcome.releases``,
+and only then commits. ``RequestFailed``: the request cannot succeed (bad input, unsupported,
+deadline): its ``ErrorEvent`` is written and the record committed. Any other exception is a
+fault: retried up to ``max_attempts``, then dead-lettered with a terminal error for the client.
 
-A stage is ``async handle(msg, ctx) -> Outcome``: it reads one decoded message, does its work
-through the ports in ``ctx`` (tensor transfer, token streams), and returns what to produce.
-It never touches Kafka. The runner produces the outcome, waits for the broker's ack, releases
-the upstream tensor leases named in ``Outcome.releases``, and only then commits the offset
-(at-least-once: a crash before the commit redelivers the message).
-
-Failure vocabulary:
-- ``RequestFailed``: this request cannot succeed (bad input, unsupported, deadline): the
-  runner writes the ``ErrorEvent`` to the request's stream and commits. The worker goes on.
-- any other exception: a fault; the runner retries the record up to ``max_attempts`` and then
-  dead-letters it and writes a terminal error so the client never hangs.
+Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations

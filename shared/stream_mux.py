@@ -1,17 +1,11 @@
 """One blocking XREAD for every token stream a process follows (the gateway follows one per
-request in flight), instead of one XREAD per stream per token.
+request in flight), instead of one XREAD per stream per token (:class:`StreamMux`).
+``subscribe(key)`` follows ``key`` from its first entry: a :class:`Subscription` whose ``entries``
+fill in order and whose ``event`` is set when entries arrive or the reader fails (``error``).
+One follower per key per process. A read that fails hands its error to every subscription of
+that moment and ends them; later subscriptions start a new reader.
 
-Contract: ``subscribe(key)`` starts following ``key`` from its first entry and returns a
-:class:`Subscription` whose ``entries`` fill in order as the reader sees them; ``event`` is set
-whenever entries arrive or the reader fails (``error``). ``unsubscribe`` stops it. One follower
-per key per process. A follower joining while the read blocks is in the next read; if no read
-has returned ``wake_delay_s`` after it joined, it wakes the one blocking: every read also waits
-on the process's wake stream (``wake_key``, one entry, expiring), and a wake adds to it (one
-round trip). Under load reads return every few ms, so joining costs nothing; a request's first
-event comes tens of ms after its follower joins (the stages run first), so the delay costs
-nothing either. A read that fails hands its error to every subscription of that moment and
-ends them; later subscriptions start a new reader. At most ``count`` entries per stream per
-read; a stream's entries are bounded by its ``MAXLEN``.
+Design: docs/design/runner.md.
 """
 
 from __future__ import annotations
@@ -41,6 +35,14 @@ class Subscription:
 
 
 class StreamMux:
+    """A follower joining while the read blocks is in the next read; if no read has returned
+    ``wake_delay_s`` after it joined, it wakes the one blocking: every read also waits on the
+    process's wake stream (``wake_key``, one entry, expiring), and a wake adds to it (one round
+    trip). Under load reads return every few ms, so joining costs nothing; a request's first event
+    comes tens of ms after its follower joins (the stages run first), so the delay costs nothing
+    either. At most ``count`` entries per stream per read; a stream's entries are bounded by its
+    ``MAXLEN``."""
+
     def __init__(self, redis: aioredis.Redis, wake_key: str, *, ttl_s: int, block_ms: int = 1000,
                  count: int = 256, wake_delay_s: float = WAKE_DELAY_S) -> None:
         self._redis = redis

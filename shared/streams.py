@@ -1,12 +1,12 @@
-"""Per-request token logs in Redis streams.
+"""Per-request token logs in Redis streams. A request's stream holds ``StreamEvent`` entries in
+order and ends with exactly one terminal event (``Finish`` or ``ErrorEvent``) in normal operation.
+Streams are bounded (``MAXLEN ~``) and expire ``ttl_s`` after the last write, so an abandoned
+request cannot grow Redis without bound. Readers resume from the last entry id they saw; a
+process's followers share one blocking read. Compare-and-appends made in one event-loop turn go
+to Redis in one script call; a guarded append (``append_delta_if``, ``shared.stage.WriteGuard``)
+is written only if Redis shows its guard met, in the same call.
 
-Contract: a request's stream holds ``StreamEvent`` entries in order; it ends with exactly one
-terminal event (``Finish`` or ``ErrorEvent``) in normal operation. Streams are bounded
-(``MAXLEN ~``) and expire ``ttl_s`` after the last write, so an abandoned request cannot
-grow Redis without bound. Readers resume from the last entry id they saw; a process's followers
-share one blocking read. Compare-and-appends issued in one event-loop turn (a batched decode
-step's sequences) go to Redis in one script call. A guarded append (``append_delta_if``,
-``shared.stage.WriteGuard``) is written only if Redis shows its guard met, in the same call.
+Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations

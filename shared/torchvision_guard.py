@@ -1,18 +1,11 @@
-"""Let torchvision's pure-Python parts load beside torch 2.13.0+cpu.
+"""Let torchvision's pure-Python parts load beside a CPU build of torch: PyPI's torchvision is a
+CUDA build, and two of its modules that register compiled operators fail to import beside the
+CPU torch (``operator torchvision::nms does not exist``). The processors mmfleet needs only use
+torchvision's pure-Python transforms, so those two modules are replaced by empty ones at import
+time (compiled ops such as nms stay unavailable; nothing in mmfleet calls them). For environments
+whose torchvision does not match its torch only: a GPU machine with a matching one needs no hook.
 
-PyPI's torchvision 0.28 is a CUDA build; importing it beside the local CPU torch fails in two
-modules that register compiled operators (``operator torchvision::nms does not exist``). The
-processors mmfleet needs (Qwen2-VL's image/video processors, and vLLM's vision models later)
-only use torchvision's pure-Python transforms, so those two modules are replaced by empty
-ones at import time. Compiled torchvision ops (nms, roi_align...) stay unavailable; nothing in
-mmfleet calls them.
-
-It must act in EVERY interpreter of the environment, including processes that vLLM spawns,
-so ``make install`` runs ``python -m shared.torchvision_guard --install``, which writes this
-file's finder into site-packages plus a ``.pth`` line that activates it at interpreter start.
-``activate()`` is also called by the CLI, so a ``pip install`` without the hook still works for
-mmfleet's own processes. Only for environments whose torchvision does not match its torch: on
-a GPU machine with a matching torchvision, do not install the hook.
+Design: docs/deploy/gpus.md.
 """
 
 from __future__ import annotations
@@ -43,14 +36,17 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def activate() -> None:
-    """Install the finder once per interpreter (idempotent)."""
+    """Install the finder once per interpreter (idempotent). The CLI calls it, so a ``pip
+    install`` without the hook still works for mmfleet's own processes."""
     if not any(type(f).__name__ == "_Finder" and type(f).__module__ in (__name__, _MODULE_NAME)
                for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
 
 def install_hook() -> str:
-    """Write the standalone guard module and its ``.pth`` into this environment's site-packages."""
+    """Write the standalone guard module and its ``.pth`` into this environment's site-packages
+    (``python -m shared.torchvision_guard --install``, run by ``make install``): the guard must act
+    in EVERY interpreter of the environment, including processes that vLLM spawns."""
     import sysconfig
     from pathlib import Path
 

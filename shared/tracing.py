@@ -1,10 +1,11 @@
 """Per-stage timing of a request, carried along in ``RequestMeta.spans``.
 
-The runner opens a :class:`SpanTimer` (in a context variable) around each handler call;
-handlers mark their transfer time with ``with timed_transfer():``; the runner stamps the
-finished span onto the metadata of every message the handler produced, and the stage that
-ends the request puts the whole path into its ``Finish`` event. Context variables follow the
-handler's task, so concurrent requests in one worker never mix their timers.
+The runner opens a :class:`SpanTimer` (in a context variable) around each handler call; handlers
+mark their transfer time with ``with timed_transfer():``; the runner stamps the finished span onto
+every message the handler produced, and the stage that ends the request puts the whole path into
+its ``Finish`` event. Context variables follow the handler's task, so requests never mix timers.
+
+Design: docs/guide/observability.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Fleet processes forked from one process that has imported torch and transformers once (the
-zygote, :mod:`shared.zygote_main`), so that a worker or gateway starts without paying ~6 s of
-imports again (README "Starting and stopping a fleet").
+zygote, :mod:`shared.zygote_main`), so a worker or gateway starts without paying ~6 s of imports
+again. The parent (``mmfleet up``) makes itself a child subreaper, starts the zygote
+(:meth:`Zygote.start`) and asks it for ``python -m MODULE ...`` command lines
+(:meth:`Zygote.spawn`). The zygote forks twice, so the new process is the parent's own child
+exactly as if ``subprocess.Popen`` had started it (:class:`Adopted` is its handle). A zygote that
+did not start, or has gone, raises :class:`ZygoteGone` and the caller starts the command itself.
 
-Contract: the parent (``mmfleet up``) makes itself a child subreaper, starts the zygote with
-:meth:`Zygote.start` and asks it for ``python -m MODULE ...`` command lines with
-:meth:`Zygote.spawn`. The zygote forks twice, so the new process is reparented to the parent:
-it is the parent's own child (``waitpid``, exit status, ``/proc`` children) exactly as if
-``subprocess.Popen`` had started it, in a session of its own, with the given environment and
-log file, dying with the parent (``PR_SET_PDEATHSIG``), its ``/proc/PID/cmdline`` set to the
-command line it stands for. :class:`Adopted` is its ``Popen``-like handle. A zygote that did not
-start, or has gone, spawns nothing: :meth:`Zygote.spawn` raises :class:`ZygoteGone` and the
-caller starts the command with ``Popen``, as without a zygote.
+Design: docs/design/startup.md.
 """
 
 from __future__ import annotations
@@ -244,7 +240,9 @@ class Zygote:
               pass_fds: tuple[int, ...] = ()) -> Adopted:
         """``argv`` (``[sys.executable, "-m", module, ...]``) forked from the zygote, with
         ``pass_fds`` open in it under the same numbers; raises ZygoteGone where it cannot be
-        (the caller execs it instead)."""
+        (the caller execs it instead). The new process is reparented to this one, in a session
+        of its own unless ``new_session`` is false, with ``env`` and ``log_path``, dying with its
+        parent (``PR_SET_PDEATHSIG``), its ``/proc/PID/cmdline`` set to ``argv``."""
         if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
             raise ZygoteGone(f"not a `python -m` command line: {argv[:3]}")
         if not self.wait_ready():

@@ -1,13 +1,12 @@
 """decode (apart from prefill): generate and write token deltas to the request's Redis stream as
 they come. (Prefill and decode in one worker: ``services.prefill.generate``.)
 
-- ``DecodeHandler``: In ``DecodeRequest``; pulls the KV cache over
-  NIXL and continues after the first token; releases prefill's KV slot at the end. With
-  ``engine_kv`` (vLLM) the engine reads the KV from prefill's engine itself, ONCE per attempt:
-  the producer frees the blocks when read, so a decode that runs again for the same attempt
-  (a crash, a redelivery) restarts the request from its source instead of reading freed blocks.
-It first reads the request's token log: a finished request is not generated again, and a
-partly streamed one resumes after its last logged token (see ``services.decode.stream``).
+``DecodeHandler``: in ``DecodeRequest``; pulls the KV cache over NIXL, continues after the first
+token and releases prefill's KV slot at the end. With ``engine_kv`` (vLLM) the engine reads the
+KV from prefill's engine itself, once per attempt (the producer frees the blocks when read): a
+decode that runs again for the same attempt restarts the request from its source. It first
+reads the token log: a finished request is not generated again, a partial one resumes.
+Design: docs/design/decode-core.md.
 """
 
 from __future__ import annotations

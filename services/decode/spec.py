@@ -1,6 +1,9 @@
 """The decode stage (apart from prefill): its topic, its message and how a worker builds its
 handler. With prefill in the same worker the prefill stage generates (``services.prefill.generate``)
-and this stage is not consumed at all."""
+and this stage is not consumed at all.
+
+Design: docs/design/architecture.md.
+"""
 
 from __future__ import annotations
 

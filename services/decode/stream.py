@@ -1,35 +1,12 @@
-"""Turning an engine's token iterator into the request's stream events.
+"""Turning an engine's token iterator into the request's stream events: one ``TokenDelta`` per
+token (eos excluded; its text held back while it may start a stop string or end mid-character),
+then one ``Finish``. A stop string ends generation (the iterator is closed) and is not sent.
 
-Contract: one ``TokenDelta`` per generated token (eos excluded), each carrying the token id
-and the text it completes (held back while it may still be the start of a stop string or an
-incomplete UTF-8 character), then one ``Finish`` with the reason and usage. A stop string
-ends generation early (the iterator is closed, which aborts the request in the engine) and is
-not itself sent, as in OpenAI's API.
-
-Resume (no token lost or duplicated): the request's stream is its token log. A decode that
-runs again for a request (redelivery after a crash, recompute after a lost tensor owner) first
-reads the log (:func:`read_log`): a terminal event means the work is done; otherwise the
-tokens already written are forced back into the engine (``resume``) and the first
-``skip_deltas`` deltas, which the log already holds, are regenerated but not appended again.
-Deltas are a deterministic function of the token sequence, so the client sees each once. A log
-that vanishes mid-request (Redis flushed) is written again whole from position 0 at the next
-append, since deltas the reader had not read yet went with it; the reader drops positions it has.
-
-Queued appends: with a sink that can queue an append without waiting for it (Redis's), each
-delta's append is queued and its outcome read when the next delta goes out (or before the
-Finish): the writer waits for its next token only, and a batched step's sequences append in one
-script call. One append per request is in flight at a time, so they reach Redis in order; a
-position found taken stops the writer a token later, before it queues anything more.
-
-Look-ahead: from the second token on, the engine's iterator is pulled by a task of its own, up
-to ``lookahead_tokens`` ahead of the writer, so the next decode step runs while this token's
-append is in flight (and a batched step does not wait for sequences busy appending). Tokens
-pulled past a stop string are computed and dropped; the iterator is closed either way.
-
-The first delta is written by prefill (:func:`write_first_delta`, the same computation, at
-position 0) as soon as it has sampled the first token, so the time to first token does not
-wait for the decode hop and the KV pull; decode then finds one delta in the log and resumes
-after it, as above.
+Resume: the stream is the token log. A decode that runs again reads it (:func:`read_log`),
+forces the logged tokens back into the engine and does not append their deltas again, so the
+client sees each once; a log that vanished mid-request is written again whole. One append per
+request is in flight at a time (in order); the iterator runs up to ``lookahead_tokens`` ahead.
+Prefill writes the first delta (:func:`write_first_delta`). Design: docs/design/decode-core.md.
 """
 
 from __future__ import annotations

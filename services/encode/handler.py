@@ -1,16 +1,12 @@
 """encode: pull pixels over NIXL, run the vision encoder (batched across messages), keep the
 embeddings in this worker's pool and send their descriptors on to prefill.
 
-In: ``EncodeRequest``. Out: ``PrefillRequest`` on ``mm.prefill``; releases media-fetch's pixel
-slots once produced. Items of concurrent messages meet in the engine and go through
-ONE encoder forward (the engine's micro-batcher).
-
-With the embedding cache (``cache`` given, items with a ``cache_key``), each item goes through
-:class:`~shared.embcache.coalesce.EncodeCache`: a repeated item is served from this worker's
-pinned pool or another worker's (through the index), concurrent requests for one item wait
-for one encode, and pixels are pulled only for items that are actually encoded. An item's
-embedding may then be owned by another encode worker: ``owners`` names every agent.
-``EncodeRequest.cached`` (items media-fetch found in the index) are passed on as they are.
+In: ``EncodeRequest``. Out: ``PrefillRequest`` on ``mm.prefill``; media-fetch's pixel slots are
+released once produced. With the embedding cache (``cache`` given, items with a ``cache_key``)
+each item goes through :class:`~shared.embcache.coalesce.EncodeCache`: served from a pool that
+holds it (this worker's or another's: ``owners`` names every agent), one encode for concurrent
+requests, pixels pulled only for items encoded. ``EncodeRequest.cached`` items pass as they are.
+Design: docs/design/embedding-cache.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ One collector per viewer process (the gateway's ``/fleet``, one ``mmfleet top``)
 is bounded: ``window_s`` of scrapes per process, and a process whose record is gone stays
 listed as ``gone`` for ``gone_keep_s`` (at most ``max_gone`` of them), so a worker that died
 is shown, not silently dropped. Calls closer than ``min_interval_s`` share one collection, so
-many open pages cost one scrape of the fleet per interval.
+many open pages cost one scrape of the fleet per interval. Design: docs/guide/observability.md.
 """
 
 from __future__ import annotations

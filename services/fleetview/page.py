@@ -2,11 +2,10 @@
 style, shipped in this package: no build step, nothing from a CDN) and ``GET /fleet/snapshot``
 (the :class:`~services.fleetview.snapshot.FleetSnapshot` as JSON, which the page polls).
 
-The snapshot follows the API's key rule (``services/gateway/auth.py``): with API keys
-configured it wants ``Authorization: Bearer <key>`` (else 401); it is not charged against the
-key's request rate, so an open page does not eat a client's budget. The page itself holds no
-fleet data: a browser cannot attach a bearer header to a navigation, so the page asks for the
-key once (kept in the tab's ``sessionStorage``) and sends it with every poll.
+The snapshot follows the API's key rule (``services/gateway/auth.py``: 401 without a configured
+key) but is not charged against the key's rate. The page holds no fleet data: a browser cannot
+attach a bearer header to a navigation, so the page asks for the key once (kept in the tab's
+``sessionStorage``) and sends it with every poll. Design: docs/guide/observability.md.
 """
 
 from __future__ import annotations

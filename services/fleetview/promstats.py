@@ -5,6 +5,8 @@ A scrape is ``Samples``: {(sample name, sorted label pairs): value}, parsed with
 process (a value below the older one means the process restarted: the counter is taken from
 zero, as Prometheus' ``rate()`` does); gauges are read as they are. Quantiles interpolate
 linearly inside the bucket, as PromQL's ``histogram_quantile`` does.
+
+Design: docs/guide/observability.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ both render, and :func:`build`, which computes it from three sums over every pro
   its oldest scrape in the window; its whole life on the first view). Quantiles and hit rates.
 - ``per_s``: each process's counters differenced over the last ``rate_window_s``, divided by
   that process's own interval, summed. Empty on the first view (rates show as None).
-Times are seconds; bytes are bytes.
+Times are seconds; bytes are bytes. Design: docs/guide/observability.md.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 :class:`~services.fleetview.snapshot.FleetSnapshot` (collected here, straight from Redis and
 each process's ``/metrics``: no gateway needed). Refreshes every ``interval_s`` until Ctrl-C;
 ``--once`` prints one frame (quantiles over each process's life; rates need two frames).
+
+Design: docs/guide/observability.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """The OpenAI-compatible HTTP gateway (and, in the same process, the Kafka ingress).
 
-Per request, through the one path in ``frontend.py`` that the Kafka ingress shares:
-authenticate → validate → admission → hold inline media in the gateway's NIXL pool →
-produce to ``mm.media-fetch`` (media present) or ``mm.prefill`` → follow the request's Redis
-token stream → SSE chunks or one JSON body.
-
-The response status is decided by the stream's first event: an ``ErrorEvent`` before any
-token becomes a proper HTTP error (so a bad image is a 400 even for ``stream=true``); after
-the first token, errors arrive as an SSE ``error`` object, which the openai client raises.
-
-The Kafka ingress (``mm.requests``) runs inside this process rather than as a process of its
-own: it needs exactly what HTTP requests need — the tokenizer and prompt builder, a NIXL pool
-holding inline media until the request ends, the producer, the token-stream reader and one
-in-flight bound — so sharing them costs nothing, while a separate process would load the
-tokenizer and register a pool a second time on a 2-core machine. Every gateway joins the
-ingress consumer group, so scaling gateways scales both ways in.
-
-Observability: every answer counts in ``mmfleet_requests_total{status}`` (499: the client went
-away first) and is logged with its request id (bound for every log record of the request);
-time to first token and inter-token gaps are measured as the gateway sees the token stream;
-``GET /metrics`` serves the process's Prometheus registry.
+A request goes through ``frontend.py`` (shared with the ingress): authenticate → validate →
+admission → inline media into the gateway's NIXL pool → produce to ``mm.media-fetch`` or
+``mm.prefill`` → follow its Redis token stream → SSE chunks or one JSON body. An error before
+the first token is an HTTP error (a bad image is a 400 even with ``stream=true``); after it, an
+SSE ``error`` object. Every answer counts in ``mmfleet_requests_total{status}`` (499: the client
+left first) and is logged with its request id; ``GET /metrics`` serves the registry.
+Design: docs/guide/api.md.
 """
 
 from __future__ import annotations

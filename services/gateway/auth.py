@@ -6,7 +6,7 @@ keys configured, :meth:`Authenticator.check` wants ``Bearer <key>`` (the HTTP
 is configured, and raises :class:`Rejected` (401) otherwise. The key itself is never stored,
 logged, labelled or echoed: it is identified by the first 12 hex digits of its hash.
 Rate limits are fixed one-minute windows counted in Redis (shared by every gateway); a
-request over the limit is a 429 with ``Retry-After`` until the window ends.
+request over the limit is a 429 with ``Retry-After`` until the window ends. Design: docs/guide/security.md.
 """
 
 from __future__ import annotations

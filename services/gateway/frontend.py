@@ -1,20 +1,12 @@
-"""The one code path by which a request enters the fleet, whatever way it came in.
-
-HTTP (``app.py``) and the Kafka ingress (``ingress.py``) both call :meth:`Frontend.admit`
-and :meth:`Frontend.replies`, so they validate, refuse and answer identically (same checks,
-same error texts, same JSON shapes):
-
-1. who: the API key (401) — before the body is even parsed;
-2. what: parse the OpenAI body (unknown fields and unsupported values refused by name, see
-   ``params``) and build the prompt (400/404/413 with the offending field);
-3. admission: the process's in-flight bound (429 ``overloaded``), then the key's rate (429
-   ``rate_limit_exceeded``), so a request refused for load does not use up the key's quota;
-4. entry: inline ``data:`` media go into this process's NIXL pool (so no record carries
-   media; 429 when the pool is full) and the entry message is produced (503 when the broker
-   does not take it);
-5. answer: the request's Redis token stream, shaped by ``responses.shape_replies``.
-
-Steps 1-4 raise :class:`Rejected`; from step 5 on every outcome is a reply.
+"""The one code path by which a request enters the fleet: HTTP (``app.py``) and the Kafka
+ingress (``ingress.py``) both call :meth:`Frontend.admit` and :meth:`Frontend.replies`, so they
+check, refuse and answer alike. In order: the API key (401, before the body is parsed); the
+body and prompt (400/404/413 naming the field, see ``params``); admission, the in-flight bound
+(429 ``overloaded``) before the key's rate (429 ``rate_limit_exceeded``: a request refused for
+load uses no quota); inline ``data:`` media into the NIXL pool (429 when full) and the entry
+message (503 when the broker refuses). These raise :class:`Rejected`. Then the answer: the
+token stream shaped by ``responses.shape_replies``; from there every outcome is a reply.
+Design: docs/guide/api.md.
 """
 
 from __future__ import annotations

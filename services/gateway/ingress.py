@@ -1,10 +1,10 @@
 """The Kafka way in: OpenAI request bodies on ``mm.requests``, answers on the caller's topic.
 
 Record format (key = request_id, value = the HTTP body, headers ``reply_to``, ``authorization``,
-``endpoint``) and reply format: README "Requests over Kafka". Every refusal is answered; load
+``endpoint``) and reply format: docs/guide/kafka-ingress.md. Every refusal is answered; load
 waits in Kafka; a request_id is answered once (claimed in Redis); offsets are committed after
-the replies are acked. Each rule, and why: docs/ingress.md. Batch producers ring no
-doorbell: an idle gateway looks every ``idle_fetch_interval_ms`` (100 ms), not every 10 ms.
+the replies are acked. Batch producers ring no doorbell: an idle gateway looks every
+``idle_fetch_interval_ms`` (100 ms), not every 10 ms. Design: docs/design/ingress.md.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 While it listens, the gateway keeps a liveness record (``GatewayInfo``: its URL, which also
 serves ``/metrics``) in Redis, so operators and tests find every process of the fleet there.
+
+Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations

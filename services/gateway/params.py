@@ -5,8 +5,8 @@ Contract: :func:`check_fields` raises ``RequestFailed`` (400 ``invalid_request_e
 ``param`` = the field, ``code`` ``unsupported_parameter``) for the first field whose value asks
 for behaviour mmfleet does not have; a field at a value equal to what mmfleet does anyway (e.g.
 ``logprobs: false``, ``best_of: 1``) passes. :func:`sampling` validates the sampling controls
-(ranges as vLLM checks them) into the ``protocol.Sampling`` every engine applies. The README's
-"OpenAI API support" matrix lists the same decisions.
+(ranges as vLLM checks them) into the ``protocol.Sampling`` every engine applies.
+Design: docs/guide/api.md (its support matrix lists the same decisions).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ the media items in prompt order, and the sampling parameters.
 
 Pure functions over the tokenizer: every rejection is a ``RequestFailed`` carrying the HTTP
 status and the JSON path of the offending field.
+
+Design: docs/guide/api.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Re-drive unfinished requests after the broker lost its records.
 
-The embedded broker of ``mmfleet up`` keeps records in memory only: when it is restarted, every
-record in flight on any topic is gone, and with it the requests they carried. Whoever restarts
-such a broker writes a fresh token to ``RedisKeys.broker_ready`` once the new broker's topics
-exist (the supervisor does: ``services.supervisor``). The gateway watches that token; when
-it changes, every request the gateway is still answering is produced again from its source
-(its entry message, the inline media still held in the gateway's pool) under a fresh attempt
-number, so every stage works on it again (``StageLedger`` keys carry the attempt) and decode
-resumes from the token log: the client sees each token once.
-
-A request whose entry message reached the new broker before the gateway saw the token change is
-re-driven too: it then runs twice, which the token log makes invisible to the client (readers
-skip sequence numbers they have already seen; at temperature 0 both runs write the same tokens).
-A durable broker (the compose cluster's Apache Kafka) keeps its records across restarts and
-nobody bumps the epoch, so nothing is re-driven there.
+Whoever restarts an in-memory broker (the supervisor) writes a fresh ``RedisKeys.broker_ready``
+token once its topics exist. When the token changes, the gateway produces every request it is
+still answering again from its source (entry message, inline media still in its pool) under a
+fresh attempt: stages redo it (``StageLedger`` keys carry the attempt) and decode resumes from
+the token log, so the client sees each token once, even for a request that then runs twice.
+A durable broker (the compose cluster's Kafka) bumps no token: nothing is re-driven there.
+Design: docs/guide/operations.md.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 :func:`shape_replies` is the one place that turns a request's token-stream events into what
 the client receives, as a sequence of :class:`Reply` JSON bodies; the HTTP handler writes them
 as one body or as SSE ``data:`` lines, the Kafka ingress as one record each.
+
+Design: docs/guide/api.md.
 """
 
 from __future__ import annotations

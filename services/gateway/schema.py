@@ -1,12 +1,11 @@
 """The OpenAI request bodies the gateway accepts, as msgspec Structs.
 
 Decoding a body with :func:`parse_chat` / :func:`parse_completion` validates its shape in one
-pass; errors name the offending JSON path (``$.messages[0].content[1].type``), which goes back
-to the client in a 400 (``param``). Every field OpenAI (or vLLM, for its sampling extras)
-defines for these endpoints is declared here, so none is dropped unseen: what mmfleet does
-with each is decided in :mod:`services.gateway.params` (used, accepted as a no-op that cannot
-change the answer, or refused by name). A top-level field declared nowhere is refused too
-(:func:`unknown_fields`) unless the operator allows extras (``allow_extra_request_fields``).
+pass; errors name the offending JSON path (``$.messages[0].content[1].type``), returned in a
+400 (``param``). Every field OpenAI (or vLLM, for its sampling extras) defines for these
+endpoints is declared here, so none is dropped unseen (what is done with each:
+:mod:`services.gateway.params`). A top-level field declared nowhere is refused
+(:func:`unknown_fields`) unless ``allow_extra_request_fields``. Design: docs/guide/api.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Chat templates as real checkpoints keep them, and as vLLM lets requests choose them.
 
-Contracts:
-- ``model_chat_template(override, processor, tokenizer)``: the template the gateway renders
-  with — the ``chat_template`` setting when given (a file path, or the template text itself),
-  else the processor's (``chat_template.json`` / ``chat_template.jinja``, what
-  ``processor.apply_chat_template`` and so the ``generate()`` reference use), else the
-  tokenizer's (``tokenizer_config.json``), else None (chat requests are then a 400 saying so).
-- ``render_chat(tokenizer, template, messages, request, trust_request_template)``: the prompt
-  text. A request's ``chat_template`` replaces the model's only where the operator allows it
-  (``trust_request_chat_template``; else a 400, as vLLM does); ``chat_template_kwargs`` become
-  template variables (Qwen3's ``enable_thinking``...); a key that names one of
-  ``apply_chat_template``'s own parameters is a 400, never silently dropped; a template that
-  fails to render is a 400 naming the field it came from.
+- ``model_chat_template(override, processor, tokenizer)``: the ``chat_template`` setting (a path
+  or the text), else the processor's (what ``generate()`` uses), else the tokenizer's, else None
+  (chat requests are then a 400 saying so).
+- ``render_chat(...)``: the prompt text. A request's ``chat_template`` is honoured only where
+  ``trust_request_chat_template`` allows (else a 400, as vLLM does); ``chat_template_kwargs``
+  become template variables; a key naming an ``apply_chat_template`` parameter, or a template
+  that fails to render, is a 400 naming the field. Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

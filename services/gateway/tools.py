@@ -1,19 +1,12 @@
-"""Tool calling: ``tools`` / ``tool_choice`` in, OpenAI ``tool_calls`` out, in the Hermes /
-Qwen2.5 format (the Qwen family's): the model writes each call as
-``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
+"""Tool calling: ``tools`` / ``tool_choice`` in, OpenAI ``tool_calls`` out, in the Hermes / Qwen2.5
+format: the model writes ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
 
-Contract:
-- :func:`plan` validates ``tools`` and ``tool_choice`` (400 naming the field) and decides the
-  mode: "" (no tools, or ``tool_choice: none``), "auto" (the model may call; its text is parsed
-  for ``<tool_call>`` blocks) or "forced" (``required`` or a named function: the completion is
-  ONE call's JSON, enforced by a JSON-Schema grammar — ``anyOf`` the allowed functions'
-  ``{"name": const, "arguments": parameters}`` — so even the random demo model makes a parseable,
-  schema-valid call).
-- :func:`render_messages` gives the chat template what it can render: when the template knows
-  ``tools`` (it mentions them) the messages and tools go to it as they are; otherwise (the demo
-  model's template) the tools are described in the system message and assistant ``tool_calls`` /
-  ``role: tool`` messages become the format's text, as Qwen2.5's own template renders them.
-- :func:`parse` turns a finished completion's text into (content, calls).
+- :func:`plan` validates ``tools`` and ``tool_choice`` (400 naming the field) and picks the mode:
+  "" (no tools), "auto" (the text is parsed for calls) or "forced" (``required`` or a named
+  function: one call's JSON under a JSON-Schema grammar, valid even from the random demo model).
+- :func:`render_messages`: tools go to a template that knows them; otherwise they are described
+  in the system message and past calls rendered as the format's text. :func:`parse`: text →
+  (content, calls). Design: docs/guide/api.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
-"""media-fetch: load each item's bytes, hash them, decode under the media policy, preprocess to
-pixels, and hand the pixels to encode by NIXL descriptor.
+"""media-fetch: load each item's bytes, hash them (mm_hash = BLAKE3 of the raw bytes), decode
+under the media policy, preprocess to pixels, and hand the pixels to encode by NIXL descriptor.
 
-In: ``MediaFetchRequest`` (items are http(s) or file:// URLs, or inline bytes held by the
-gateway). Out: one ``EncodeRequest`` on ``mm.encode``. The gateway's inline slots are NOT
-released here: the gateway holds them until the request ends, so a restart from the source
-(after a lost tensor owner downstream) can read them again. Bad media ends the request with a
-400/413 (``RequestFailed``); the worker goes on. mm_hash = BLAKE3 of the raw fetched bytes,
-so identical content hashes the same wherever it came from.
-
-Loading: http(s) through the shared :class:`MediaFetcher` (address policy, caps, timeouts),
-with concurrent requests for one URL sharing one download and recent bytes kept in an LRU
-bounded in bytes (``media_cache_bytes``, ``media_cache_ttl_s``); ``file://`` only under
-``media_file_root``. Decoding is dispatched on the item's ``kind``: ``image`` (always) and
-``video`` (when the model has a video preprocessor): PyAV decode + frame sampling on the
-compute lane, never on the event loop; ``audio`` (when the model has a feature extractor):
-decode, mono, resample to its rate, then features. A video's mm_hash also covers how it was sampled
-(``num_frames`` / ``fps``): the same bytes sampled differently are different model inputs.
-
-Embedding cache (``index`` and ``fingerprint`` given): each item's cache key is its mm_hash
-plus the model's fingerprint and its kind. On a request's first attempt, an image or a video
-with a live entry in the embedding index is not decoded: its owner's descriptor (lease-less;
-prefill validates it) goes on as it is. When every item is such a hit the request goes straight
-to ``mm.prefill``; otherwise only the misses are decoded and sent to encode with their cache
-keys (encode reuses what it can), the hits beside them in ``EncodeRequest.cached`` (a
-multi-turn conversation re-sends every earlier image: only the new one costs a decode). A
-restarted request (``attempt > 0``: a cached embedding failed it) takes no hit. The encode
-record's key is the first decoded item's cache key (or mm_hash), so concurrent requests for
-one item meet in one encode worker and coalesce there.
+In: ``MediaFetchRequest`` (http(s), ``file://`` under ``media_file_root``, or inline bytes the
+gateway holds until the request ends). Out: one ``EncodeRequest`` on ``mm.encode``; bad media
+ends the request with a 400/413. Decoding follows ``kind``: image, video (frames sampled; the
+sampling is part of its mm_hash), audio. With the embedding cache, a first attempt's items with
+a live index entry are not decoded: their descriptors ride in ``EncodeRequest.cached``, or the
+request goes straight to ``mm.prefill`` when all hit. Design: docs/guide/media.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The media-fetch stage: its topic, its message and how a worker builds its handler."""
+"""The media-fetch stage: its topic, its message and how a worker builds its handler.
+
+Design: docs/design/architecture.md.
+"""
 
 from __future__ import annotations
 

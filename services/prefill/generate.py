@@ -4,6 +4,8 @@ the engine) and the tokens are written to the request's Redis stream as they com
 In: ``PrefillRequest``. Out: the token stream; releases encode's embedding slots at the end.
 Like decode it first reads the request's token log: a finished request is not generated again,
 a partly streamed one resumes after its last logged token (``services.decode.stream``).
+
+Design: docs/design/decode-core.md.
 """
 
 from __future__ import annotations

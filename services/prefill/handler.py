@@ -1,23 +1,12 @@
 """prefill: pull the request's embeddings over NIXL, run the language model over the prompt,
 sample the first token, keep the KV cache in this worker's pool and send its descriptor on.
 
-In: ``PrefillRequest`` (text-only requests come straight from the gateway with no items).
-Out: ``DecodeRequest`` on ``mm.decode``; releases encode's embedding slots once produced.
-The first token goes into the request's stream here, before the hand-off (``write_first_delta``:
-decode resumes after it), so TTFT does not wait for the decode hop and the KV pull, nor for the
-prefix cache keeping the prompt's blocks; while its text is held back (part of a character, the
-start of a stop string) the next few tokens too, decoded here from the same KV.
-Needs an engine that exports KV (``capabilities.kv_export``): as a packed tensor put in this
-worker's pool, or (``capabilities.remote_kv``, vLLM) left in the engine with its descriptor in
-``DecodeRequest.engine_kv``.
-
-Prefix reuse (with a ``PrefixReuse`` and an engine with ``capabilities.prefix_kv``): the
-longest cached prefix of the prompt's KV blocks is reused and only the rest is computed; the
-prompt's blocks are then kept, and what the cache stored / evicted goes to this worker's row of
-the routing table (``TableWriter``, after the first token). An engine with its own prefix cache
-(``capabilities.kv_events``, with an ``EngineCacheReport``) gets the prompt's block hashes
-instead and reports its cache's changes in them, which go the same way. ``load`` counts
-the positions still to compute.
+In: ``PrefillRequest`` (text-only ones come straight from the gateway). Out: ``DecodeRequest`` on
+``mm.decode``; encode's slots are released once produced. The first token (and while its text is
+held back, a few more) goes into the stream here (``write_first_delta``). Needs ``kv_export``:
+KV packed into the pool, or left in the engine (``remote_kv``, vLLM: ``engine_kv``). With
+``prefix_kv`` the longest cached prefix is reused and the cache's changes go to the routing
+table (``TableWriter``); an engine with its own cache reports them. Design: docs/design/kv-routing.md.
 """
 
 from __future__ import annotations

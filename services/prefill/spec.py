@@ -4,6 +4,8 @@ Apart from decode it exports KV (``services.prefill.handler``) and keeps its row
 routing table: its load and partitions (``LoadReporter``, also the runner's rebalance listener)
 and, with a prefix cache, its blocks and route notes (``TableWriter``). With decode in the
 same worker it generates (``services.prefill.generate``) under ``decode_concurrency``.
+
+Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations

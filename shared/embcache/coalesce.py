@@ -1,19 +1,10 @@
-"""encode's path through the cache for one item: reuse, wait for someone else's encode, or
-encode it once for everyone.
+"""encode's path through the cache for one item (:meth:`EncodeCache.embed`): reuse this worker's
+copy, wait for an encode of the same key already running here, take another encode worker's
+copy from the fleet index, wait for the worker holding the key's ``SET NX PX`` lease, or encode
+it once for everyone. Nothing here turns into a request error: every failure of the cache path
+ends in an encode.
 
-Order for an item with a cache key:
-1. this worker's cache (a new lease on the pinned slot);
-2. another request of this worker encoding the same key right now: wait for its result;
-3. (``fleet_ok``) the fleet index: another encode worker holds it (a lease-0 ref the reader
-   validates after its pull);
-4. (``fleet_ok``) the ``SET NX PX`` lease: if another worker holds it, poll the index for its
-   result until ``wait_ms`` or the request's deadline; a holder that dies lets its lease
-   expire and the next waiter takes over. (An item whose lease media-fetch already took in
-   this worker, ``PixelItem.lease_holder``, skips 3 and 4; served by 1 or 2 instead, it frees it.)
-5. encode, cache (pin + publish), release the lease, wake local waiters.
-Nothing here turns into a request error: every failure of the cache path ends in step 5.
-``fleet_ok`` is False for a request restarted after a lost tensor (its previous fleet hit
-failed): only this worker's own copies and its own encode are trusted then.
+Design: docs/design/embedding-cache.md.
 """
 
 from __future__ import annotations
@@ -52,7 +43,17 @@ class EncodeCache:
 
     async def embed(self, item: protocol.PixelItem, encode: Callable[[], Awaitable[protocol.TensorRef]], *,
                     fleet_ok: bool, deadline_unix_ms: int) -> Owned:
-        """The item's embedding and its owner; ``encode`` puts a fresh one (a leased ref)."""
+        """The item's embedding and its owner; ``encode`` puts a fresh one (a leased ref).
+
+        Order: 1. this worker's cache (a new lease on the pinned slot); 2. another request of this
+        worker encoding the same key right now: wait for its result; 3. (``fleet_ok``) the fleet
+        index: another encode worker holds it (a lease-0 ref the reader validates after its pull);
+        4. (``fleet_ok``) the lease: if another worker holds it, poll the index for its result until
+        ``wait_ms`` or the request's deadline (a holder that dies lets its lease expire and the next
+        waiter takes over); 5. encode, cache (pin + publish), release the lease, wake local waiters.
+        An item whose lease media-fetch already took here (``PixelItem.lease_holder``) skips 3 and
+        4; served by 1 or 2 instead, it frees it. ``fleet_ok`` is False for a request restarted
+        after a lost tensor: only this worker's own copies and its own encode are trusted then."""
         key = item.cache_key
         taken = item.lease_holder if fleet_ok else ""  # the encode lease media-fetch took for this item
         while True:

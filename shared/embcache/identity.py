@@ -2,10 +2,11 @@
 
 An embedding depends on the raw media bytes (``mm_hash``), the encoder weights and config, and
 the processor settings that turn bytes into pixels. ``model_fingerprint`` hashes what of the
-model directory decides those (configs in full; each weight file's size plus its first and
-last MiB: cheap, the same on every host with the same files, different for different
-weights). ``cache_key`` adds the item's own processing options (none for images today; video
-sampling would go there).
+model directory decides those (configs in full; each weight file's size plus its first and last
+MiB: cheap, the same on every host with the same files). ``cache_key`` adds the item's own
+processing options.
+
+Design: docs/design/embedding-cache.md.
 """
 
 from __future__ import annotations

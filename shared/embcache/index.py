@@ -1,18 +1,9 @@
-"""The Redis side of the embedding cache: the index and the coalescing lease.
+"""The Redis side of the embedding cache (:class:`EmbeddingIndex`): the index of which encode
+worker holds which embedding, and the ``SET NX PX`` lease that coalesces concurrent encodes of
+one key across workers. Advisory: every read swallows Redis errors and answers "no entry", so a
+Redis outage or FLUSHALL costs misses, never errors; an entry whose owner is gone is not used.
 
-Contracts:
-- Index entry: a Redis hash under ``RedisKeys.embedding_index(key)`` with fields ``v`` (an
-  ``EmbeddingIndexEntry``, msgpack) and ``gen``, expiring after ``ttl_s``. Only its owner
-  writes it; the owner deletes it (compare-and-delete on ``gen``) BEFORE it unpins the slot,
-  so a reader that pulled and then still sees its ``gen`` knows the bytes it read were the
-  embedding (``still_valid``).
-- Advisory: every read swallows Redis errors and answers "no entry" / "not valid", so a Redis
-  outage or FLUSHALL costs misses, never errors. ``lookup_live`` also checks the owner's
-  ``alive`` key (held while its process runs, through rebalances): an entry whose owner is gone
-  is not used (and is dropped).
-- Lease: ``SET NX PX`` on ``RedisKeys.embedding_lease(key)`` with the holder's name; released
-  by its holder (compare-and-delete) or by expiry if the holder died. A Redis error while
-  taking it counts as taken (encode without coordination rather than fail).
+Design: docs/design/embedding-cache.md.
 """
 
 from __future__ import annotations
@@ -45,6 +36,17 @@ _ERRORS = (RedisError, OSError)
 
 
 class EmbeddingIndex:
+    """Index entry: a Redis hash under ``RedisKeys.embedding_index(key)`` with fields ``v`` (an
+    ``EmbeddingIndexEntry``, msgpack) and ``gen``, expiring after ``ttl_s``. Only its owner writes
+    it; the owner deletes it (compare-and-delete on ``gen``) BEFORE it unpins the slot, so a reader
+    that pulled and then still sees its ``gen`` knows the bytes it read were the embedding
+    (``still_valid``). ``lookup_live`` also checks the owner's ``alive`` key (held while its process
+    runs) and drops an entry whose owner is gone.
+
+    Lease: ``SET NX PX`` on ``RedisKeys.embedding_lease(key)`` with the holder's name; released by
+    its holder (compare-and-delete) or by expiry if the holder died. A Redis error while taking it
+    counts as taken (encode without coordination rather than fail)."""
+
     def __init__(self, redis: aioredis.Redis, keys: RedisKeys, *, ttl_s: int, lease_ms: int) -> None:
         self._redis = redis
         self._keys = keys

@@ -1,7 +1,10 @@
 """Prometheus series of the embedding cache (default registry; every process's ``/metrics``
 exposes them). ``stage`` is the stage that counted; ``source`` of a hit: ``local`` (this
 encode worker's pool), ``index`` (another worker's pool, found in Redis), ``prefill``
-(prefill's own recent copy, no pull)."""
+(prefill's own recent copy, no pull).
+
+Design: docs/design/embedding-cache.md.
+"""
 
 from __future__ import annotations
 

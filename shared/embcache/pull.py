@@ -1,15 +1,12 @@
-"""prefill's side of the embedding cache: get a request's embeddings, trusting cache entries
-only as far as they can be checked.
+"""prefill's side of the embedding cache: get a request's embeddings, trusting cache entries only
+as far as they can be checked. Per item, in prompt order: a copy in prefill's recent LRU (by
+cache key, content-addressed: always right) needs no pull; else it is pulled from its owner, and
+an item found through the index (``cache_gen`` set) is validated after the pull (the entry must
+still carry that generation), its entry dropped if the pull failed. A cached item that fails
+either way raises :class:`OwnerGoneError`: the runner restarts the request from its source
+without fleet entries, so it is encoded again (a fallback, never an error).
 
-For each item, in prompt order:
-- a copy in prefill's recent LRU (by cache key; content-addressed, so always right): no pull;
-- else pull it from its owner. An item found through the index (``cache_gen`` set, no lease)
-  is then validated: the index entry must still carry that generation (its owner deletes the
-  entry before reusing the slot). A failed pull of such an item drops its index entry, so
-  the next request does not try the same dead owner.
-A cached item that fails either way raises :class:`OwnerGoneError`: the runner restarts the
-request from its source (``attempt + 1``), and that attempt does not use fleet entries, so it
-is encoded again: a fallback, never an error.
+Design: docs/design/embedding-cache.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Prefill's recent embeddings: a byte-bounded LRU (``cachetools.LRUCache`` sized in bytes) of
-tensors it pulled, by cache key.
+tensors it pulled, by cache key. A cache key names content (media bytes + model + processor), so
+a copy held here is right whatever happened to the owner's slot since: a follow-up turn that
+shows the same image again is served without a pull or an index check. Items larger than the
+whole capacity are not kept. Single event loop; not thread-safe.
 
-A cache key names content (media bytes + model + processor), so a copy held here is right
-whatever happened to the owner's slot since: a follow-up turn that shows the same image again
-is served from here without a pull or an index check. Items larger than the whole capacity
-are not kept. Single event loop; not thread-safe.
+Design: docs/design/embedding-cache.md.
 """
 
 from __future__ import annotations

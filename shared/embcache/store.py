@@ -1,17 +1,9 @@
-"""An encode worker's embedding cache: pinned slots of its NIXL pool, LRU, bounded in bytes.
+"""An encode worker's embedding cache (:class:`EmbeddingStore`): pinned slots of its NIXL pool,
+LRU, bounded in bytes, publishing and deleting its index entries as it inserts and evicts. An
+entry is deleted from the index BEFORE its slot is unpinned, so a reader validating against the
+index never accepts a reused slot. Single event loop; not thread-safe.
 
-Contracts:
-- ``insert`` pins the slot of a freshly put embedding (the put's own lease goes to the
-  request's consumer as usual; its release ends only that lease) and publishes the index
-  entry. Items above ``max_item_fraction`` of the capacity are refused (returns None).
-- Eviction (least recently used first, to make room) deletes the index entry FIRST and only
-  then unpins, so a reader validating against the index never accepts a reused slot. When
-  that delete fails (Redis down), the slot stays pinned and its bytes stay counted; the
-  delete is retried on later inserts, and meanwhile inserts that do not fit are refused.
-- ``lease`` hands one more consumer its own lease on a cached slot (``TransferAgent.share``).
-- ``close`` deletes every entry this worker published (a clean stop); a crash leaves them to
-  their TTL, the owner-liveness check and readers' fallbacks.
-Single event loop; not thread-safe.
+Design: docs/design/embedding-cache.md.
 """
 
 from __future__ import annotations
@@ -43,6 +35,17 @@ class Cached:
 
 
 class EmbeddingStore:
+    """- ``insert`` pins the slot of a freshly put embedding (the put's own lease goes to the
+      request's consumer as usual; its release ends only that lease) and publishes the index
+      entry. Items above ``max_item_fraction`` of the capacity are refused (returns None).
+    - Eviction (least recently used first, to make room) deletes the index entry first and only
+      then unpins. When that delete fails (Redis down), the slot stays pinned and its bytes stay
+      counted; the delete is retried on later inserts, and meanwhile inserts that do not fit are
+      refused.
+    - ``lease`` hands one more consumer its own lease on a cached slot (``TransferAgent.share``).
+    - ``close`` deletes every entry this worker published (a clean stop); a crash leaves them to
+      their TTL, the owner-liveness check and readers' fallbacks."""
+
     def __init__(self, agent: TransferAgent, index: EmbeddingIndex | None, *, capacity_bytes: int,
                  max_item_fraction: float) -> None:
         self._agent = agent

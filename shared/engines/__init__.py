@@ -1,1 +1,4 @@
-"""Compute engines: model-family compute paths, sampling and detokenization."""
+"""Compute engines: model-family compute paths, sampling and detokenization.
+
+Design: docs/design/architecture.md.
+"""

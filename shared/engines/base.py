@@ -1,23 +1,12 @@
-"""The engine contract: what a stage needs from a model runtime, stated once.
+"""The engine contract (:class:`Engine`): what a stage needs from a model runtime, stated once.
 
-Lifecycle: ``await start()`` once → any number of concurrent calls below → ``await
-abort(request_id)`` at any time for a request in flight → ``await stop()`` once (idempotent:
-a signal handler and a ``finally`` may both call it). Every call is async; blocking work runs
-off the event loop inside the engine.
+Lifecycle: ``await start()`` once → any number of concurrent calls → ``await abort(request_id)``
+at any time → ``await stop()`` once (idempotent). Every call is async; blocking work runs off the
+event loop inside the engine. :class:`Capabilities` decide which stage layouts an engine serves
+(checked at worker start-up, never mid-request). Closing a token stream (``aclose``) frees the
+request's engine state. Greedy tokens of every engine equal transformers' ``generate()``.
 
-Capabilities decide which stage layouts an engine can serve (checked at worker start-up, so an
-unsupported mode fails loudly before taking traffic, never mid-request):
-- ``encode``: media (image, video, audio) → embeddings (the encode stage).
-- ``generate``: prompt (+ embeddings) → tokens, prefill and decode in one place (PD and EPD).
-- ``kv_export`` / ``kv_import``: prefill here, decode elsewhere (E/P/D, EP/D): ``prefill``
-  returns the packed KV cache, ``decode`` continues from one.
-
-Token streams are ``AsyncIterator[int]``; the consumer stops early (stop string, client gone)
-by closing the iterator (``aclose``), which must free the request's engine state.
-Greedy tokens (temperature 0) of every engine must equal ``transformers`` ``generate()``.
-Every engine applies all of ``protocol.Sampling`` (penalties, ``logit_bias``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ...), in prefill's first token as in decode's; with
-``sampling.logprobs`` the tokens they yield are :class:`SampledToken` (id + logprob).
+Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations
@@ -60,6 +49,11 @@ class SampledToken(int):
 
 @dataclass(frozen=True)
 class Capabilities:
+    """``encode``: media (image, video, audio) → embeddings (the encode stage). ``generate``: prompt
+    (+ embeddings) → tokens, prefill and decode in one place (PD and EPD). ``kv_export`` /
+    ``kv_import``: prefill here, decode elsewhere (E/P/D, EP/D): ``prefill`` returns the packed KV
+    cache, ``decode`` continues from one."""
+
     encode: bool
     generate: bool
     kv_export: bool
@@ -99,6 +93,11 @@ class EngineError(RuntimeError):
 
 
 class Engine(Protocol):
+    """The consumer stops a token stream early (stop string, client gone) by closing the iterator.
+    Sampling is applied in prefill's first token as in decode's (penalties, ``logit_bias``,
+    ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...); with ``sampling.logprobs`` the tokens
+    yielded are :class:`SampledToken` (id + logprob)."""
+
     name: str
     capabilities: Capabilities
     max_model_len: int

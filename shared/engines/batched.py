@@ -1,23 +1,12 @@
 """Batched decode: one forward for one step of many sequences, and the loop that gathers them.
 
-``decode_steps(compute, items)``: ``items`` = ``(DecodeState, token_id)`` per sequence (each
-state owned by one caller, any cache lengths, any ``rope_delta``). One sequence runs the
-family's own ``decode_step`` unchanged. Several run as ONE batched forward: each sequence's KV
-is left-padded to the longest with an attention mask that hides the padding, and positions are
-passed per sequence (M-RoPE: ``cache_len + rope_delta`` on the three axes, exactly what
-``decode_step`` passes).
+:func:`decode_steps` runs one sequence through the family's own ``decode_step`` and several as
+ONE forward, each sequence's KV left-padded to the longest under a mask that hides the padding,
+positions per sequence (M-RoPE: ``cache_len + rope_delta`` on the three axes). The padded batch
+(:class:`Stack`) is kept while the same sequences step together. :class:`DecodeBatcher` gathers
+the steps of the sequences generating at once into such forwards.
 
-The padded batch (:class:`Stack`) is kept from one step to the next while the same sequences
-step together: the step appends its column to it, as a lone sequence's step appends to its own
-cache. Only when the set changes (a sequence joins or leaves) is it written back to the
-sequences' own caches (views, no copy) and rebuilt. Rebuilding every step copied all the KV of
-the batch 3-4 times a step: at 2.2k-token contexts a batched step of 4 took 1.7x as long as 4
-lone steps.
-
-``DecodeBatcher``: callers ``await step(state, token)``; the loop runs a batch when every
-sequence registered as active (``open`` … ``close``) has a step waiting, or ``max_wait_ms``
-after the first waiting step, whichever comes first (a sequence busy writing its last token
-to a client must not stall the others for long). At most ``max_batch`` per forward.
+Design: docs/design/decode-core.md.
 """
 
 from __future__ import annotations
@@ -37,7 +26,12 @@ def _uses_mrope(compute) -> bool:
 class Stack:
     """The padded KV of the last batched step, owned by one :class:`DecodeBatcher` and used on
     its lane only. While it holds ``members``, their own ``state.cache`` are stale: the truth
-    is row ``i``'s last ``lens[i]`` columns here (:meth:`write_back` puts it back)."""
+    is row ``i``'s last ``lens[i]`` columns here (:meth:`write_back` puts it back).
+
+    A step appends its column to the stack, as a lone sequence's step appends to its own cache;
+    only when the set of sequences changes is it written back (views, no copy) and rebuilt.
+    Rebuilding every step copied all the batch's KV 3-4 times a step: at 2.2k-token contexts a
+    batched step of 4 took 1.7x as long as 4 lone steps."""
 
     def __init__(self) -> None:
         self.members: list = []
@@ -134,6 +128,11 @@ def decode_steps(compute, items: list, stack: Stack | None = None) -> list[torch
 
 
 class DecodeBatcher:
+    """Callers ``await step(state, token)``; the loop runs a batch when every sequence registered
+    as active (``open`` … ``close``) has a step waiting, or ``max_wait_ms`` after the first waiting
+    step, whichever comes first (a sequence busy writing its last token to a client must not stall
+    the others for long). At most ``max_batch`` per forward."""
+
     def __init__(self, compute, lane, *, max_batch: int = 16, max_wait_ms: float = 3.0) -> None:
         self._compute = compute
         self._lane = lane

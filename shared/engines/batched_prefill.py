@@ -1,17 +1,9 @@
-"""Batched prefill: several fresh prompts in ONE forward.
+"""Batched prefill: several fresh prompts in ONE forward (:func:`prefill_many`), grouped by
+length and right-padded to each group's longest prompt; under a causal mask no real position
+sees the padding, so SDPA keeps its causal kernel. Greedy tokens equal one-prompt-per-forward
+prefill (``tests/unit/test_prefill_batched.py``).
 
-``prefill_many(compute, items)``: ``items`` = ``(prompt_ids, media, prefix_kv)`` per request;
-returns one ``PrefillResult`` each, in order, or the exception that request alone raised (a bad
-prompt fails its caller, not its batch-mates). A prompt that continues a cached prefix, and every
-prompt of a family without ``prefill_inputs``, runs the family's own ``prefill`` alone; so does a
-lone fresh prompt (the very call it always was).
-
-Fresh prompts are grouped by length (sorted; a group holds at most ``PAD_WASTE`` more positions
-than its prompts have) and each group runs as one forward, right-padded to its longest prompt.
-With a causal mask no real position attends to a later one, so none sees the padding and no
-padding mask is needed: SDPA keeps its causal kernel. Positions are each prompt's own (M-RoPE
-included); each prompt's logits are read at its own last position and its KV cut to its length.
-Greedy tokens equal one-prompt-per-forward prefill (``tests/unit/test_prefill_batched.py``).
+Design: docs/design/overhead.md.
 """
 
 from __future__ import annotations
@@ -46,7 +38,15 @@ def _groups(lens: list[int]) -> list[list[int]]:
 
 
 def prefill_many(compute, items: list[tuple]) -> list:
-    """See the module docstring. Runs on the compute lane."""
+    """``items`` = ``(prompt_ids, media, prefix_kv)`` per request; returns one ``PrefillResult``
+    each, in order, or the exception that request alone raised (a bad prompt fails its caller, not
+    its batch-mates). Runs on the compute lane.
+
+    A prompt that continues a cached prefix, every prompt of a family without ``prefill_inputs``,
+    and a lone fresh prompt run the family's own ``prefill`` alone. Fresh prompts are grouped by
+    length (sorted; a group holds at most ``PAD_WASTE`` more positions than its prompts have) and
+    each group runs as one forward. Positions are each prompt's own (M-RoPE included); each
+    prompt's logits are read at its own last position and its KV cut to its length."""
     results: list = [None] * len(items)
     fresh: list[int] = []
     for i, (prompt_ids, media, prefix_kv) in enumerate(items):

@@ -1,20 +1,12 @@
 """The transformers engine's LM attention on CPU: two paths where transformers' SDPA call wastes
-work, everything else handed to it unchanged.
+work, everything else handed to it unchanged. A prefill that continues a cached prefix runs the
+cached part (unmasked) and the new part (causal) apart through torch's CPU flash kernel, merged by
+their log-sum-exp, and builds no mask (from ``SPLIT_MIN_PAIRS`` up). A masked call with grouped
+KV heads (a batched decode step's padding) reads the shared heads in place (``enable_gqa``)
+where transformers copies K / V per query head (``repeat_kv``). Both equal transformers' results
+(``tests/unit/test_cpu_attention.py``); :func:`install` points the LM's attention here on CPU.
 
-- **A prefill that continues a cached prefix** (a follow-up turn that hit): each new position
-  attends to every cached one and causally to the new ones. transformers builds a [new, all]
-  boolean mask and SDPA computes every block with it. Here the two parts run apart through
-  torch's CPU flash kernel (the cached part unmasked, the new part with ``is_causal``) and are
-  merged by their log-sum-exp; no mask is built (the mask function returns None for exactly
-  this shape, from ``SPLIT_MIN_PAIRS`` up: below it one masked call is cheaper).
-- **A masked call with grouped KV heads** (a batched decode step: padding): transformers copies
-  K / V once per query head (``repeat_kv``) whenever a mask is given, i.e. the whole context's KV
-  per layer per step; torch's ``enable_gqa`` reads the shared heads in place on CPU. The step's
-  mask is its padding mask as it is (``sdpa_mask`` would build the same, slower).
-
-Both equal transformers' results (tests: ``tests/unit/test_cpu_attention.py``); measured in the
-README ("CPU attention"). ``install(model, text_config)`` points the LM's attention at
-:data:`NAME` when it runs on the CPU with SDPA.
+Design: docs/design/overhead.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Decode in a process of its own: the transformers engine's decode core.
 
-A decode worker's batched forwards used to run on a thread beside the event loop that serves
-Kafka, Redis and NIXL, and the two took turns at one GIL (README, "The decode core"). Here the
-LM, the batched steps and the sampling run in a child process whose one thread does nothing
-else; the worker (:class:`CoreDecodeEngine`) keeps the I/O and only sends work and reads tokens.
+The LM, the batched steps and the sampling run in a child process
+(:mod:`shared.engines.decode_core_main`) whose one thread does nothing else, instead of sharing a
+GIL with the worker's event loop; the worker (:class:`CoreDecodeEngine`) keeps the I/O (Kafka,
+Redis, NIXL) and only sends work and reads tokens, exactly the tokens of
+``TransformersEngine.decode``. Worker ↔ core: one socketpair, length-prefixed msgpack frames.
 
-Contracts:
-- ``CoreDecodeEngine.decode`` yields exactly the tokens of ``TransformersEngine.decode`` (the
-  same :func:`~shared.engines.batched.decode_steps` and :class:`~shared.engines.sampling.DecodeSeq`);
-  it serves decode only (a worker whose LM engine does nothing else, see ``services.worker``).
-- Worker ↔ core: one socketpair, length-prefixed msgpack frames (process-local, never on the
-  fleet's wire). To the core: ``Start`` (the packed KV's bytes inline), ``Abort``. From it:
-  ``Ready`` once the model is loaded, then one ``Step`` per forward: each stepped sequence's
-  token, or its error.
-- The core steps every active sequence (``max_batch`` per forward, in turn) back to back and
-  reads what arrived between two steps; with none active it blocks on the socket. A full
-  socket (a worker not reading) stops it: that is the backpressure.
-- ``start`` spawns the core and returns while it loads its model (the worker joins its groups
-  meanwhile); ``started`` waits for its Ready, and the worker is listed as serving only then.
-- A core that dies fails the decodes in flight (``EngineError``; the runner retries them) and the
-  next decode starts a new one. The core (:mod:`shared.engines.decode_core_main`) exits at EOF,
-  i.e. when the worker closes or dies.
+Design: docs/design/decode-core.md.
 """
 
 from __future__ import annotations
@@ -49,6 +35,12 @@ HEAD = struct.Struct("<I")  # a frame: this length, then that many bytes of msgp
 READY_TIMEOUT_S = 600.0  # loading a real checkpoint can take minutes
 
 
+# Worker ↔ core frames (process-local, never on the fleet's wire). To the core: ``Start`` (the
+# packed KV's bytes inline), ``Abort``. From it: ``Ready`` once the model is loaded, then one
+# ``Step`` per forward: each stepped sequence's token, or its error. The core steps every active
+# sequence (``max_batch`` per forward, in turn) back to back and reads what arrived between two
+# steps; with none active it blocks on the socket. A full socket (a worker not reading) stops it:
+# that is the backpressure.
 class Start(msgspec.Struct, tag=True):
     sid: int  # the worker's id for this decode (a request may be decoded again: its retry)
     kv: bytearray  # the packed KV (``compute.start_decode``'s input), raw; writable, so the core wraps it as is
@@ -101,7 +93,14 @@ class _Gone:
 
 
 class CoreDecodeEngine:
-    """The ``Engine`` of a decode-only worker with ``decode_core`` on: ``decode`` through the core."""
+    """The ``Engine`` of a decode-only worker with ``decode_core`` on: ``decode`` through the core
+    (the same :func:`~shared.engines.batched.decode_steps` and
+    :class:`~shared.engines.sampling.DecodeSeq` as ``TransformersEngine.decode``).
+
+    ``start`` spawns the core and returns while it loads its model (the worker joins its groups
+    meanwhile); ``started`` waits for its Ready, and the worker is listed as serving only then. A
+    core that dies fails the decodes in flight (``EngineError``; the runner retries them) and the
+    next decode starts a new one. The core exits at EOF, i.e. when the worker closes or dies."""
 
     name = "transformers"
     capabilities = Capabilities(encode=False, generate=False, kv_export=False, kv_import=True, decodes_ahead=True)

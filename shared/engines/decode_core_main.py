@@ -1,7 +1,10 @@
 """The decode core's process (``python -m shared.engines.decode_core_main``, started by
 :class:`~shared.engines.decode_core.CoreDecodeEngine`): it loads the LM, says ``Ready``, then
 serves the worker's frames on its one thread until EOF (see :mod:`shared.engines.decode_core`
-for the contract)."""
+for the contract).
+
+Design: docs/design/decode-core.md.
+"""
 
 from __future__ import annotations
 

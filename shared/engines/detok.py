@@ -1,13 +1,12 @@
 """Incremental detokenisation and stop-string handling for streamed output.
 
-``IncrementalDetokenizer`` turns a stream of token ids into text deltas whose concatenation
-equals ``tokenizer.decode(all_ids, skip_special_tokens=True)``; it is `tokenizers`'
-``DecodeStream``, which holds back a UTF-8 character split over several byte-level tokens
-until it completes, plus ``flush`` for a stream that ends inside one (U+FFFD, as ``decode``).
+``IncrementalDetokenizer`` turns token ids into text deltas whose concatenation equals
+``tokenizer.decode(all_ids, skip_special_tokens=True)`` (`tokenizers`' ``DecodeStream``, which
+holds back a UTF-8 character split over several tokens, plus ``flush``). ``StopChecker`` applies
+OpenAI-style stop strings: output is cut before the earliest stop string (not emitted), and a
+tail that could still become one is held back until the next delta resolves it.
 
-``StopChecker`` applies OpenAI-style stop strings to that text stream: output is cut
-before the earliest stop string (which is not emitted), and a tail that could still
-become a stop string is held back until the next delta resolves it.
+Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """KV cache layers that grow in place, for the caches decode appends to one position a step.
 
-transformers' ``DynamicLayer.update`` appends with ``torch.cat``: every decode step copies the
-whole context's keys and values, per layer (at 2-3k-token contexts that copy was ~9 % of a
-decode worker's samples, README "Fleet overhead"). Contract:
-- :class:`GrowingLayer` is a ``DynamicLayer`` whose ``keys`` / ``values`` are views of buffers
-  with spare room; ``update`` writes the new positions into the room and returns the views, so
-  a step copies only its own positions. When the room is used up the buffers are reallocated
-  with a quarter of the length (at least ``MIN_ROOM`` positions) spare: O(1) copies per step
-  amortised, at most ~25 % + ``MIN_ROOM`` positions of memory unused per layer.
-- ``keys`` / ``values`` set from outside (the batched decoder hands each sequence views into its
-  batch, :mod:`shared.engines.batched`) are adopted at the next ``update`` (one copy).
-- :func:`growing_cache` builds a ``DynamicCache`` of such layers from per-layer
-  ``(keys, values)`` ``[batch, kv_heads, seq, head_dim]``, copied once into their buffers.
+transformers' ``DynamicLayer.update`` appends with ``torch.cat``, copying the whole context's
+keys and values per layer every step (~9 % of a decode worker's samples at 2-3k-token contexts).
+:class:`GrowingLayer` writes new positions into spare room of its buffers and returns views:
+O(1) copies per step amortised, at most ~25 % + ``MIN_ROOM`` positions unused per layer.
+:func:`growing_cache` builds a ``DynamicCache`` of such layers from per-layer ``(keys, values)``.
+
+Design: docs/design/decode-core.md.
 """
 
 from __future__ import annotations
@@ -23,6 +18,13 @@ MIN_ROOM = 64  # positions
 
 
 class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose ``keys`` / ``values`` are views of buffers with spare room;
+    ``update`` writes the new positions into the room and returns the views, so a step copies only
+    its own positions. When the room is used up the buffers are reallocated with a quarter of the
+    length (at least ``MIN_ROOM`` positions) spare. ``keys`` / ``values`` set from outside (the
+    batched decoder hands each sequence views into its batch) are adopted at the next ``update``
+    (one copy)."""
+
     # keys / values are properties: one assigned from outside (a batch's view, a crop) drops
     # the buffers, so a stale buffer is neither written into nor kept alive
     @property

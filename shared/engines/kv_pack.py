@@ -1,9 +1,11 @@
 """The packed KV layout the transformers compute paths exchange, written once.
 
-Packed: one contiguous tensor ``[layers, 2 (key, value), kv_heads, seq, head_dim]`` of a
-batch-1 ``DynamicCache``, in the cache's device and dtype (float32 on CPU, the model dtype on a GPU):
-what prefill exports over NIXL, the prefix cache stores by block and
-decode imports. :func:`unpack_kv` copies, so the caller keeps its buffer.
+Packed: one contiguous tensor ``[layers, 2 (key, value), kv_heads, seq, head_dim]`` of a batch-1
+``DynamicCache``, in the cache's device and dtype (float32 on CPU, the model dtype on a GPU):
+what prefill exports over NIXL, the prefix cache stores by block and decode imports.
+:func:`unpack_kv` copies, so the caller keeps its buffer.
+
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations

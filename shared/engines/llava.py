@@ -1,12 +1,12 @@
 """LLaVA split compute path (CLIP vision tower + projector, plain-position LM), with the same
 interface as the other families' compute classes.
 
-- ``preprocess_image`` (:class:`LlavaImagePreprocessor`): a PIL image → the processor's
-  ``pixel_values`` ``[3, S, S]`` and the LM token count ``(S / patch)²`` (the CLS row is dropped
-  by the "default" feature strategy; "full" keeps it: + 1).
-- ``encode_media`` runs ONE vision forward over any number of images (any requests) through
-  ``get_image_features`` — the very features ``forward`` merges at ``<image>`` positions.
-- Prefill and decode come from :class:`shared.engines.plain_lm.PlainLMCompute`.
+- ``preprocess_image`` (:class:`LlavaImagePreprocessor`): a PIL image → ``pixel_values``
+  ``[3, S, S]`` and the LM token count ``(S / patch)²`` (+ 1 with the "full" feature strategy).
+- ``encode_media`` runs ONE vision forward over any number of images (``get_image_features``);
+  prefill and decode come from :class:`~shared.engines.plain_lm.PlainLMCompute`.
+
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

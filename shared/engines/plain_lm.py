@@ -1,12 +1,12 @@
-"""The language-model half shared by families with plain (1-D) RoPE positions — Qwen2-Audio
-and LLaVA: each placeholder token expands to its item's embedding rows, embeddings are merged
-at those positions, positions are ``0..seq-1`` (``rope_delta`` is always 0), and the KV cache
-is packed as ``[n_layers, 2, n_kv_heads, seq, head_dim]`` so decode continues on any instance.
+"""The language-model half shared by families with plain (1-D) RoPE positions (Qwen2-Audio,
+LLaVA): each placeholder token expands to its item's embedding rows, positions are ``0..seq-1``
+(``rope_delta`` is always 0), and the KV is packed as ``[n_layers, 2, n_kv_heads, seq,
+head_dim]`` so decode continues on any instance. A family subclass sets ``model``,
+``processor``, ``placeholder_token_id`` and ``kind`` (:meth:`_load` sets the first two), calls
+:meth:`_init_lm`, and adds its preprocessor and ``encode_media``. Pure and synchronous, like
+:mod:`shared.engines.qwen2_vl`.
 
-A family subclass sets ``model``, ``processor``, ``placeholder_token_id`` and ``kind`` (the
-modality its placeholder holds) — :meth:`_load` sets the first two on the settings' device and
-dtype —, calls :meth:`_init_lm`, and adds its preprocessor and
-``encode_media``. Pure and synchronous, like :mod:`shared.engines.qwen2_vl`.
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Qwen2.5-VL on the Qwen2-VL split compute path (:mod:`shared.engines.qwen2_vl`): the same
-encode / prefill / decode steps and M-RoPE hand-off, with the family's own rules.
+encode / prefill / decode steps and M-RoPE hand-off, with the family's own rules. The vision
+tower (window attention) runs inside ``get_image_features`` / ``get_video_features``. Video
+positions: the temporal M-RoPE axis advances by ``tokens_per_second · second_per_grid_t`` per
+temporal patch; :class:`VideoPreprocessor` takes ``second_per_grid_t`` from the processor, it
+travels with the item (``protocol.PixelItem.second_per_grid_t``) to prefill's
+``get_rope_index``, and a video without one is refused, never guessed.
 
-- The vision tower (window attention, full attention in ``fullatt_block_indexes``) runs inside
-  ``get_image_features`` / ``get_video_features``: nothing to do here.
-- Video positions: the temporal M-RoPE axis advances by ``tokens_per_second ·
-  second_per_grid_t`` per temporal patch, where ``second_per_grid_t`` (seconds one temporal patch
-  spans) is what the processor derives for the video. :class:`VideoPreprocessor` takes it from
-  the processor itself, it travels with the item (``protocol.PixelItem.second_per_grid_t``) and
-  prefill passes it to ``get_rope_index``; a video without one is refused, never guessed.
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""Qwen2-Audio split compute path: encode, prefill and decode as separate pure steps, with the
-same interface as :class:`shared.engines.qwen2_vl.Qwen2VLCompute` so the transformers engine
-drives either.
+"""Qwen2-Audio split compute path (:class:`Qwen2AudioCompute`), with the interface of
+:class:`shared.engines.qwen2_vl.Qwen2VLCompute` so the transformers engine drives either.
+``preprocess_audio`` (:class:`AudioPreprocessor`): float32 mono samples at ``sampling_rate`` →
+the processor's ``input_features`` ``[n_mels, 3000]`` (every clip padded to 30 s), ``meta =
+(valid feature frames,)`` and the clip's LM token count. ``encode_media`` runs ONE audio-tower +
+projector forward over any number of clips: each clip's first ``n_tokens`` rows, exactly what
+``forward`` merges at ``<|AUDIO|>``. Prefill and decode: :class:`PlainLMCompute`.
 
-Contract per step:
-- ``preprocess_audio`` (an :class:`AudioPreprocessor`): float32 mono samples at
-  ``sampling_rate`` → the processor's ``input_features`` ``[n_mels, 3000]`` (every clip padded
-  to 30 s), ``meta = (valid feature frames,)`` and the clip's LM token count.
-- ``encode_media(items)`` (name shared with Qwen2-VL) runs ONE audio-tower + projector forward
-  over any number of clips and returns each clip's first ``n_tokens`` rows ``[n_tokens, hidden]``
-  — exactly the features ``forward`` merges at the ``<|AUDIO|>`` positions.
-- ``prefill`` expands each ``<|AUDIO|>`` placeholder to its clip's token count, merges the
-  embeddings and runs the LM with plain positions (``rope_delta`` is always 0).
-- ``start_decode`` / ``decode_step`` continue from a packed KV on any instance.
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations
@@ -66,7 +61,7 @@ class Qwen2AudioCompute(PlainLMCompute):
     # ---- encode ---------------------------------------------------------------
     @torch.inference_mode()
     def encode_media(self, items: list[MediaPixels]) -> list[torch.Tensor]:
-        """One audio-tower forward over every clip; float32 ``[n_tokens, hidden]`` each."""
+        """One audio-tower forward over every clip; ``[n_tokens, hidden]`` each, in the model dtype."""
         from transformers.masking_utils import create_bidirectional_mask
 
         if not items:

@@ -1,25 +1,12 @@
-"""Qwen2-VL split compute path: encode, prefill and decode as separate pure steps.
+"""Qwen2-VL split compute path (:class:`Qwen2VLCompute`): encode, prefill and decode as separate
+pure steps. Pure and synchronous (no I/O beyond loading the model dir, no global state;
+``model.model.rope_deltas`` is never used: positions are always passed), called from a worker
+thread. ``encode_media`` runs ONE vision forward over any number of images; ``prefill`` expands
+placeholders, computes M-RoPE positions and returns the last logits, the packed KV and
+``rope_delta``; ``start_decode`` / ``decode_step`` continue from a packed KV on any instance.
+Preprocessors produce exactly what ``AutoProcessor`` would (the same processor object).
 
-Pure and synchronous: no I/O beyond loading the model dir in ``__init__``, no global
-state, no mutation of the shared model (``model.model.rope_deltas`` is never read or
-written — positions are always passed explicitly).  Callers run these methods in a
-worker thread.  The model runs on ``placement`` (settings ``device`` / ``dtype``; float32 on CPU
-by default); inputs may come from any device, encoder outputs and KV stay on the compute device
-in the model dtype, logits come back as float32 on the CPU (sampling runs there).
-
-Contract per step:
-- ``preprocess_image`` → ``MediaPixels`` exactly as ``AutoProcessor`` would produce
-  for that image (same image-processor object and backend as the reference).
-- ``encode_media`` runs ONE vision forward over any number of images (they may
-  belong to different requests) and returns one ``[n_tokens, hidden]`` tensor each.
-- ``prefill`` expands each placeholder token to its image's token count, computes
-  M-RoPE positions, merges embeddings, runs the LM over the prompt and returns the
-  last logits plus the KV cache packed as ``[n_layers, 2, n_kv_heads, seq, head_dim]``
-  and the M-RoPE offset ``rope_delta``.
-- ``start_decode`` / ``decode_step`` continue from a packed KV on any instance (e.g. in
-  another process).  Decode positions are ``cache_len + rope_delta`` on all three
-  M-RoPE axes; transformers 5.19's Qwen2-VL forward takes no ``cache_position``, the
-  cache length is what places the new token.
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations
@@ -134,7 +121,11 @@ def _kind(item) -> str:
 
 class Qwen2VLCompute:
     """Loads a Qwen2-VL model dir once; methods are safe to call from one thread at a time
-    per state object (the model itself is only read)."""
+    per state object (the model itself is only read).
+
+    The model runs on ``placement`` (settings ``device`` / ``dtype``; float32 on CPU by default);
+    inputs may come from any device, encoder outputs and KV stay on the compute device in the
+    model dtype, logits come back as float32 on the CPU (sampling runs there)."""
 
     supports_prefix_kv = True  # prefill(prefix_kv=...) computes only the rest of the prompt
     mrope = True  # decode positions: cache_len + rope_delta on three axes (shared.engines.batched)
@@ -338,7 +329,9 @@ class Qwen2VLCompute:
 
     @torch.inference_mode()
     def decode_step(self, state: DecodeState, token_id: int) -> torch.Tensor:
-        """Append ``token_id`` and return next-token logits, float32 [vocab]."""
+        """Append ``token_id`` and return next-token logits, float32 [vocab]. Positions are
+        ``cache_len + rope_delta`` on all three M-RoPE axes; transformers 5.19's Qwen2-VL forward
+        takes no ``cache_position``, the cache length is what places the new token."""
         cache_len = state.cache.get_seq_length()
         # M-RoPE for generated text: all three axes advance together, offset by rope_delta.
         dev = self.device

@@ -1,19 +1,12 @@
 """Next-token sampling from a logits vector: the transformers engine's reference of every
-``protocol.Sampling`` control, in vLLM's order.
+``protocol.Sampling`` control, in vLLM's order (:func:`sample_at`): ``logit_bias``, the stop
+tokens masked below ``min_tokens``, repetition / frequency / presence penalties, then greedy
+``argmax`` at ``temperature == 0`` (first index on ties, like ``generate``) or temperature,
+``min_p``, ``top_k``, ``top_p`` and one draw. The draw for step ``k`` comes from a generator
+seeded with (seed, k), so the same seed, history and logits give the same token whichever
+process draws which step; ``seed=None`` seeds from OS entropy.
 
-Contract of :func:`sample_at` (one call per completion token, prefill for token 0 and decode
-for the rest, possibly in other processes):
-1. ``logit_bias`` is added; while fewer than ``min_tokens`` are generated the request's stop
-   tokens (:func:`stop_token_set`) are masked;
-2. penalties: ``repetition_penalty`` over prompt and completion tokens (positive logits
-   divided, negative multiplied), then ``frequency_penalty`` × count and ``presence_penalty``
-   over completion tokens;
-3. ``temperature == 0`` → greedy ``argmax`` (first index on ties, like ``generate``), no
-   randomness consumed; otherwise logits / temperature, ``min_p``, ``top_k``, ``top_p``
-   filtering, one draw.
-The draw for step ``k`` comes from a private ``torch.Generator`` seeded with (seed, k): the
-same seed, history and logits give the same token whichever process draws which step.
-``seed=None`` seeds from OS entropy (not reproducible).
+Design: docs/guide/api.md.
 """
 
 from __future__ import annotations
@@ -126,7 +119,15 @@ def process_logits(logits: torch.Tensor, sampling, step: int, *, prompt_ids: Seq
 def sample_at(logits: torch.Tensor, sampling, step: int, *, prompt_ids: Sequence[int] = (),
               output_ids: Sequence[int] = (), stop_ids: frozenset[int] = frozenset()) -> int:
     """Sample completion token number ``step`` for a request with ``sampling`` parameters
-    (``protocol.Sampling``); see the module docstring.
+    (``protocol.Sampling``), one call per completion token:
+
+    1. ``logit_bias`` is added; while fewer than ``min_tokens`` are generated the request's stop
+       tokens (:func:`stop_token_set`) are masked;
+    2. penalties: ``repetition_penalty`` over prompt and completion tokens (positive logits
+       divided, negative multiplied), then ``frequency_penalty`` × count and
+       ``presence_penalty`` over completion tokens;
+    3. ``temperature == 0`` → greedy ``argmax``, no randomness consumed; otherwise logits /
+       temperature, ``min_p``, ``top_k``, ``top_p`` filtering, one draw.
 
     A seeded request draws step ``k`` from a generator seeded with (seed, k), not from one
     generator carried across steps: prefill samples step 0 and decode the rest, possibly in

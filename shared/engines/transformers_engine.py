@@ -1,18 +1,12 @@
-"""The transformers engine: the CPU reference, every capability (encode, generate, KV export
-and import), on the family's split compute path (:mod:`shared.engines.qwen2_vl`,
-:mod:`shared.engines.qwen2_audio`).
+"""The transformers engine: the CPU reference, every capability (encode, generate, KV export and
+import), on the family's split compute path, loading only the ``parts`` the worker runs
+(:mod:`shared.models.loading`) on the settings' ``device`` / ``dtype``. All model work runs on
+one ``ComputeLane`` thread. Concurrent encoder calls meet in a ``MicroBatcher``; decode steps of
+all sequences generating at once in a ``DecodeBatcher`` (:mod:`shared.engines.batched`); prefills
+that arrive while the lane is busy in a ``LaneBatcher`` (:mod:`shared.engines.batched_prefill`).
+Token loops check for an abort between steps.
 
-The model runs on the settings' ``device`` / ``dtype`` (see :mod:`shared.device`), and only the
-``parts`` the worker runs are loaded (:mod:`shared.models.loading`: an encode worker holds no LM
-weights, a prefill / decode worker no vision or audio tower); what they hold is logged and set
-in ``mmfleet_model_weight_bytes`` at start. All model
-work runs on one ``ComputeLane`` thread (torch releases the GIL in kernels, so the
-event loop keeps serving Kafka, Redis and NIXL). Encoder calls from concurrent requests meet in
-a ``MicroBatcher`` and run as one forward. Decode steps of all sequences generating at once meet
-in a ``DecodeBatcher`` and run as one padded forward (:mod:`shared.engines.batched`; sequences
-join and leave between steps, greedy tokens equal to one-at-a-time decoding). Prefills that
-arrive while the lane is busy run together (``LaneBatcher`` + :mod:`shared.engines.batched_prefill`;
-no wait: a lone prefill starts at once). Token loops check for an abort between steps.
+Design: docs/guide/modes-and-engines.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """vLLM's NixlConnector with two changes: a consumer loads at most the positions the producer
-computed, and its NIXL agent runs without a progress thread. Loaded by vLLM's engine core
-(``kv_connector_module_path``), never by mmfleet itself.
+computed (:class:`FleetNixlConnector`), and its NIXL agent runs without a progress thread.
+Loaded by vLLM's engine core (``kv_connector_module_path``), never by mmfleet itself.
 
-Why: decode continues from the first token prefill sampled, so its prompt is the producer's
-prompt + that token (+ tokens an earlier attempt already streamed, from the token log). Stock
-NixlConnector marks every prompt position but the last as loaded from the producer, but the
-producer holds KV only for its own ``remote_num_tokens`` positions: the first token's (and the
-resumed tokens') slots would be garbage. Capped here, the consumer loads the producer's
-positions and computes the few after them itself (text tokens: no embeddings needed).
-
-Why no progress thread: NIXL's UCX progress thread (on by default, and vLLM keeps the default)
-spins a whole core per agent, idle or not (measured: 100 % of a core for an idle agent, 0 %
-without it), which on a 2-core host starved the engines of an e-p-d fleet. It spins because
-nixl's wrapper gives it no wait (``shared.transfer.nixl_thread``, which the fleet's own agents
-use); the connector drives transfers from the engine's step anyway (``get_finished`` polls the
-transfer states and notifications), so here the thread stays off.
+Design: docs/design/vllm-engine.md.
 """
 
 from __future__ import annotations
@@ -26,6 +14,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConn
 
 
 def _without_progress_thread(make_config):
+    """NIXL's UCX progress thread (on by default, and vLLM keeps the default) spins a whole core per
+    agent, idle or not (measured: 100 % of a core for an idle agent, 0 % without it), since nixl's
+    wrapper gives it no wait (``shared.transfer.nixl_thread``). The connector drives transfers from
+    the engine's step anyway (``get_finished`` polls transfer states and notifications)."""
     @functools.wraps(make_config)
     def config(*args, **kwargs):
         kwargs["enable_prog_thread"] = False
@@ -42,6 +34,12 @@ if base_worker.nixl_agent_config is not None and not getattr(base_worker.nixl_ag
 
 
 class FleetNixlConnector(NixlConnector):
+    """Decode continues from the first token prefill sampled, so its prompt is the producer's
+    prompt + that token (+ tokens an earlier attempt already streamed). Stock NixlConnector marks
+    every prompt position but the last as loaded, but the producer holds KV only for its own
+    ``remote_num_tokens`` positions: the slots after them would be garbage. Capped here, the
+    consumer loads the producer's positions and computes the few after them itself."""
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         params = request.kv_transfer_params or {}

@@ -1,16 +1,12 @@
-"""The vLLM engine on vLLM's v1 ``AsyncLLM``: generate (prefill + decode in one place), or
-prefill and decode apart with the KV moved engine to engine (:mod:`shared.engines.vllm_pd`).
+"""The vLLM engine on vLLM's v1 ``AsyncLLM``: generate (prefill + decode in one place), or prefill
+and decode apart with the KV moved engine to engine (:mod:`shared.engines.vllm_pd`). Serves
+``generate`` from prompt ids with one placeholder per media item plus precomputed embeddings
+(:mod:`shared.engines.vllm_inputs`), no ``encode``, ``remote_kv`` in e-p-d and ep-d, and
+``kv_events`` from vLLM's prefix cache in the fleet's block keys. Token ids stream as vLLM
+produces them, eos included and last; greedy tokens equal ``generate()``. vLLM is imported
+lazily; processes and threads: :mod:`shared.engines.vllm_process`.
 
-Contract (``capabilities``): ``generate`` from prompt ids with one placeholder per media item
-plus precomputed embeddings (:mod:`shared.engines.vllm_inputs`); no ``encode`` (the encode
-stage stays transformers', so every engine sees the same embeddings); ``remote_kv`` export /
-import in e-p-d and ep-d (:meth:`prefill` returns an ``EngineKv`` descriptor, :meth:`decode_remote`
-reads it); ``kv_events`` from vLLM's own prefix cache in the fleet's block keys
-(:mod:`shared.engines.vllm_kv_events`). Token ids stream as vLLM produces them, eos included and
-last; greedy tokens equal ``generate()``. Refused requests raise :class:`EngineError`. vLLM is
-imported lazily. Processes, threads, KV cache size and the watchdog: :mod:`shared.engines.vllm_process`;
-sampling controls: :mod:`shared.engines.vllm_sampling`. The reasoning behind each rule:
-``docs/vllm-engine.md``.
+Design: docs/design/vllm-engine.md.
 """
 
 from __future__ import annotations

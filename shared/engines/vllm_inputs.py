@@ -1,28 +1,12 @@
-"""Prompt token ids + precomputed media embeddings → vLLM's prompt, for each family vLLM can
-serve from embeddings (``enable_mm_embeds``). Imports no vLLM.
+"""Prompt token ids + precomputed media embeddings → vLLM's prompt (:class:`PromptBuilder`), for
+each family vLLM can serve from embeddings (``enable_mm_embeds``). Imports no vLLM. The prompt
+carries ONE placeholder token per item; vLLM expands each to the item's token count and takes
+each modality's items in the order of its placeholders. Each item's ``mm_hash`` goes as vLLM's
+``multi_modal_uuids``, so vLLM's prefix cache names an item by its bytes, as ours does.
+Checkpoints vLLM's loader cannot read are refused at start, with the reason
+(:func:`checkpoint_refusal`).
 
-The prompt carries ONE placeholder token per item (as the chat template renders it); vLLM
-expands each to the item's token count itself. Items come in prompt order (``MediaEmbeds``,
-float32 ``[n_tokens, hidden]``); per modality vLLM takes them in the order of that modality's
-placeholders. What each family gets (measured against ``generate()`` in
-tests/engines/test_vllm_families.py):
-- Qwen2-VL: ``{"image": {"image_embeds": cat [Σn, hidden], "image_grid_thw": [N, 3]}}`` and
-  the same for ``video`` (``video_embeds`` / ``video_grid_thw``): one dict per modality, whose
-  rows vLLM splits by ``t·h·w / merge²`` and whose grids give the M-RoPE positions.
-- LLaVA: ``{"image": [embeds, ...]}`` (a list of 2-D tensors: vLLM's generic image-embedding
-  items; the projector already ran in our encoder).
-- Qwen2-Audio: ``{"audio": [embeds, ...]}`` likewise (vLLM's audio-embedding items).
-- LLaVA-NeXT-Video: refused at start (``shared.models.registry``): vLLM's model takes
-  ``pixel_values_videos`` only, no video embeddings.
-- Checkpoints: vLLM 0.32's loaders map the hub's weight names. LLaVA and Qwen2-Audio
-  checkpoints saved by transformers 5 (the tiny offline builds are) nest some modules
-  differently (``TRANSFORMERS5_LAYOUTS``): refused at start (:func:`checkpoint_refusal`) with
-  that reason rather than failing inside vLLM's loader; the same weights renamed to the hub
-  layout load and serve (tests/engines/test_vllm_families.py).
-Each item's ``mm_hash`` (BLAKE3 of its bytes) goes as vLLM's ``multi_modal_uuids``: vLLM's
-prefix-cache keys (and its multimodal caches) then name the item by its bytes, as ours do, and
-vLLM does not hash the embedding tensors. Items without one (a decode consumer's zero
-placeholders) get none, so zeros never enter a cache under a real item's name.
+Design: docs/design/vllm-engine.md.
 """
 
 from __future__ import annotations
@@ -48,7 +32,9 @@ TRANSFORMERS5_LAYOUTS: dict[str, tuple[str, str, str]] = {
 
 def checkpoint_refusal(model_dir: str | Path, family: str) -> str | None:
     """Why vLLM cannot load the weights at ``model_dir`` (None: it can, as far as known). Reads
-    only the safetensors headers."""
+    only the safetensors headers. LLaVA and Qwen2-Audio checkpoints saved by transformers 5 (the
+    tiny offline builds are) are refused with that reason rather than failing inside vLLM's
+    loader; the same weights renamed to the hub layout load and serve."""
     layout = TRANSFORMERS5_LAYOUTS.get(family)
     if layout is None:
         return None
@@ -66,7 +52,19 @@ def checkpoint_refusal(model_dir: str | Path, family: str) -> str | None:
 
 
 class PromptBuilder:
-    """One model's prompt rules (family, placeholder ids, Qwen's merge size)."""
+    """One model's prompt rules (family, placeholder ids, Qwen's merge size). What each family
+    gets (checked against ``generate()`` in tests/engines/test_vllm_families.py):
+
+    - Qwen2-VL / Qwen2.5-VL: ``{"image": {"image_embeds": cat [Σn, hidden], "image_grid_thw":
+      [N, 3]}}``, and the same for ``video``: vLLM splits the rows by ``t·h·w / merge²`` and
+      takes the M-RoPE positions from the grids.
+    - LLaVA: ``{"image": [embeds, ...]}`` (vLLM's generic image-embedding items; the projector
+      already ran in our encoder); Qwen2-Audio: ``{"audio": [embeds, ...]}`` likewise.
+    - LLaVA-NeXT-Video: refused at start (``shared.models.registry``): vLLM's model takes
+      ``pixel_values_videos`` only, no video embeddings.
+
+    Items without an ``mm_hash`` (a decode consumer's zero placeholders) get no uuid, so zeros
+    never enter a cache under a real item's name."""
 
     def __init__(self, model_dir: str | Path, tokenizer, max_items_per_prompt: int) -> None:
         from shared.models.registry import family_of, served_modalities

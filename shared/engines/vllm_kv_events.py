@@ -1,31 +1,12 @@
-"""vLLM's KV cache events, translated into the fleet's block keys (:mod:`shared.kv.blocks`).
+"""vLLM's KV cache events, translated into the fleet's block keys (:mod:`shared.kv.blocks`), so
+the routing table keeps speaking our content hashes where vLLM's prefix cache replaces ours. The
+engine core publishes ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` on a zmq ``ipc://``
+socket of this process; :class:`EventSubscriber` reads them in the worker's event loop and
+:class:`BlockTranslator` maps each vLLM block to our keys. Nothing here publishes to Kafka: the
+engine hands the changes back with each prefill (``PrefillOutput.kv_changes``) and the prefill
+handler gives them to the worker's routing-table writer, as the transformers path does.
 
-vLLM's prefix cache replaces ours in a vLLM prefill worker; the routing table still speaks our
-content hashes. The engine core publishes ``BlockStored`` / ``BlockRemoved`` /
-``AllBlocksCleared`` (``kv_events_config``: zmq PUB bound to an ``ipc://`` path of this process);
-:class:`EventSubscriber` reads them in the worker's event loop and :class:`BlockTranslator`
-maps each vLLM block to our keys. Nothing here publishes to Kafka: the engine hands the changes
-back with each prefill (``PrefillOutput.kv_changes``) and the prefill handler produces them
-like the transformers path's (``shared.kv.reuse.kv_event_outputs``).
-
-How a vLLM block becomes our keys:
-- Every vLLM request carries ``session_id`` = a key of ours, and vLLM stamps it on each
-  ``BlockStored`` of that request (the blocks it computed; blocks it reused were announced by
-  the request that computed them). Before submitting, the engine registers the prompt's block
-  hashes under that key (:meth:`BlockTranslator.register`: computed by the caller with the
-  router's function, so they are exactly the router's).
-- vLLM's block size is a multiple of ours (:func:`vllm_block_size`): vLLM block ``i`` (its index
-  along the chain: 0 when ``parent_block_hash`` is None, else the parent's index + 1) covers
-  our blocks ``i*r .. i*r+r-1``. Blocks past the registered prompt (decode tokens) map to nothing.
-- The same our-key may stand behind several vLLM blocks (never with mm_hash as vLLM's
-  multimodal uuid, but it costs nothing to be right): keys are reference-counted, stored when
-  the first vLLM block holding them appears, removed when the last goes.
-- Bounded: the map holds at most ``max_blocks`` vLLM blocks (vLLM's cache holds fewer; past it
-  the oldest are forgotten with a warning), registrations ``max_sessions``, and the changes not
-  yet taken ``max_pending`` keys; beyond that they collapse into one resync (``cleared`` + every
-  key held), which is exact.
-- A gap in vLLM's sequence numbers (its PUB socket dropped batches at its high-water mark) is
-  logged: the table may then list blocks vLLM no longer holds (lost hits, never wrong output).
+Design: docs/design/kv-routing.md.
 """
 
 from __future__ import annotations
@@ -69,7 +50,23 @@ def events_config(endpoint: str, hwm: int = 10_000):
 
 
 class BlockTranslator:
-    """vLLM block events → changes in our keys (see the module contract). One event loop."""
+    """vLLM block events → changes in our keys. One event loop.
+
+    - Every vLLM request carries ``session_id`` = a key of ours, which vLLM stamps on each
+      ``BlockStored`` of that request (the blocks it computed). Before submitting, the engine
+      registers the prompt's block hashes under that key (:meth:`register`, computed with the
+      router's function, so they are exactly the router's).
+    - vLLM's block size is a multiple ``ratio`` of ours (:func:`vllm_block_size`): vLLM block ``i``
+      (its index along the chain: 0 when ``parent_block_hash`` is None, else the parent's + 1)
+      covers our blocks ``i*r .. i*r+r-1``. Blocks past the registered prompt map to nothing.
+    - The same key of ours may stand behind several vLLM blocks: keys are reference-counted,
+      stored when the first vLLM block holding them appears, removed when the last goes.
+    - Bounded: at most ``max_blocks`` vLLM blocks (past it the oldest are forgotten with a
+      warning), ``max_sessions`` registrations, and ``max_pending`` keys of changes not yet
+      taken; beyond that they collapse into one resync (``cleared`` + every key held), which is
+      exact. A gap in vLLM's sequence numbers (its PUB socket dropped batches at its high-water
+      mark) is logged: the table may then list blocks vLLM no longer holds (lost hits, never
+      wrong output)."""
 
     def __init__(self, ratio: int, *, max_blocks: int = 1 << 17, max_sessions: int = 1024,
                  max_pending: int = 1 << 16) -> None:

@@ -1,26 +1,12 @@
 """Prefill apart from decode on vLLM: the KV-connector configuration and the descriptor that
-crosses Kafka. Imports no vLLM at module level (the engine imports it when it starts).
+crosses Kafka (vLLM's ``NixlConnector``, pull mode). Imports no vLLM at module level. A prefill
+worker's engine is a ``kv_producer``: it computes the prompt's KV, samples the first token and
+keeps the blocks until the consumer read them or ``kv_lease_s`` passed; the descriptor
+(:func:`to_wire`) rides in the record. A decode worker's engine is a ``kv_consumer``: it READs
+the blocks over NIXL into its own cache and goes on decoding; a read that fails ends the request
+with finish reason ``error``. Each engine core has its own side-channel port.
 
-How the hand-off works (vLLM's ``NixlConnector``, pull mode; the blocks it moves live in
-``kv_buffer_device``: "cpu" on a CPU engine; on a GPU engine "cuda" by default (NIXL READs
-VRAM), or "cpu" where UCX has no GPU transport (vLLM stages them through host memory)):
-- A prefill worker's engine is a ``kv_producer``. A prefill request carries
-  ``kv_transfer_params={"do_remote_decode": True}`` and ``max_tokens=1``: vLLM computes the
-  prompt's KV, samples the first token, finishes the request but keeps its blocks (delay-free)
-  and returns their descriptor (block ids, engine id, side-channel host/port). The producer's
-  engine core keeps stepping while such blocks wait, and frees them when the consumer says it
-  read them, or when ``kv_lease_s`` passes without the consumer's heartbeat.
-- A decode worker's engine is a ``kv_consumer`` (loaded through :mod:`shared.engines.vllm_connector`,
-  which caps the load at the producer's positions). Its request is the prompt + the first token
-  (+ resumed tokens) with the descriptor; vLLM handshakes with the producer's side channel,
-  READs the blocks over NIXL into its own cache, computes the tail and goes on decoding. A read
-  that fails (producer gone, lease passed) ends the request with finish reason ``error``
-  (``kv_load_failure_policy="fail"``; "recompute" would silently compute without the images).
-- The consumer is given the prompt's media as zero embeddings of the right shapes: vLLM needs
-  them to expand placeholders and to compute M-RoPE positions from ``grid_thw``, but reads no
-  embedding of a position whose KV was loaded. Its prefix cache is off (zeros would give two
-  different images one cache key there).
-Each engine core listens on its own side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``).
+Design: docs/design/vllm-engine.md.
 """
 
 from __future__ import annotations
@@ -107,6 +93,14 @@ def check_platform(device: str, platform_device_type: str) -> None:
 
 
 def transfer_config(role: str, kv_lease_s: int, buffer_device: str = "cpu"):
+    """vLLM's ``KVTransferConfig`` for ``role``. The blocks live in ``kv_buffer_device``: "cpu" on a
+    CPU engine; on a GPU engine "cuda" by default (NIXL READs VRAM), or "cpu" where UCX has no GPU
+    transport. A producer request carries ``do_remote_decode`` and ``max_tokens=1``: vLLM finishes
+    it but keeps its blocks; the engine core keeps stepping while they wait and frees them when the
+    consumer says it read them, or after ``kv_lease_s`` without the consumer's heartbeat. A consumer
+    request is the prompt + the first token (+ resumed tokens) with the descriptor; vLLM computes the
+    tail itself. ``kv_load_failure_policy="fail"``: "recompute" would silently compute without the
+    images."""
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
@@ -166,7 +160,10 @@ def from_wire(kv: protocol.EngineKv) -> dict:
 
 
 def placeholder_media(media: tuple[protocol.MediaShape, ...], hidden_size: int) -> list:
-    """Zero embeddings of the items' shapes, as the engine's ``MediaEmbeds`` (see module doc)."""
+    """Zero embeddings of the items' shapes, as the engine's ``MediaEmbeds``, for a consumer:
+    vLLM needs them to expand placeholders and to compute M-RoPE positions from ``grid_thw``, but
+    reads no embedding of a position whose KV was loaded. The consumer's prefix cache is off
+    (zeros would give two different images one cache key there)."""
     from shared.engines.base import MediaEmbeds
 
     return [MediaEmbeds(torch.zeros(m.n_tokens, hidden_size), tuple(m.grid_thw), m.kind) for m in media]

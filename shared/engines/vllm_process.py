@@ -1,66 +1,10 @@
-"""What the vLLM engine needs around vLLM itself: the engine-core parent watchdog and process
-extension (fast exit), building the ``AsyncLLM`` (its environment), vLLM's request-error family,
-orderly shutdown, prompt rendering and the eos list. Imports no vLLM at module level (the engine
-core imports this module by name, as ``worker_extension_cls``).
+"""What the vLLM engine needs around vLLM itself: building the ``AsyncLLM`` under its environment
+(:func:`build_async_llm`: one engine-core child, no core pinning), the engine core's parent
+watchdog (:func:`arm_parent_watchdog`) and fast exit (:class:`EngineProcessExtension`), vLLM's
+request-error family, orderly shutdown, prompt rendering and the eos list. Imports no vLLM at
+module level (the engine core imports this module by name, as ``worker_extension_cls``).
 
-Parent watchdog: vLLM does not stop its engine core when the process that spawned it dies
-without calling ``stop()`` (SIGKILL, OOM kill): the core lives on, holding the model and its
-KV cache (one was seen after a chaos run: its worker was killed while the engine was starting,
-before any hook of ours had run in the core). :func:`watchdog_env` names the parent in the
-environment the core is spawned with, and :func:`arm_parent_watchdog` (idempotent; a no-op in
-any other process) starts a thread in the core that waits on the parent's death — the pipe
-multiprocessing keeps to a spawned child's parent (``parent_process().sentinel``), else
-``getppid()`` polling — then SIGTERMs the core (vLLM's orderly shutdown; during construction
-vLLM only records it and exits once built) and ``_exit``s after 15 s if that did not end it.
-It is armed at the earliest point each program offers: the worker's ``__main__``
-(``services.cli``, which spawn re-imports in the child before anything of vLLM), this module's
-import in the core (vLLM imports it at executor start, for any ``__main__``), and the
-extension's set-up call. A core that finds its parent already dead when it gets there (killed
-during the core's first seconds of imports) exits at once: vLLM would wait minutes for the
-handshake with it.
-
-Processes. ``AsyncLLM`` always runs the engine core (scheduler + model) in a child process,
-started with ``spawn`` (vLLM's CPU platform forces spawn); the parent only renders inputs and
-relays outputs over ZMQ. With ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (vLLM's default) the CPU
-platform adds a SECOND child, a multiproc-executor worker under the engine core, which
-busy-polls its queue (~13% of a core while idle, measured) and made decode slower (4.4 vs
-3.6 ms/token) and start-up longer. This engine sets it to ``0``: the model runs inside the
-engine-core process (uniproc executor), ONE child, ~1.6% of a core while idle. Spawn re-imports
-the parent's ``__main__`` module, so the program must be ``__main__``-guarded
-(``python -m services.cli worker`` and pytest are). vLLM warns "global random seed is set ...
-VLLM_ENABLE_V1_MULTIPROCESSING is set to False": it does not apply to ``AsyncLLM`` (the seed is
-set in the child only).
-
-Shutdown. ``VllmEngine.stop`` (idempotent) aborts what is in flight (those iterators end), stops
-vLLM's output relay, then runs ``AsyncLLM.shutdown(timeout)`` in a thread (SIGTERM to the
-engine core, orderly teardown, join; SIGKILL after ``shutdown_timeout_s``) and joins the
-process objects (vLLM does not reap a process it had to kill). ~1.5 s. The engine core also
-gets :class:`EngineProcessExtension` (vLLM's ``worker_extension_cls`` hook): a parent watchdog
-(vLLM leaves the engine core running forever if the worker is SIGKILLed) and a ``gc.freeze()``
-at exit (interpreter teardown GC took 3–5 s, past vLLM's 5 s kill deadline). Python's
-``multiprocessing`` resource tracker (started by the first spawn, one per interpreter, exits
-with it) is the only child left after ``stop()``.
-
-CPU threads. vLLM's CPU backend binds OpenMP threads to cores by default
-(``VLLM_CPU_OMP_THREADS_BIND=auto``: one pinned thread per physical core, minus a reserved
-one), which on a small machine shared with other workers pins the model onto a core others
-use. ``build_async_llm`` sets, only while the engine is being built (the spawned child inherits
-them; the parent's environment is then restored, dropping what importing vLLM and its CPU platform
-write into it — ``LD_PRELOAD`` (torch's libgomp), ``LD_LIBRARY_PATH``,
-``VLLM_WORKER_MULTIPROC_METHOD=spawn``, ``TORCHINDUCTOR_*``, ``NUMEXPR_MAX_THREADS``, ... —
-which would otherwise leak into every later subprocess of the worker):
-- ``VLLM_CPU_OMP_THREADS_BIND=nobind``: no affinity (measured: affinity list stays 0-1);
-- ``OMP_NUM_THREADS=<num_threads>`` (default 1): the engine core's torch intra-op threads
-  (with ``nobind`` vLLM leaves them to the environment and blocks ``torch.set_num_threads``);
-  one busy thread during decode (the engine core has ~48 threads, all idle but that one);
-- ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: see above;
-- ``MMFLEET_ENGINE_PARENT_PID``: the watchdog's (the only variable read here, in the core).
-With the KV side channel's (``shared.engines.vllm_pd``), these are the only variables touched.
-
-KV cache: ``kv_cache_bytes`` (engine arg ``kv_cache_memory_bytes``; ``VLLM_CPU_KVCACHE_SPACE``
-is the env equivalent) is allocated up front; with it set vLLM also skips its profiling
-warm-up. Default: 512 MiB on CPU (``None`` would make vLLM reserve ``gpu_memory_utilization``
-of ALL host memory); on a GPU, ``None`` means vLLM's sizing from ``gpu_memory_utilization``.
+Design: docs/design/vllm-engine.md.
 """
 
 from __future__ import annotations
@@ -70,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-# Set only while AsyncLLM is built (see the module docstring); the spawned engine core inherits
+# Set only while AsyncLLM is built (see build_async_llm); the spawned engine core inherits
 # them, with the caller's (OMP_NUM_THREADS, the watchdog's, the KV side channel's).
 BUILD_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # no core pinning on a shared machine
@@ -80,8 +24,19 @@ BUILD_ENV = {
 
 def build_async_llm(env: dict[str, str], engine_args: dict):
     """``AsyncLLM.from_engine_args`` with ``BUILD_ENV`` + ``env`` set only while it spawns the
-    engine core (blocking: call it off the event loop), the parent's environment restored after;
-    the engine core gets :class:`EngineProcessExtension`."""
+    engine core (blocking: call it off the event loop), the parent's environment restored after
+    (dropping what importing vLLM and its CPU platform write into it: ``LD_PRELOAD``,
+    ``LD_LIBRARY_PATH``, ``VLLM_WORKER_MULTIPROC_METHOD``, ``TORCHINDUCTOR_*``, ...); the engine
+    core gets :class:`EngineProcessExtension`.
+
+    ``AsyncLLM`` runs the engine core (scheduler + model) in a child started with ``spawn`` (which
+    re-imports ``__main__``: the program must be ``__main__``-guarded). vLLM's default
+    multiprocessing adds a second child on CPU, a multiproc-executor worker that busy-polls its
+    queue (~13 % of a core while idle) and made decode slower (4.4 vs 3.6 ms/token);
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs the model in the engine core (~1.6 % of a core idle).
+    vLLM's CPU backend pins one OpenMP thread per physical core by default, onto cores other
+    workers use; ``VLLM_CPU_OMP_THREADS_BIND=nobind`` pins nothing, and ``OMP_NUM_THREADS`` (in
+    ``env``) sets the engine core's torch threads (with ``nobind`` vLLM leaves them to it)."""
     saved = dict(os.environ)
     os.environ.update(BUILD_ENV)
     os.environ.update(env)
@@ -110,7 +65,15 @@ def watchdog_env() -> dict[str, str]:
 
 def arm_parent_watchdog() -> bool:
     """In a child spawned with :func:`watchdog_env` (only there): watch the parent, once.
-    Returns whether the watchdog runs in this process."""
+    Returns whether the watchdog runs in this process.
+
+    vLLM does not stop its engine core when the process that spawned it dies without ``stop()``
+    (SIGKILL, OOM kill): the core lives on, holding the model and its KV cache. A thread waits on
+    the parent's death (``parent_process().sentinel``, else ``getppid()`` polling), then SIGTERMs
+    the core (vLLM's orderly shutdown) and ``_exit``s after ``WATCHDOG_GRACE_S``. Armed at the
+    earliest point each program offers: the worker's ``__main__`` (``services.cli``), this
+    module's import in the core, and the extension's set-up call. A core whose parent is already
+    dead exits at once: vLLM would wait minutes for the handshake with it."""
     global _armed
     if _armed:
         return True
@@ -161,7 +124,7 @@ class EngineProcessExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``), so it runs in the engine-core
     process; ``start()`` calls :meth:`mmfleet_setup_engine_process` once via ``collective_rpc``.
 
-    - Parent watchdog: armed already (module docstring); this reports whether it runs.
+    - Parent watchdog: armed already (:func:`arm_parent_watchdog`); this reports whether it runs.
     - Fast exit: the interpreter's final garbage collection over the engine core's heap takes
       3–5 s on 2 busy cores, past vLLM's 5 s grace before it SIGKILLs the process (and then
       never reaps it). ``gc.freeze()`` at exit skips that scan (what vLLM itself does on ROCm);
@@ -188,7 +151,9 @@ def request_errors() -> tuple[type[BaseException], ...]:
 
 def shutdown(llm, procs: list, timeout_s: float) -> None:
     """``AsyncLLM.shutdown`` (SIGTERM, wait up to ``timeout_s``, then SIGKILL), then reap: vLLM
-    does not join a process it had to kill, which would stay a zombie until this one exits."""
+    does not join a process it had to kill, which would stay a zombie until this one exits.
+    Blocking (~1.5 s): ``VllmEngine.stop`` runs it in a thread. Python's ``multiprocessing``
+    resource tracker is the only child left after it."""
     llm.shutdown(timeout=timeout_s)
     for proc in procs:
         proc.join(timeout=5)
@@ -219,5 +184,5 @@ def eos_ids(model_dir: Path, text_cfg: dict, generation_config_cls) -> frozenset
 
 
 # In the engine core, vLLM imports this module while it starts its executor: arm there too (a
-# no-op in every other process; see the module docstring).
+# no-op in every other process).
 arm_parent_watchdog()

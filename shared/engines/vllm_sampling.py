@@ -2,6 +2,8 @@
 our tokens (``SampledToken`` with logprobs when asked). Controls apply as in the transformers
 reference (``shared.engines.sampling``); a structured output's grammar and the presence /
 frequency penalties over tokens that reach vLLM as prompt run in ``shared.engines.vllm_structured``.
+
+Design: docs/design/vllm-engine.md.
 """
 
 from __future__ import annotations

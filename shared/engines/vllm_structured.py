@@ -1,20 +1,12 @@
-"""What vLLM's sampler cannot do alone, inside its engine core: a vLLM v1 logits processor
-(registered by ``VllmEngine`` as ``logits_processors``) that runs, per request, from
-``SamplingParams.extra_args``:
-- ``mmfleet_structured``: :mod:`shared.engines.structured` — the transformers engine's own
-  grammar code;
-- ``mmfleet_penalties``: presence / frequency penalties for the completion tokens that reach
-  vLLM as prompt (``mmfleet_prefix``), which vLLM's own penalties (over the tokens IT
-  generated) miss. vLLM applies repetition and then its penalties AFTER this processor, so a
-  prefix token's logit x is set to rep⁻¹(rep(x) − extra): after vLLM's steps it is exactly
-  the transformers engine's rep(x) − presence·[seen] − frequency·count.
+"""What vLLM's sampler cannot do alone: a vLLM v1 logits processor (``VllmEngine`` registers it as
+``logits_processors``; imported only with vLLM, in the worker and the engine core) that runs per
+request from ``SamplingParams.extra_args``: ``mmfleet_structured`` (the transformers engine's
+grammar code, :mod:`shared.engines.structured`, advanced first over ``mmfleet_prefix``, the
+completion tokens that reach vLLM as prompt, so both halves of a split request follow one grammar
+state, where vLLM's own structured output would start again at decode) and ``mmfleet_penalties``
+(presence / frequency penalties for those prefix tokens, which vLLM's own penalties miss).
 
-Why not vLLM's built-in ``StructuredOutputsParams``: in e-p-d / ep-d the decode engine gets the
-prompt plus prefill's first token AS PROMPT, and vLLM's grammar would start again at the decode
-engine's first position. This processor is told that prefix (``mmfleet_prefix``: the completion
-tokens that reach vLLM as prompt) and advances the grammar over it first, so both halves of a
-split request, and both engines, follow one grammar state. Imported by vLLM (by name) in the
-worker and in the engine-core process; never imported without vLLM.
+Design: docs/design/vllm-engine.md.
 """
 
 from __future__ import annotations
@@ -46,7 +38,10 @@ def extra_args(sampling: protocol.Sampling, prefix: tuple[int, ...], stop_ids) -
 
 def prefix_penalties(logits: torch.Tensor, prefix: list[int], output_ids: list[int], presence: float,
                      frequency: float, repetition: float) -> torch.Tensor:
-    """``logits`` with each prefix token's value pre-compensated (see the module docstring)."""
+    """``logits`` with each prefix token's value pre-compensated: vLLM applies repetition and then
+    its penalties AFTER this processor, so a prefix token's logit x is set to rep⁻¹(rep(x) −
+    extra); after vLLM's steps it is exactly the transformers engine's rep(x) − presence·[seen] −
+    frequency·count."""
     counts: dict[int, int] = {}
     for t in prefix:
         counts[t] = counts.get(t, 0) + 1

@@ -1,25 +1,12 @@
 """Why a routed request did or did not reuse KV: one note per prefill, written by the worker that
-ran it, and the lag of KV events into the routing table.
-
-Contract:
-- The router's decision travels in the record (``PrefillRequest.route``, a ``RouteNote``):
-  ``policy``, ``worker`` (the winner), ``overlap`` (blocks the table said the winner held),
-  ``best`` (the most any candidate held), ``cost`` / ``load`` of the winner (cost units:
-  blocks), ``candidates``, ``blocks`` (the prompt's whole blocks), ``t_ms``.
-- The prefill worker writes ``kv_route(request_id)`` (a JSON object of strings, ``NOTE_TTL_S``;
-  one value, not a hash: ~24 arguments fewer to pack a request) in the background,
-  in its routing-table writer's next pipeline: those fields, ``ran_on``, ``hit`` (blocks its
-  prefix cache gave) and ``cause`` (:func:`classify`): ``hit`` (reused at least what the table
-  promised), ``cold`` (no worker listed any block: a first turn, or the previous turn's blocks
-  not in the table yet), ``load`` (another worker held more, the load term outweighed it),
-  ``evicted`` (the table listed blocks the winner's cache no longer had: evicted before the
-  removal reached the table, or after the decision), ``moved`` (the record ran on another
-  worker than routed to: a rebalance), ``unrouted`` (no decision: no table, or the table was
-  unreadable).
-- ``TableWriter`` pushes each cache change's lag (written − changed) to the bounded list
-  ``kv_event_lags`` (newest first, ``LAG_SAMPLES`` kept).
-Notes are advisory: their writes run beside the request (never on its path) and failures are
+ran it, and the lag of KV events into the routing table. The router's decision travels in the
+record (``PrefillRequest.route``, a ``RouteNote``); the prefill worker writes it to
+``kv_route(request_id)`` with ``ran_on``, ``hit`` and ``cause`` (:func:`classify`), and
+``TableWriter`` pushes each cache change's lag to the bounded list ``kv_event_lags``. Notes are
+advisory: their writes run beside the request, in the table writer's pipeline, and failures are
 logged, not raised.
+
+Design: docs/design/kv-routing.md.
 """
 
 from __future__ import annotations
@@ -52,7 +39,11 @@ EVENT_LAG = Histogram("mmfleet_kv_event_lag_seconds", "A prefill worker's cache 
 
 
 def classify(note: protocol.RouteNote | None, ran_on: str, hit: int) -> str:
-    """The cause of one routed prefill's reuse (see the module contract)."""
+    """The cause of one routed prefill's reuse: ``hit`` (reused at least what the table promised),
+    ``cold`` (no worker listed any block: a first turn, or the previous turn's blocks not in the
+    table yet), ``load`` (another worker held more, the load term outweighed it), ``evicted`` (the
+    table listed blocks the winner's cache no longer had), ``moved`` (the record ran on another
+    worker than routed to: a rebalance), ``unrouted`` (no decision: no table, or unreadable)."""
     if note is None:
         return "unrouted"
     if note.worker != ran_on:
@@ -67,7 +58,10 @@ def classify(note: protocol.RouteNote | None, ran_on: str, hit: int) -> str:
 
 class RouteAudit:
     """Writes the notes of one prefill worker, through its :class:`~shared.kv.table.TableWriter`
-    (one pipeline with the worker's table changes, not a round trip a note)."""
+    (one pipeline with the worker's table changes, not a round trip a note). A note is one JSON
+    value of strings (``NOTE_TTL_S``), not a hash: ~24 arguments fewer to pack a request. Its
+    fields: the ``RouteNote``'s (``policy``, ``worker``, ``overlap``, ``best``, ``cost`` / ``load``
+    in blocks, ``candidates``, ``blocks``, ``t_ms``), ``ran_on``, ``hit`` and ``cause``."""
 
     def __init__(self, writer: TableWriter, keys: RedisKeys) -> None:
         self._writer = writer

@@ -1,16 +1,12 @@
-"""Content-addressed KV block hashes of a prompt.
+"""Content-addressed KV block hashes of a prompt (:func:`block_hashes`). The prompt is taken as
+the language model sees it (each placeholder expanded to its item's ``n_tokens`` positions) and
+cut into blocks of ``block_size`` positions; a trailing partial block has no hash. Block ``i``'s
+hash is BLAKE3(parent hash, the block's token ids, the sorted ``mm_hash`` es of every media item
+with a position in it), as a u64: a hash names a whole prefix, two different images behind
+identical placeholders never share a block, and the same image from two URLs does. The router
+and the prefill worker hash with this one function from the same message, so they agree.
 
-Contract: the prompt is taken as the language model sees it, with each image placeholder
-expanded to the image's ``n_tokens`` positions, and cut into blocks of ``block_size``
-positions (a trailing partial block has no hash: only whole blocks are cached or routed on).
-Block ``i``'s hash is BLAKE3(parent hash, the block's token ids, the sorted ``mm_hash`` es of
-every media item with a position in the block), as a u64. So:
-- a hash names a whole prefix (its parent chain), never a block in isolation;
-- two different images behind identical placeholder tokens never share a block (their
-  ``mm_hash`` es, BLAKE3 of the fetched bytes, differ), while the same image fetched from two
-  different URLs does share it.
-The router (any producer of a ``PrefillRequest``) and the prefill worker compute hashes with
-this one function from the same message, so they always agree.
+Design: docs/design/kv-routing.md.
 """
 
 from __future__ import annotations
@@ -58,7 +54,7 @@ def expand(prompt_ids: Sequence[int], items: Sequence[MediaSpan], placeholder_id
 
 def block_hashes(prompt_ids: Sequence[int], items: Sequence[MediaSpan], *, placeholder_id: int | Collection[int],
                  block_size: int) -> list[int]:
-    """One u64 hash per whole block of the expanded prompt, in order (see the module contract)."""
+    """One u64 hash per whole block of the expanded prompt, in order."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     tokens, spans = expand(prompt_ids, items, placeholder_id)

@@ -1,15 +1,11 @@
-"""The prefill worker's prefix KV cache: recent prompts' KV by block, LRU, bounded in bytes.
+"""The prefill worker's prefix KV cache (:class:`PrefixCache`): recent prompts' KV by block hash
+(:mod:`shared.kv.blocks`), LRU, bounded in bytes (``capacity_bytes``). A prompt's blocks are
+looked up in order and reuse stops at the first miss; a value is one block's KV, a clone (a cached
+block never pins a whole prompt's tensor). A lookup refreshes its hits from the last to the
+first, so a prefix's root is evicted after its descendants. Every change is reported to the
+caller (``stored`` / ``removed``) to publish as KV events; no I/O, one event loop.
 
-Contract:
-- Keys are block hashes (:mod:`shared.kv.blocks`); a hash names its whole prefix, so the
-  blocks of a prompt are looked up in order and reuse stops at the first miss.
-- Values are one block's KV, ``[layers, 2, kv_heads, block_size, head_dim]`` (a clone, so a
-  cached block never pins a whole prompt's tensor).
-- ``capacity_bytes`` bounds the sum of the values; storing past it evicts least recently used
-  blocks. A lookup refreshes the blocks it hits from the last to the first, so a prefix's root
-  is evicted after its descendants (evicting a root first would strand them).
-- Every change is reported to the caller (``stored`` / ``removed`` hashes) so it can publish
-  KV events; the cache itself does no I/O. Single-threaded: call it from one event loop.
+Design: docs/design/kv-routing.md.
 """
 
 from __future__ import annotations

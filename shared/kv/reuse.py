@@ -1,14 +1,11 @@
-"""A prefill worker's use of its prefix cache for one request: find the longest cached prefix
-before the forward, keep the new blocks after it, count both, and return what the cache changed
-(for the routing table: :class:`shared.kv.table.TableWriter`).
-
-The reused prefix is the cached whole blocks, cut to ``prompt_len - 1`` positions when they
-cover the whole prompt: at least one position is always computed, since its logits give the
-first token. The blocks hashed here are exactly the router's (same function, same message).
-
+"""A prefill worker's use of its prefix cache for one request (:class:`PrefixReuse`): find the
+longest cached prefix before the forward, keep the new blocks after it, count both, and return
+what the cache changed for the routing table. The reused prefix is cut to ``prompt_len - 1``
+positions when it covers the whole prompt (the last position's logits give the first token).
 Engines with a prefix cache of their own (``capabilities.kv_events``: vLLM) use
-:class:`EngineCacheReport` instead: the same hashes go to the engine, which reports its
-cache's changes in those keys, which go to the routing table the same way.
+:class:`EngineCacheReport` instead, with the same hashes (exactly the router's).
+
+Design: docs/design/kv-routing.md.
 """
 
 from __future__ import annotations

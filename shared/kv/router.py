@@ -1,23 +1,12 @@
-"""Which partition of ``mm.prefill`` a ``PrefillRequest`` goes to.
+"""Which partition of ``mm.prefill`` a ``PrefillRequest`` goes to: every producer of one (the
+gateway for text-only requests, the runner for any stage's output, restarts included) asks its
+process's :class:`Router` at the produce point. Policies: ``kv`` (the live prefill worker whose
+prefix cache holds most of the prompt's leading blocks, weighed against its load) or
+``round_robin``. No table (Redis empty or unreachable, no live worker yet): ``None``, Kafka's own
+key hashing. Routing never fails a request: after a rebalance the partition's new owner serves
+the record; only the cache hit is lost.
 
-Every producer of a ``PrefillRequest`` (the gateway for text-only requests, the runner for any
-stage's output, restarts included) asks its process's :class:`Router` for a partition at the
-produce point. Contract:
-- ``kv`` policy: for each live prefill worker in the routing table (:mod:`shared.kv.table`),
-  ``overlap`` = how many leading block hashes of the request (:mod:`shared.kv.blocks`) its
-  prefix cache holds; cost = ``kv_overlap_weight`` x (prompt blocks - overlap) + blocks queued
-  on it (its load). The cheapest worker wins; among equally cheap ones the one with the fewest
-  requests in flight, then the fewest cached blocks (so new sessions spread over the workers
-  instead of piling where ties happened to fall), then at random. The record goes to one of
-  the partitions the winner owns.
-- ``round_robin`` policy: the next live worker in turn (for comparison).
-- No table (Redis empty or unreachable, no live worker yet): ``None``, i.e. Kafka's own key
-  hashing. Routing never fails a request: after a rebalance the partition's new owner serves
-  the record; only the cache hit is lost.
-- Read-ahead: a stage that knows a request's prompt and media before it produces the request
-  (encode, while its encoder runs) calls :meth:`Router.read_ahead`; the table is then read beside
-  that work and :meth:`Router.decide` uses what was read if it is at most ``READ_AHEAD_MAX_AGE_S``
-  old and for the same blocks, instead of a round trip at the produce point.
+Design: docs/design/kv-routing.md.
 """
 
 from __future__ import annotations
@@ -77,6 +66,14 @@ class Decision:
 
 
 class Router:
+    """``kv`` policy: for each live prefill worker in the routing table (:mod:`shared.kv.table`),
+    ``overlap`` = how many leading block hashes of the request (:mod:`shared.kv.blocks`) its
+    prefix cache holds; cost = ``kv_overlap_weight`` x (prompt blocks - overlap) + blocks queued
+    on it (its load). The cheapest worker wins; among equally cheap ones the one with the fewest
+    requests in flight, then the fewest cached blocks (so new conversations spread over the
+    workers instead of piling where ties happened to fall), then at random. The record goes to
+    one of the partitions the winner owns. ``round_robin``: the next live worker in turn."""
+
     def __init__(self, redis: aioredis.Redis, keys: RedisKeys, settings: Settings,
                  placeholder_id: "int | frozenset[int]", *,
                  topic: str = TOPIC_PREFILL, rng: random.Random | None = None) -> None:
@@ -124,7 +121,10 @@ class Router:
     def read_ahead(self, request_id: str, prompt_ids: Sequence[int], items) -> None:
         """Start reading the table for the ``PrefillRequest`` that ``request_id`` will produce
         (``items``: its media, anything with ``index``, ``mm_hash`` and ``n_tokens``). Never raises;
-        a failed read is only a lost read-ahead."""
+        a failed read is only a lost read-ahead. A stage that knows a request's prompt and media
+        before it produces the request (encode, while its encoder runs) calls this; :meth:`decide`
+        then uses what was read if it is at most ``READ_AHEAD_MAX_AGE_S`` old and for the same
+        blocks, instead of a round trip at the produce point."""
         hashes = self._hashes(prompt_ids, items)
         task = asyncio.create_task(self.workers(hashes), name="route-read-ahead")
         task.add_done_callback(_consume_error)

@@ -1,19 +1,12 @@
-"""The routing table in Redis: per prefill worker, its KV blocks, its load and the partitions of
-``mm.prefill`` it owns. Written by the prefill workers, read by :class:`shared.kv.router.Router`.
+"""The routing table in Redis, written by the prefill workers, read by
+:class:`shared.kv.router.Router`. Per worker ``w`` (every key expiring ``kv_report_ttl_ms`` after
+its worker was last heard from, so a crashed worker drops out by itself): ``kv_load(w)``, a hash
+of ``inflight``, ``queued_tokens`` and ``partitions`` (:class:`LoadReporter`); ``kv_blocks(w)``,
+the set of block hashes its prefix cache holds (:class:`TableWriter`). ``kv_owners(mm.prefill)``:
+partition -> worker, trusted only when that worker's ``kv_load`` lists the partition too, so a
+stale field is never routed on.
 
-Layout (keys in :class:`shared.keys.RedisKeys`, every one expiring ``kv_report_ttl_ms`` after
-its worker was last heard from, so a crashed worker drops out of routing by itself):
-- ``kv_load(w)``: hash ``inflight``, ``queued_tokens`` (prompt positions still to compute) and
-  ``partitions`` (comma-separated), written by :class:`LoadReporter` within ``COALESCE_S`` of a
-  change of load (that write alone; a change undone within it, a prompt prefilled in less,
-  writes nothing), and with the owner fields and TTLs below every ``kv_report_interval_ms`` and
-  on every rebalance.
-- ``kv_owners(mm.prefill)``: hash partition -> worker, rewritten by the owner on assignment,
-  removed (only if still its own) on revocation. A field is trusted only when the named
-  worker's ``kv_load`` lists that partition too, so a stale field is never routed on.
-- ``kv_blocks(w)``: set of block hashes its prefix cache holds, written by the worker itself
-  (:class:`TableWriter`, beside its route notes) a loop turn or a write's round trip after its
-  cache changed.
+Design: docs/design/kv-routing.md.
 """
 
 from __future__ import annotations
@@ -82,8 +75,12 @@ class LoadTracker:
 
 
 class LoadReporter(ConsumerRebalanceListener):
-    """Publishes one prefill worker's load and partitions (see the module contract). It is the
-    prefill runner's rebalance listener, so ownership is rewritten on every rebalance."""
+    """Publishes one prefill worker's load and partitions. It is the prefill runner's rebalance
+    listener, so ownership is rewritten on every rebalance. ``kv_load`` is written within
+    ``COALESCE_S`` of a change of load (that write alone; a change undone within it, a prompt
+    prefilled in less, writes nothing), and with the ``kv_owners`` fields and TTLs every
+    ``kv_report_interval_ms`` and on every rebalance. A partition's owner field is rewritten on
+    assignment and removed (only if still its own) on revocation."""
 
     def __init__(self, redis: aioredis.Redis, keys: RedisKeys, worker_id: str, load: LoadTracker,
                  settings: Settings, topic: str = TOPIC_PREFILL) -> None:
@@ -168,7 +165,8 @@ class LoadReporter(ConsumerRebalanceListener):
 
 class TableWriter:
     """A prefill worker's writes to the routing table that need no answer: its ``kv_blocks`` set
-    and the route notes (:class:`shared.kv.audit.RouteAudit`), see the module contract.
+    and the route notes (:class:`shared.kv.audit.RouteAudit`), a loop turn or a write's round trip
+    after its cache changed.
 
     Changes are folded into what is pending and written by one task, in order, one pipeline a
     write; what comes during a write goes in the next. Redis trouble is logged, never raised: a

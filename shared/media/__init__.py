@@ -1,1 +1,4 @@
-"""Media: sources, fetching and decoding under the media policy."""
+"""Media: sources, fetching and decoding under the media policy.
+
+Design: docs/guide/media.md.
+"""

@@ -1,18 +1,10 @@
-"""Audio decoding under the media policy, for media-fetch's compute lane.
+"""Audio decoding under the media policy, for media-fetch's compute lane: :func:`decode_audio`
+turns raw bytes into float32 mono samples at ``rate_hz`` in [-1, 1], or a ``MediaError`` (400 /
+413). The format is decided by the magic bytes (WAV, FLAC and Ogg by soundfile; MP3, M4A/AAC and
+WebM/Opus by PyAV), the duration is capped before and while decoding, and every exception the
+decoders raise on untrusted bytes becomes a ``MediaError``.
 
-Contract of :func:`decode_audio`: raw bytes → float32 mono samples at ``rate_hz`` in [-1, 1],
-or ``MediaError``:
-- WAV, FLAC and Ogg (Vorbis/Opus) are read with soundfile; MP3, M4A/AAC and WebM/Opus with
-  PyAV. The format is decided by the magic bytes (not the declared MIME type), and anything
-  else — video-only files, images, garbage — is a 400.
-- The duration is checked from the header before the samples are decoded (``max_duration_s``,
-  413); PyAV decoding also stops once the decoded audio passes the cap (a header may lie).
-- Every format is decoded at its own rate, its channels averaged to mono here (FFmpeg's
-  ``layout="mono"`` would sum stereo at -3 dB and clip), then resampled to ``rate_hz`` by
-  soxr (one resampler for every format; flatter passband and ~45 dB more alias rejection
-  than FFmpeg's default at a third of its time, README "Audio").
-- Empty or entirely silent audio (every sample 0) is a 400: there is nothing to listen to.
-- Every exception the decoders raise on untrusted bytes becomes a ``MediaError``.
+Design: docs/guide/media.md.
 """
 
 from __future__ import annotations
@@ -45,6 +37,17 @@ def sniff_audio(raw: bytes) -> str | None:
 
 
 def decode_audio(raw: bytes, *, rate_hz: int, max_duration_s: float, param: str) -> np.ndarray:
+    """Raw bytes → float32 mono samples at ``rate_hz`` in [-1, 1], or ``MediaError``.
+
+    - The format comes from the magic bytes (not the declared MIME type); anything else (video-only
+      files, images, garbage) is a 400.
+    - The duration is checked from the header before the samples are decoded (``max_duration_s``,
+      413); PyAV decoding also stops once the decoded audio passes the cap (a header may lie).
+    - Every format is decoded at its own rate, its channels averaged to mono here (FFmpeg's
+      ``layout="mono"`` would sum stereo at -3 dB and clip), then resampled to ``rate_hz`` by soxr
+      (flatter passband and ~45 dB more alias rejection than FFmpeg's default at a third of its
+      time).
+    - Empty or entirely silent audio (every sample 0) is a 400: there is nothing to listen to."""
     fmt = sniff_audio(raw)
     if fmt is None:
         raise MediaError(f"{param}: the data is not a recognised audio file; {_ACCEPT}",

@@ -1,13 +1,11 @@
-"""Fetched-bytes cache for media-fetch: concurrent requests for one URL share one download
-(in-flight de-duplication), and recent results are kept in an LRU bounded in bytes
-(``cachetools.TTLCache`` sized by ``len``).
+"""Fetched-bytes cache for media-fetch (:class:`FetchCache`): concurrent requests for one URL
+share one download, and recent results are kept in an LRU bounded in bytes for ``ttl_s`` (URLs
+are not immutable). Only successful fetches are cached; an error reaches every request waiting
+on that download, and the next request tries again. A download is shielded from its waiters (one
+cancelled waiter does not cancel it for the others) and ends within the fetch timeout. An item
+larger than the whole capacity is served but not kept; ``max_bytes=0`` keeps nothing.
 
-- Only successful fetches are cached; an error reaches every request that was waiting on that
-  download (each gets it with its own param prefix) and the next request tries again.
-- A download is shielded from its waiters: one waiter being cancelled (client gone, drain)
-  does not cancel the download the others wait on. It still ends within the fetch timeout.
-- Entries expire after ``ttl_s`` (URLs are not immutable); an item larger than the whole
-  capacity is served but not kept. ``max_bytes=0`` turns caching off (de-duplication stays).
+Design: docs/guide/media.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Precomputed embeddings sent as a content part, parsed without pickle.
 
-Contract of :func:`parse_embeddings`: raw bytes of one ``.npy`` file (``np.load`` with
-``allow_pickle=False``) or one safetensors file holding exactly one tensor → a float32
-``[n_tokens, hidden]`` array, or ``MediaError`` (400) saying what to fix: the wrong format,
-not 2-D, the wrong hidden size (the model's is ``hidden_size``), no rows, more rows than
-``max_rows``, a non-float dtype, or non-finite values. ``torch.load`` is never used.
+:func:`parse_embeddings`: raw bytes of one ``.npy`` file (``allow_pickle=False``) or one
+safetensors file holding exactly one tensor → a float32 ``[n_tokens, hidden]`` array, or
+``MediaError`` (400) saying what to fix: the wrong format, not 2-D, the wrong hidden size, no
+rows, more rows than ``max_rows``, a non-float dtype, or non-finite values. ``torch.load`` is
+never used.
+
+Design: docs/guide/media.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
-"""HTTP(S) media fetching: one shared session, connect / read / total timeouts, a byte cap
-enforced while streaming, redirects followed by hand and re-checked at every hop, and an
-address guard applied to the address actually connected.
+"""HTTP(S) media fetching (:class:`MediaFetcher`): one shared session, connect / read / total
+timeouts, a byte cap enforced while streaming (a compressed body counts as sent and is never
+expanded), redirects followed by hand and re-checked at every hop, and an address guard in
+three layers, each refusing before any packet leaves for a refused address: the URL check on
+every hop (``sources.parse_remote_url``), the resolver (:class:`GuardedResolver`) and the socket
+factory, which sees the very address about to be connected.
 
-The guard has three layers, each refusing before any packet leaves for a refused address:
-
-1. ``sources.parse_remote_url`` on every hop (the first URL and each redirect target): scheme,
-   credentials, host syntax, non-canonical numeric IPv4 forms, and IP literals (aiohttp never
-   asks the resolver about an IP literal, so this check is the one that covers them).
-2. :class:`GuardedResolver`: resolves a name, refuses the request if ANY answer is not public
-   (unless the host is allowlisted), and hands aiohttp exactly the checked answers. aiohttp
-   connects to those answers and resolves again for every new connection (no DNS cache), so
-   an answer that changes between check and connect (DNS rebinding) cannot slip through.
-3. The connector's ``socket_factory`` sees the very ``sockaddr`` about to be connected and
-   refuses a non-public one unless this hop's host is allowlisted: the policy holds even if
-   aiohttp's IP-literal or resolver handling changes.
-
-How refusals surface (aiohttp 3.14): an exception that is not an ``OSError`` raised by the
-resolver or the socket factory propagates out of ``session.get`` unchanged (only ``OSError``
-is wrapped, in ``ClientConnectorDNSError`` / ``ClientConnectorError``). ``MediaError`` is a
-``ValueError``, so it arrives as itself; :func:`_media_error_in` also digs it out of a
-wrapper in case a future aiohttp wraps it.
-
-Responses are read with ``Accept-Encoding: identity`` and no automatic decompression, so a
-compressed body counts against the cap as sent and can never expand (gzip bombs).
+Design: docs/guide/media.md.
 """
 
 from __future__ import annotations
@@ -90,7 +73,17 @@ def _guarded_socket(addr_info) -> socket.socket:
 
 
 class MediaFetcher:
-    """Fetch URLs with bounded size and time. ``async with`` owns the session."""
+    """Fetch URLs with bounded size and time. ``async with`` owns the session.
+
+    The guard's layers: 1. ``sources.parse_remote_url`` on the first URL and each redirect target:
+    scheme, credentials, host syntax, non-canonical numeric IPv4 forms, and IP literals (aiohttp
+    never asks the resolver about an IP literal, so this check is the one that covers them).
+    2. :class:`GuardedResolver`: refuses a name if ANY answer is not public (unless the host is
+    allowlisted) and hands aiohttp exactly the checked answers; aiohttp resolves again for every
+    new connection (no DNS cache), so DNS rebinding cannot slip through. 3. The ``socket_factory``
+    refuses a non-public ``sockaddr`` unless this hop's host is allowlisted: the policy holds even
+    if aiohttp's IP-literal or resolver handling changes. Responses are read with
+    ``Accept-Encoding: identity`` and no automatic decompression (no gzip bombs)."""
 
     def __init__(self, *, allow_hosts: tuple[str, ...] | AllowList = (), timeout_ms: int, max_redirects: int = 3,
                  connect_timeout_ms: int | None = None, read_timeout_ms: int | None = None,
@@ -208,6 +201,11 @@ class MediaFetcher:
 
 
 def _media_error_in(exc: BaseException) -> MediaError | None:
+    """The ``MediaError`` a guard raised, if ``exc`` is or wraps one. With aiohttp 3.14 a
+    non-``OSError`` raised by the resolver or the socket factory propagates out of ``session.get``
+    unchanged (only ``OSError`` is wrapped, in ``ClientConnectorDNSError`` /
+    ``ClientConnectorError``), so ``MediaError`` (a ``ValueError``) arrives as itself; this also
+    digs it out of a wrapper in case a future aiohttp wraps it."""
     seen = 0
     while exc is not None and seen < 8:
         if isinstance(exc, MediaError):

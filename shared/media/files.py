@@ -1,13 +1,12 @@
-"""``file://`` media: off unless the operator names a root directory (``media_file_root``);
-then only regular files under that root, after resolving symlinks.
+"""``file://`` media: off unless the operator names a root directory (``media_file_root``); then
+only regular files under that root, after resolving symlinks. Refused: a host other than none or
+``localhost``, relative paths, ``..`` segments, NUL bytes, paths that resolve outside the root,
+anything that is not a regular file, and files above the byte cap. The file is opened without
+following a final symlink and its real path checked again from the open descriptor, so swapping
+a path component for a symlink between check and open does not escape the root. Messages never
+reveal the root or whether a path outside it exists.
 
-Refused: any other host than none or ``localhost``, relative paths, ``..`` segments (even
-ones that would stay inside the root), NUL bytes, paths that resolve outside the root (a
-symlink pointing out included), anything that is not a regular file (directories, FIFOs,
-devices), and files above the byte cap. The file is opened without following a final
-symlink and its real path is checked again from the open descriptor, so swapping a path
-component for a symlink between the check and the open does not escape the root.
-Messages never reveal the root or whether a path outside it exists.
+Design: docs/guide/media.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""Image decoding under the media policy.
+"""Image decoding under the media policy (:func:`decode_image`): JPEG, PNG and WEBP only, the
+format decided by the magic bytes and Pillow allowed to open only that one format; the pixel
+cap checked from the header before any pixel is decoded (413 without allocating); EXIF
+orientation applied; the result RGB. Truncated or corrupt data is a 400, and every exception
+Pillow raises on untrusted bytes is a ``MediaError``, never a worker fault.
 
-- Formats: JPEG, PNG and WEBP only. GIF is refused (by decision): a GIF is either animated —
-  and which frame(s) the model should see is a question the client must answer — or a still
-  that converts losslessly to PNG; the message says so. APNG / animated WEBP decode their
-  first frame; JPEG files with a multi-picture (MPO) extension decode their primary image.
-- The format is decided by the magic bytes at offset 0, and Pillow is only allowed to open
-  that one format. Polyglots are therefore deterministic: a PNG with a ZIP appended decodes
-  as the PNG (trailing bytes are ignored, though they are part of the hashed bytes); a ZIP or
-  HTML document is refused whatever images it contains later; HTML behind a PNG signature
-  is a corrupt PNG.
-- Pixel cap: the size comes from the header (``Image.open`` reads only the header) and is
-  checked before the pixels are decoded, so a PNG claiming 100000x100000 is refused with a
-  413 without allocating.
-- EXIF orientation is applied (an unreadable EXIF block is ignored, as viewers do); the
-  result is RGB (alpha dropped, palettes / CMYK / 16-bit converted).
-- Truncated or corrupt data is a 400. Decoding untrusted bytes can raise almost any exception
-  inside Pillow; every one of them is a ``MediaError`` here, never a worker fault.
+Design: docs/guide/media.md.
 """
 
 from __future__ import annotations
@@ -79,7 +68,16 @@ def check_header(raw: bytes, *, max_pixels: int, param: str) -> Image.Image:
 
 
 def decode_image(raw: bytes, *, max_pixels: int, param: str) -> Image.Image:
-    """Raw bytes → RGB ``PIL.Image`` (fully loaded), or ``MediaError``."""
+    """Raw bytes → RGB ``PIL.Image`` (fully loaded), or ``MediaError``.
+
+    - GIF is refused by decision: a GIF is either animated (which frames the model should see is
+      the client's question) or a still that converts losslessly to PNG; the message says so.
+      APNG / animated WEBP decode their first frame; JPEG with an MPO extension its primary image.
+    - Polyglots are deterministic: a PNG with a ZIP appended decodes as the PNG (trailing bytes
+      are ignored, though they are part of the hashed bytes); a ZIP or HTML document is refused
+      whatever images it contains later; HTML behind a PNG signature is a corrupt PNG.
+    - An unreadable EXIF block is ignored, as viewers do; alpha is dropped, palettes / CMYK /
+      16-bit converted."""
     img = check_header(raw, max_pixels=max_pixels, param=param)
     fmt = img.format
     try:

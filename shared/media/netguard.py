@@ -1,18 +1,10 @@
-"""Which network addresses media may be fetched from (the SSRF policy), and the operator's
-allowlist of trusted hosts.
+"""Which network addresses media may be fetched from (the SSRF policy, :func:`refusal_reason`),
+and the operator's allowlist of trusted hosts (:class:`AllowList`). Only globally routable
+unicast addresses are allowed; the reason of a refusal is named in the error. IPv6 forms that
+embed an IPv4 address (IPv4-mapped, NAT64, 6to4) are judged by the embedded IPv4 address.
+Allowlist matching is on the host as written in the URL, never on what a name resolves to.
 
-Policy: only globally routable unicast addresses. Refused, with the reason named in the error:
-unspecified, loopback, link-local (169.254/16 with the cloud metadata address, fe80::/10),
-multicast, reserved, shared (100.64/10), private (10/8, 172.16/12, 192.168/16, fc00::/7, ...)
-and anything else Python's ``ipaddress`` does not call global. IPv6 forms that embed an IPv4
-address (IPv4-mapped ``::ffff:a.b.c.d``, NAT64 ``64:ff9b::/96``, 6to4 ``2002::/16``) are judged
-by the embedded IPv4 address.
-
-Allowlist (``media_allow_hosts``): entries are ``host`` (any port) or ``host:port`` (that port
-only); IPv6 as ``[::1]`` or ``[::1]:8080``. Matching is on the host as written in the URL
-(case-insensitive, a trailing dot ignored; IP literals compared as addresses), never on what
-a name resolves to: allowlisting ``media.internal`` does not allowlist ``127.0.0.1``, and
-allowlisting ``127.0.0.1:8123`` allows no other loopback port.
+Design: docs/guide/media.md.
 """
 
 from __future__ import annotations
@@ -41,7 +33,11 @@ def parse_ip(text: str) -> IPAddress | None:
 
 
 def refusal_reason(ip: str | IPAddress) -> str | None:
-    """Why ``ip`` may not be fetched from (e.g. ``"loopback"``), or None for a public address."""
+    """Why ``ip`` may not be fetched from (e.g. ``"loopback"``), or None for a public address.
+    Refused: unspecified, loopback, link-local (169.254/16 with the cloud metadata address,
+    fe80::/10), multicast, reserved, shared (100.64/10), private (10/8, 172.16/12, 192.168/16,
+    fc00::/7, ...) and anything else Python's ``ipaddress`` does not call global; IPv4-mapped
+    ``::ffff:a.b.c.d``, NAT64 ``64:ff9b::/96`` and 6to4 ``2002::/16`` by their IPv4 address."""
     addr = parse_ip(ip) if isinstance(ip, str) else ip
     if addr is None:
         return "unparseable"
@@ -93,7 +89,11 @@ def _norm_host(host: str) -> str:
 
 
 class AllowList:
-    """The operator's trusted hosts; see the module docstring for the entry syntax."""
+    """The operator's trusted hosts (``media_allow_hosts``): entries are ``host`` (any port) or
+    ``host:port`` (that port only); IPv6 as ``[::1]`` or ``[::1]:8080``. Matching is on the host
+    as written in the URL (case-insensitive, a trailing dot ignored; IP literals compared as
+    addresses): allowlisting ``media.internal`` does not allowlist ``127.0.0.1``, and allowlisting
+    ``127.0.0.1:8123`` allows no other loopback port."""
 
     def __init__(self, entries: Iterable[str] = ()) -> None:
         self._any_port: set[str] = set()

@@ -1,11 +1,11 @@
 """Where media comes from: parsing and checking ``data:`` URLs and classifying and checking
 ``http(s)://`` URLs (the address policy lives in :mod:`shared.media.netguard`, ``file://`` in
-:mod:`shared.media.files`).
+:mod:`shared.media.files`). Every check raises ``MediaError`` with a message that tells the user
+what to fix; stages turn it into a 400/413 for the request (never a worker crash). These
+functions are pure and safe on arbitrary input: anything but ``MediaError`` escaping them is a
+bug (a property test holds them to that).
 
-Every check raises ``MediaError`` with a message that tells the user what to fix; stages turn
-it into a 400/413 for the request (never a worker crash). These functions are pure and
-safe on arbitrary input: anything but ``MediaError`` escaping them is a bug (a property test
-holds them to that).
+Design: docs/guide/media.md.
 """
 
 from __future__ import annotations

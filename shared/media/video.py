@@ -1,20 +1,11 @@
-"""Video decoding under the media policy (PyAV), run on media-fetch's compute lane.
+"""Video decoding under the media policy (PyAV), run on media-fetch's compute lane:
+:func:`decode_video` turns raw container bytes into ``uint8 [frames, height, width, 3]`` RGB
+frames sampled from the first video stream (MP4/MOV, WebM/Matroska only), or a ``MediaError``.
+Duration and frame side are capped from the header before any frame is decoded, and
+``max_decoded_frames`` bounds the frames decoded while looking for the sampled ones. Every
+exception PyAV raises on untrusted bytes is a ``MediaError``, never a worker fault.
 
-Contract of :func:`decode_video`: raw container bytes → ``uint8 [frames, height, width, 3]``
-RGB frames sampled from the first video stream, or ``MediaError``:
-- Containers: MP4/MOV, WebM/Matroska (decided by PyAV's probe, then checked against the
-  allowlist); anything else — including audio-only files, images and garbage — is a 400.
-- Caps checked from the container header before any frame is decoded: duration
-  (``max_duration_s``, 413) and frame side (``max_side``, 413). ``max_decoded_frames`` bounds the
-  frames decoded while looking for the sampled ones (a 1000 fps clip cannot burn a core).
-- Sampling: ``fps > 0`` takes one frame every ``1/fps`` seconds (at most ``max_frames``; more
-  is a 400 that says how to ask for fewer); otherwise ``num_frames`` frames at evenly spaced
-  times over the duration (t_i = (i + 0.5) · duration / n). For each sample time the frame on
-  screen at that time is kept (the last frame whose timestamp is at or before it; the last
-  frame when the video ends first), so the result is deterministic for the same bytes and
-  parameters.
-- Corrupt or truncated streams are a 400; every exception PyAV raises on untrusted bytes is a
-  ``MediaError`` here, never a worker fault.
+Design: docs/guide/media.md.
 """
 
 from __future__ import annotations
@@ -42,7 +33,9 @@ class VideoLimits:
 
 
 def sample_times(duration_s: float, *, num_frames: int, fps: float, max_frames: int, param: str) -> list[float]:
-    """Timestamps (s) to sample; see the module contract."""
+    """Timestamps (s) to sample: ``fps > 0`` takes one frame every ``1/fps`` seconds (at most
+    ``max_frames``; more is a 400 that says how to ask for fewer); otherwise ``num_frames`` evenly
+    spaced times over the duration, t_i = (i + 0.5) · duration / n."""
     if fps > 0:
         n = max(1, math.floor(duration_s * fps + 1e-9))
         if n > max_frames:
@@ -55,6 +48,12 @@ def sample_times(duration_s: float, *, num_frames: int, fps: float, max_frames: 
 
 
 def decode_video(raw: bytes, *, num_frames: int, fps: float, limits: VideoLimits, param: str) -> np.ndarray:
+    """Raw container bytes → RGB frames at :func:`sample_times`, or ``MediaError``. The container
+    is decided by PyAV's probe, then checked against the allowlist; anything else (audio-only
+    files, images, garbage) is a 400. Caps from the header: ``max_duration_s`` and ``max_side``
+    (413). For each sample time the frame on screen at that time is kept (the last frame whose
+    timestamp is at or before it; the last frame when the video ends first), so the result is
+    deterministic for the same bytes and parameters. Corrupt or truncated streams are a 400."""
     import av
 
     try:

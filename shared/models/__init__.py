@@ -1,1 +1,4 @@
-"""Model families: offline tiny builds for tests, references, and the family registry."""
+"""Model families: offline tiny builds for tests, references, and the family registry.
+
+Design: docs/guide/models.md.
+"""

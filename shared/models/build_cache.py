@@ -3,6 +3,8 @@
 Each builder writes into its own temp dir under the cache root and renames it into place;
 ``rename`` onto an existing non-empty directory fails, so the loser deletes its copy and uses
 the winner's. A marker file written last inside the temp dir means "complete".
+
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

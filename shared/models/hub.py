@@ -1,15 +1,12 @@
 """Where the served model's files are: the ``model`` setting as a local folder or as a Hugging
 Face hub id, resolved offline in the local hub cache, as ``vllm serve`` and transformers do.
+``resolve_model``: an existing folder is used as it is (it must hold ``config.json``); anything
+else must be a hub id whose snapshot for ``revision`` (a branch, tag or commit hash) is in the
+hub cache, found by huggingface_hub itself (``snapshot_download(local_files_only=True)``):
+nothing is downloaded. A miss raises :class:`ModelNotFound` naming the id, the revision and the
+cache searched (:func:`hub_cache`: the argument, else ``HF_HUB_CACHE``, else ``HF_HOME/hub``).
 
-Contract:
-- ``resolve_model(model, revision=..., cache_dir=...)``: an existing folder is used as it is
-  (it must hold ``config.json``); anything else must be a hub id (``org/name``) whose snapshot
-  for ``revision`` (a branch or tag through ``refs/<revision>``, or a commit hash) is in the hub
-  cache. Resolution is huggingface_hub's own (``snapshot_download(local_files_only=True)``):
-  nothing is downloaded, whatever ``HF_HUB_OFFLINE`` says. A miss raises :class:`ModelNotFound`
-  naming the id, the revision and the cache searched.
-- ``hub_cache(cache_dir)``: the cache searched (the argument, else huggingface_hub's default:
-  ``HF_HUB_CACHE``, else ``HF_HOME/hub``).
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""A saved model rewritten the way the Hugging Face hub keeps one — the repository's files and
-the local cache around them — built offline, so hub-id serving is tested on that very layout.
+"""A saved model rewritten the way the Hugging Face hub keeps one (the repository's files and the
+local cache around them), built offline, so hub-id serving is tested on that very layout:
+:func:`save_hub_files` writes a model as hub VLM repositories hold it (sharded safetensors with
+an index, the tokenizer's and processors' files, the chat template as ``chat_template.json`` or
+``chat_template.jinja``); :func:`place_in_hub_cache` puts those files into a hub cache as
+``huggingface_hub`` downloads them (blobs, a snapshot of symlinks, ``refs/<revision>``).
 
-Contracts:
-- ``save_hub_files(src, out, ...)``: the model at ``src`` (any folder ``from_pretrained``
-  loads) written as hub VLM repositories hold it: ``config.json`` + ``generation_config.json``,
-  weights as sharded safetensors with ``model.safetensors.index.json`` (``max_shard_size``) in
-  ``dtype``, the tokenizer's files (its own template in ``tokenizer_config.json`` when
-  ``tokenizer_template`` is given), ``preprocessor_config.json`` (and
-  ``video_preprocessor_config.json`` where the family has a video processor), and the
-  processor's chat template in ``chat_template.json`` (``{"chat_template": ...}``, the older
-  hub form) or ``chat_template.jinja`` — no ``processor_config.json``.
-- ``place_in_hub_cache(files, cache_dir, repo_id, revision)``: those files put into a hub cache
-  as ``huggingface_hub`` downloads them: ``models--org--name/blobs/<sha256>``,
-  ``snapshots/<commit>/<path>`` as relative symlinks to the blobs, ``refs/<revision>`` holding
-  the commit (a deterministic 40-hex digest of the files). Returns the snapshot folder.
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations
@@ -27,6 +19,13 @@ from pathlib import Path
 
 def save_hub_files(src: Path, out: Path, *, model_cls, dtype=None, max_shard_size: str = "1MB",
                    template_file: str = "json", tokenizer_template: str | None = None) -> Path:
+    """The model at ``src`` (any folder ``from_pretrained`` loads) written to ``out``:
+    ``config.json`` + ``generation_config.json``, weights as sharded safetensors with
+    ``model.safetensors.index.json`` (``max_shard_size``) in ``dtype``, the tokenizer's files (its
+    own template in ``tokenizer_config.json`` when ``tokenizer_template`` is given),
+    ``preprocessor_config.json`` (and ``video_preprocessor_config.json`` where the family has a
+    video processor), and the processor's chat template in ``chat_template.json`` (the older hub
+    form) or ``chat_template.jinja``; no ``processor_config.json``."""
     import torch
     from transformers import AutoProcessor
 
@@ -69,7 +68,11 @@ def _sha256(path: Path) -> str:
 
 def place_in_hub_cache(files: Path, cache_dir: Path, repo_id: str, *, revision: str = "main",
                        skip: tuple[str, ...] = ()) -> Path:
-    """(``skip``: names of files in ``files`` that are not part of the repository.)"""
+    """``files`` put into the hub cache at ``cache_dir`` as ``huggingface_hub`` downloads them:
+    ``models--org--name/blobs/<sha256>``, ``snapshots/<commit>/<path>`` as relative symlinks to the
+    blobs, ``refs/<revision>`` holding the commit (a deterministic 40-hex digest of the files).
+    Returns the snapshot folder. ``skip``: names of files in ``files`` that are not part of the
+    repository."""
     files, cache_dir = Path(files), Path(cache_dir)
     repo = cache_dir / ("models--" + repo_id.replace("/", "--"))
     digests = {p.relative_to(files).as_posix(): _sha256(p) for p in sorted(files.rglob("*"))

@@ -1,11 +1,11 @@
 """Tiny random-weight LLaVA-NeXT (CLIP tower + projector + Qwen2 LM) for images, with its
-"anyres" tiling, built offline.
+"anyres" tiling, built offline. Contract as :mod:`shared.models.llava_tiny`
+(``build_tiny_llava_next``, ``ensure_tiny_llava_next`` → ``cache_root/llava-next-tiny-<recipe
+hash>``). Model facts: ``<image>`` registered as a special token; tiles of 56×56 (patch 14 → 16
+tokens per tile); ``image_grid_pinpoints`` up to 112×112, so an image becomes the resized whole
+plus up to 2×2 tiles, unpadded to its aspect ratio with an ``image_newline`` row end.
 
-Contract as :mod:`shared.models.llava_tiny` (``build_tiny_llava_next``, ``ensure_tiny_llava_next``
-→ ``cache_root/llava-next-tiny-<recipe hash>``). Model facts: ``<image>`` registered as a
-special token; tiles of 56×56 (patch 14 → 16 tokens per tile); ``image_grid_pinpoints`` up to
-112×112, so an image becomes the resized whole plus up to 2×2 tiles, unpadded to its aspect
-ratio with an ``image_newline`` row end (the token count depends on ``image_sizes``).
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
-"""Tiny random-weight LLaVA-NeXT-Video (CLIP tower + 2x2 average pooling per frame + projector
-+ Qwen2 LM), built offline; served for video (its anyres image path is not served).
+"""Tiny random-weight LLaVA-NeXT-Video (CLIP tower + 2x2 average pooling per frame + projector +
+Qwen2 LM), built offline; served for video. Contract as :mod:`shared.models.llava_tiny`
+(``build_tiny_llava_next_video``, ``ensure_tiny_llava_next_video`` →
+``cache_root/llava-next-video-tiny-<recipe hash>``). Model facts: ``<image>`` and ``<video>``
+registered as special tokens; a video part renders one ``<video>``; frames are resized (shortest
+edge 56) and centre-cropped to 56x56; patch 14 → 4x4 patches, pooled 2x2 → 4 LM tokens per frame.
 
-Contract as :mod:`shared.models.llava_tiny` (``build_tiny_llava_next_video``,
-``ensure_tiny_llava_next_video`` → ``cache_root/llava-next-video-tiny-<recipe hash>``).
-Model facts: ``<image>`` and ``<video>`` registered as special tokens (ids read back into the
-config); a video part renders one ``<video>``; frames are resized (shortest edge 56) and
-centre-cropped to 56x56; vision tower as the LLaVA tiny build (patch 14 → 4x4 patches), pooled
-2x2 → 4 LM tokens per frame.
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

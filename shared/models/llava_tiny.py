@@ -1,15 +1,12 @@
 """Tiny random-weight LLaVA (CLIP vision tower + MLP projector + Qwen2 LM), built offline.
+``build_tiny_llava(out_dir, seed=0)`` writes a directory ``AutoProcessor`` and
+``LlavaForConditionalGeneration`` load under ``HF_HUB_OFFLINE=1``; ``ensure_tiny_llava(cache_root)``
+builds once into ``cache_root/llava-tiny-<recipe hash>``. Model facts: ``<image>`` registered as
+a special token, one per image part of the Qwen-style chat template; images resized and
+centre-cropped to 56x56; vision tower 2 layers, hidden 64, patch 14 → 16 LM tokens per image (CLS
+dropped); text model as the other tiny builds (hidden 128, 2 layers, plain RoPE).
 
-Contract as :mod:`shared.models.qwen2_vl_tiny`: ``build_tiny_llava(out_dir, seed=0)`` writes a
-directory ``AutoProcessor`` and ``LlavaForConditionalGeneration`` load under
-``HF_HUB_OFFLINE=1``; ``ensure_tiny_llava(cache_root)`` builds once into
-``cache_root/llava-tiny-<recipe hash>``.
-
-Model facts: ``<image>`` registered as a special token (id read back into ``image_token_id``);
-chat template Qwen style with ``<image>`` per image part; CLIP image processor resizing the
-shortest edge to 56 and centre-cropping 56x56; vision tower 2 layers, hidden 64, patch 14 →
-(56/14)² = 16 patches (+ CLS, dropped by the "default" feature strategy) → 16 LM tokens per
-image; text model as the other tiny builds (hidden 128, 2 layers, plain RoPE).
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""Loading only the part of a checkpoint a worker runs, in the checkpoint's dtype.
+"""Loading only the part of a checkpoint a worker runs, in the checkpoint's dtype. Every family
+served is a transformers ``*ForConditionalGeneration`` with the LM (``model.language_model`` +
+``lm_head``) beside its media encoder under ``model``. :func:`parts_for` says what a worker's
+transformers engine needs (the encoder for encode, the LM for prefill / decode, both with no
+stages named); :func:`load_parts` loads those with the other part's modules replaced by empty
+ones before any weight is read (neither read nor allocated); :func:`weight_bytes` counts what is
+held; :func:`checkpoint_dtype` is what the ``dtype`` setting ``auto`` loads.
 
-Every family served here is a transformers ``*ForConditionalGeneration`` with the same shape:
-``model.language_model`` + ``lm_head`` (the LM) and, beside the LM under ``model``, the media
-encoder (Qwen's ``visual``; LLaVA's ``vision_tower`` + ``multi_modal_projector`` (+
-``vision_resampler``); Qwen2-Audio's ``audio_tower`` + projector).
-
-Contracts:
-- ``parts_for(stages, engine)``: what a worker's transformers engine needs — ``ENCODER`` for the
-  encode stage, ``LM`` for prefill / decode when the LM engine is transformers, both for a
-  worker with no stages named (an in-process server, a reference).
-- ``load_parts(model_cls, model_dir, placement, parts)``: ``from_pretrained`` of that class with
-  the modules of the other part replaced by empty ones before any weight is read: their tensors
-  are neither read from the safetensors nor allocated (transformers' own loader skips keys the
-  model does not have; the key renames it applies to older hub checkpoints still apply).
-- ``weight_bytes(model)``: bytes of the parameters and buffers held, by part.
-- ``checkpoint_dtype(model_dir)``: the dtype the checkpoint's weights are saved in (its
-  config's ``dtype``), what the ``dtype`` setting ``auto`` loads them as.
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations
@@ -35,6 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def parts_for(stages: tuple[str, ...], engine: str = "transformers") -> frozenset[str]:
+    """What a worker's transformers engine needs: ``ENCODER`` for the encode stage, ``LM`` for
+    prefill / decode when the LM engine is transformers, both for a worker with no stages named
+    (an in-process server, a reference)."""
     if not stages:
         return ALL_PARTS
     parts = set()
@@ -46,6 +40,7 @@ def parts_for(stages: tuple[str, ...], engine: str = "transformers") -> frozense
 
 
 def checkpoint_dtype(model_dir: str | Path) -> torch.dtype | None:
+    """The dtype the checkpoint's weights are saved in (its config's ``dtype``)."""
     from transformers import AutoConfig
 
     dtype = getattr(AutoConfig.from_pretrained(str(model_dir)), "dtype", None)
@@ -81,7 +76,9 @@ class _Absent(torch.nn.Module):
 
 
 def _partial_class(model_cls, parts: frozenset[str]):
-    """``model_cls`` whose instances hold only ``parts`` (see the module contract)."""
+    """``model_cls`` whose instances hold only ``parts``: the other part's modules are empty ones
+    (transformers' own loader skips keys the model does not have; the key renames it applies to
+    older hub checkpoints still apply)."""
 
     class Partial(model_cls):
         # nothing to tie the LM head to when the LM is not there

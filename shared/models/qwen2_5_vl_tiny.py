@@ -1,14 +1,11 @@
 """Tiny random-weight Qwen2.5-VL, built offline, as :mod:`shared.models.qwen2_vl_tiny` builds
-Qwen2-VL (same tokenizer, text model, image / video processors and weight recipe).
+Qwen2-VL (same tokenizer, text model, processors and weight recipe): ``build_tiny_qwen2_5_vl``,
+``ensure_tiny_qwen2_5_vl`` → ``cache_root/qwen2.5-vl-tiny-<hash>``. What differs, and is
+exercised here: the vision tower's window attention (``window_size`` 56 px = 2×2 merged tokens,
+so every test image spans several windows; block 0 windowed, block 1 full attention), RMSNorm +
+gated MLP in the tower, and video M-RoPE advancing by ``tokens_per_second · second_per_grid_t``.
 
-Contract: ``build_tiny_qwen2_5_vl(out_dir, seed=0)`` writes a directory that ``AutoProcessor``
-and ``Qwen2_5_VLForConditionalGeneration`` load under ``HF_HUB_OFFLINE=1``;
-``ensure_tiny_qwen2_5_vl(cache_root)`` builds once into ``cache_root/qwen2.5-vl-tiny-<hash>``.
-
-What differs from Qwen2-VL, and is exercised here: the vision tower's window attention
-(``window_size`` 56 px = 2×2 merged tokens per window, so every test image spans several
-windows; block 0 windowed, block 1 full attention), RMSNorm + gated MLP in the tower, and video
-M-RoPE whose temporal positions advance by ``tokens_per_second · second_per_grid_t``.
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

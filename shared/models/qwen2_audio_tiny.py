@@ -1,24 +1,11 @@
-"""Tiny random-weight Qwen2-Audio, built fully offline, for tests and local fleets.
+"""Tiny random-weight Qwen2-Audio, built fully offline, for tests and local fleets. Contract as
+:mod:`shared.models.qwen2_vl_tiny`: ``build_tiny_qwen2_audio(out_dir, seed=0)`` writes a directory
+that ``AutoProcessor`` and ``Qwen2AudioForConditionalGeneration`` load under ``HF_HUB_OFFLINE=1``;
+``ensure_tiny_qwen2_audio(cache_root)`` builds once into ``cache_root/qwen2-audio-tiny-<recipe
+hash>``. Weights are seeded and fan-in scaled (``_init_weights``) like the Qwen2-VL build's, so
+the output depends on the audio with usable argmax margins.
 
-Contract (as :mod:`shared.models.qwen2_vl_tiny`): ``build_tiny_qwen2_audio(out_dir, seed=0)``
-writes a directory that ``AutoProcessor`` and ``Qwen2AudioForConditionalGeneration`` load under
-``HF_HUB_OFFLINE=1``; ``ensure_tiny_qwen2_audio(cache_root)`` builds once into
-``cache_root/qwen2-audio-tiny-<recipe hash>`` (temp dir + atomic rename) and returns it.
-
-Model facts:
-- Tokenizer: the project's byte-level BPE (``tokenizer_build``) plus ``<|AUDIO|>``,
-  ``<|audio_bos|>``, ``<|audio_eos|>`` registered as special tokens; their ids are read back
-  from the tokenizer and written into the config (``audio_token_id``). Chat template: Qwen
-  style, an audio part renders ``<|audio_bos|><|AUDIO|><|audio_eos|>`` (one placeholder that
-  prefill expands to the clip's token count).
-- Feature extractor: Whisper, 128 mel bins at 16 kHz; the processor pads every clip to 30 s
-  (3000 frames), so ``input_features`` is always ``[128, 3000]``; a clip of ``L`` valid frames
-  gives ``((L - 1) // 2 + 1 - 2) // 2 + 1`` LM tokens.
-- Audio encoder: 2 layers, d_model 64, 2 heads; projector into the LM's 128 hidden size. Text
-  model as the Qwen2-VL tiny build (hidden 128, 2 layers, 4 heads × 32, 2 KV heads), plain
-  RoPE positions (no M-RoPE: ``rope_delta`` is always 0).
-- Weights: one seeded generator, fan-in scaling (see ``_init_weights``), not transformers'
-  init, so the output depends on the audio with usable argmax margins.
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations
@@ -68,6 +55,18 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_tiny_qwen2_audio(out_dir: Path, *, seed: int = 0) -> Path:
+    """Build tokenizer, processor and random model into ``out_dir``; return it. Model facts:
+
+    - Tokenizer: the project's byte-level BPE (``tokenizer_build``) plus ``<|AUDIO|>``,
+      ``<|audio_bos|>``, ``<|audio_eos|>`` as special tokens, their ids read back into the config
+      (``audio_token_id``); an audio part renders ``<|audio_bos|><|AUDIO|><|audio_eos|>`` (one
+      placeholder that prefill expands to the clip's token count).
+    - Feature extractor: Whisper, 128 mel bins at 16 kHz; every clip padded to 30 s, so
+      ``input_features`` is always ``[128, 3000]``; ``L`` valid frames give
+      ``((L - 1) // 2 + 1 - 2) // 2 + 1`` LM tokens.
+    - Audio encoder: 2 layers, d_model 64, 2 heads; projector into the LM's 128 hidden size. Text
+      model as the Qwen2-VL tiny build (hidden 128, 2 layers, 4 heads × 32, 2 KV heads), plain
+      RoPE positions (``rope_delta`` is always 0)."""
     from transformers import (
         GenerationConfig,
         Qwen2AudioConfig,

@@ -1,38 +1,12 @@
-"""Random-weight Qwen2-VL models, built fully offline: the tiny one for tests and local
-fleets, the "bench" one for benchmarks (a 2B-class VLM's compute proportions).
+"""Random-weight Qwen2-VL models, built fully offline: the tiny one for tests and local fleets,
+the "bench" one for benchmarks (a 2B-class VLM's compute proportions). ``build_tiny_qwen2_vl``
+writes a directory that ``AutoProcessor`` and ``Qwen2VLForConditionalGeneration`` load under
+``HF_HUB_OFFLINE=1`` (same seed and library versions → identical files); ``ensure_tiny_qwen2_vl``
+builds once into ``cache_root/qwen2-vl-<size>-<recipe hash>`` (this module's and the tokenizer's
+source, seed, size, library versions). Weights are seeded and fan-in scaled, not transformers'
+init (:func:`_init_weights`), so greedy output depends on the image with usable argmax margins.
 
-Contract:
-- ``build_tiny_qwen2_vl(out_dir, seed=0, size=TINY)`` writes a model directory that loads with
-  ``AutoProcessor.from_pretrained(out_dir)`` and
-  ``Qwen2VLForConditionalGeneration.from_pretrained(out_dir)`` under
-  ``HF_HUB_OFFLINE=1``.  Same seed and same library versions → identical files.
-- ``ensure_tiny_qwen2_vl(cache_root, size=TINY)`` builds once into
-  ``cache_root/qwen2-vl-<size.name>-<recipe hash>`` (build in a temp dir, then an atomic
-  rename; a process that loses the race discards its copy) and returns the path.
-  The hash covers this module's and the tokenizer module's source, the seed, the size and
-  the torch/transformers/tokenizers versions, so any recipe change lands in a new dir.
-
-Model facts (what other code may rely on):
-- Special-token ids are read back from the trained tokenizer and written into the
-  config (``image_token_id``, ``video_token_id``, ``vision_start_token_id``,
-  ``vision_end_token_id``, bos/eos/pad); eos = ``<|im_end|>``; the generation config
-  lists ``[<|im_end|>, <|endoftext|>]`` as eos and is greedy by default.
-- ``TINY`` text model: hidden 128, 2 layers, 4 heads × head_dim 32, 2 KV heads,
-  mrope_section [4, 6, 6] (sums to head_dim / 2), vocab = len(tokenizer); vision tower:
-  depth 2, embed_dim 64, 2 heads, patch 14, spatial merge 2, temporal patch 2; merger
-  output = text hidden size.  ``BENCH`` (``demo_model=qwen2-vl:bench``): see ``BENCH``
-  below and the README's measured split; every other fact here holds for both.
-- Image processor: ``Qwen2VLImageProcessor`` — the torchvision backend, which is
-  what ``AutoProcessor`` resolves to in the fleet's environment (torchvision 0.28
-  present).  The fleet and its references must use this ONE backend: PIL and
-  torchvision resize slightly differently.  ``size`` holds pixel counts:
-  shortest_edge = min_pixels = min_tokens·28², longest_edge = max_pixels =
-  max_tokens·28², so every image becomes min_tokens..max_tokens image tokens after the
-  2×2 merge (TINY: 4..64; BENCH: 4..1024, a 448² image is 256 as in Qwen2-VL-2B).
-- Weights are NOT the transformers default init.  Every parameter is drawn from
-  one seeded ``torch.Generator`` in sorted-name order with fan-in scaling (see
-  ``_init_weights``), independent of transformers' init code, so greedy output
-  depends on the image AND argmax decisions have a usable margin.
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations
@@ -81,8 +55,8 @@ class Qwen2VLSize:
 TINY = Qwen2VLSize("tiny", text_hidden=128, text_layers=2, text_heads=4, text_kv_heads=2, text_intermediate=256,
                    mrope_section=(4, 6, 6), vision_depth=2, vision_embed=64, vision_heads=2, vision_mlp_ratio=2,
                    min_tokens=4, max_tokens=64, max_positions=4096)
-# Chosen by measurement on the 2-core dev machine, 1 torch thread (see the README's "bench
-# model" section and ``python -m loadtest split``): one 448² image + 32 words spends ~60-65 %
+# Chosen by measurement on a 2-core machine, 1 torch thread (``python -m loadtest split``; the
+# bench model's page in docs/benchmarks/): one 448² image + 32 words spends ~60-65 %
 # of in-process TTFT in the vision tower (Qwen2-VL-2B: ~60 % by FLOPs), a 2k-token multi-turn
 # prompt is prefill-bound, head_dim 64 as vLLM's CPU kernels want, GQA 2:1, MLP ratio 3 / 4.
 BENCH = Qwen2VLSize("bench", text_hidden=256, text_layers=4, text_heads=4, text_kv_heads=2, text_intermediate=768,
@@ -215,7 +189,16 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
 def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, size: Qwen2VLSize = TINY) -> Path:
     """Build tokenizer, processor and random model into ``out_dir``; return it.
 
-    ``out_dir`` is created if missing; existing files of the same name are overwritten.
+    ``out_dir`` is created if missing; existing files of the same name are overwritten. Model
+    facts other code may rely on: special-token ids are read back from the trained tokenizer and
+    written into the config (``image_token_id``, ``video_token_id``, ``vision_start_token_id``,
+    ``vision_end_token_id``, bos/eos/pad); eos = ``<|im_end|>``; the generation config lists
+    ``[<|im_end|>, <|endoftext|>]`` as eos and is greedy. The image processor is
+    ``Qwen2VLImageProcessor`` with the torchvision backend, what ``AutoProcessor`` resolves to in
+    the fleet's environment: the fleet and its references must use this ONE backend (PIL and
+    torchvision resize slightly differently). Its ``size`` holds pixel counts (min_tokens·28² ..
+    max_tokens·28²), so every image becomes ``min_tokens..max_tokens`` image tokens after the 2×2
+    merge (TINY: 4..64; BENCH: 4..1024, a 448² image is 256 as in Qwen2-VL-2B).
     """
     from transformers import (
         GenerationConfig,

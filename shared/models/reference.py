@@ -1,9 +1,10 @@
 """One-process transformers reference: what a plain transformers user would run.
 
-This is the correctness anchor for every split mode: for greedy decoding
-the fleet must produce exactly these tokens.  Kept deliberately naive — processor on
-the chat-template text, then ``model.generate`` — so it shares no code with the
-split compute path it checks.
+This is the correctness anchor for every split mode: for greedy decoding the fleet must produce
+exactly these tokens. Kept deliberately naive (processor on the chat-template text, then
+``model.generate``) so it shares no code with the split compute path it checks.
+
+Design: docs/guide/modes-and-engines.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ token its chat template emits once per item, expanded by prefill to the item's t
 and which of them each engine can serve (``ENGINE_SUPPORT``). The gateway refuses a request
 whose modality the served model does not take (400); a worker refuses at start-up an engine
 that cannot serve the family at all.
+
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Offline byte-level BPE tokenizer and chat template for tiny Qwen2-VL test models.
+``build_qwen2_tokenizer(seed, vocab_size)`` trains a byte-level BPE with ``tokenizers`` on a
+corpus generated in code (deterministic for a seed) and returns a ``Qwen2Tokenizer`` whose
+pre-tokenizer, normaliser and decoder are exactly the ones it rebuilds from ``vocab`` /
+``merges`` when loaded again, so a saved and reloaded tokenizer encodes identically. Qwen2-VL's
+special tokens (``SPECIAL_TOKENS``) are registered as special; callers read their ids back
+from the tokenizer. ``CHAT_TEMPLATE`` renders Qwen2-VL prompts without a default system prompt.
 
-Contract:
-- ``build_qwen2_tokenizer(seed, vocab_size)`` trains a byte-level BPE with the
-  ``tokenizers`` library on a corpus generated in code (deterministic for a given
-  seed) and returns a ``transformers`` ``Qwen2Tokenizer`` (the tokenizers-backed
-  class that ``AutoTokenizer`` picks for ``qwen2_vl``).
-- The pre-tokenizer, normaliser and decoder are exactly the ones ``Qwen2Tokenizer``
-  rebuilds from ``vocab``/``merges`` when it is loaded again, so a saved and
-  reloaded tokenizer encodes identically to the freshly trained one.
-- Qwen2-VL's special tokens (``SPECIAL_TOKENS``) are registered as special added
-  tokens; callers must read their ids back from the tokenizer (never assume them).
-- ``CHAT_TEMPLATE`` renders Qwen2-VL style prompts without a default system prompt.
+Design: docs/guide/models.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Tensor transfer between processes over NIXL (UCX, DRAM): one agent and one registered,
-leased pool per process. Messages carry :class:`~shared.protocol.AgentRef` /
-:class:`~shared.protocol.TensorRef`; tensors never ride in messages.
+"""Tensor transfer between processes over NIXL: one agent and one registered, leased pool per
+process; messages carry :class:`~shared.protocol.AgentRef` / :class:`~shared.protocol.TensorRef`,
+never tensors. Owner: ``ref = xa.put(t)``, publish ``(xa.ref(), ref)``; consumer:
+``t = await xa.get(owner_ref, ref)``, then ``await xa.release(owner_ref, [ref.lease])`` once its
+output is durable.
 
-Typical use::
-
-    async with TransferAgent(f"encode-{host}-{pid}-{rand}", 256 << 20) as xa:
-        ref = xa.put(embeds)                 # owner: lease a slot, publish (xa.ref(), ref)
-        t = await xa.get(owner_ref, ref)     # consumer: pull into a new tensor
-        await xa.release(owner_ref, [ref.lease])   # once the consumer's output is durable
+Design: docs/design/transfer.md.
 """
 
 from shared.transfer.agent import (

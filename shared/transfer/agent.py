@@ -1,39 +1,11 @@
-"""One NIXL agent per process: a leased tensor pool that peers READ from.
+"""One NIXL agent per process (:class:`TransferAgent`): a leased tensor pool that peers READ from.
+``put`` copies a tensor into a leased slot of the pool and returns a :class:`TensorRef`; ``get``
+pulls a peer's slot into a new tensor the caller owns (one-sided READ, or a faster same-host path,
+:mod:`shared.transfer.paths`); a consumer's ``release``, or the lease's TTL, frees the slot. Any
+failure to pull raises :class:`OwnerGoneError`: "recompute from the source". Not thread-safe:
+every method runs on the event loop thread that called ``start``.
 
-Contracts:
-- The agent owns ONE page-aligned uint8 pool of ``pool_bytes``, registered with NIXL (DRAM,
-  UCX) exactly once. ``put`` copies a CPU tensor into a slot and leases it; the returned
-  :class:`TensorRef` names the raw ``(addr, nbytes, device_id)`` descriptor plus the lease.
-  A lease ends when a consumer releases it (NIXL notification ``b"rel:<id>,<id>..."``), on
-  ``free_local``, or when ``lease_ttl_ms`` passes. Release of an unknown lease is ignored.
-- Pins (for caches): ``pin(ref)`` holds a slot without a TTL until ``unpin(ref)``; ``share``
-  gives another consumer its own lease on a held slot. A slot is freed only when its last
-  holder (lease or pin) goes (:class:`~shared.transfer.leases.SlotHolders`), so a consumer's
-  release never frees a cached slot and eviction never frees a slot a consumer still leases.
-  A ref with ``lease == 0`` names a pinned slot without holding it: a local ``get`` of it
-  checks the pin; a remote reader must validate it some other way (the embedding index).
-- ``get`` pulls a peer's slot into a private staging slot of this pool (one-sided READ), then
-  copies it into a NEW tensor the caller owns. Exception: a CPU tensor put with
-  ``keep_source=True`` (nobody writes it again) is handed as it is to this process's own
-  ``get`` of that slot, no copy, while the slot is held.
-- GPUs (:class:`~shared.transfer.paths.DevicePaths`): the pool is pinned host memory; ``put``
-  of a CUDA tensor starts its device→pinned copy without waiting (consumers wait on the slot's
-  staging word, :mod:`shared.transfer.staging`) and, with ``cuda_ipc``, copies it into the
-  GPU pool that same-GPU consumers open. A GPU consumer on the same host copies from its
-  mapping of the pinned pool; any other pulls over NIXL DRAM. A ref marked ``on_device``
-  arrives on the consumer's GPU, or in host memory where it has none; a leased one taken by
-  CUDA IPC or from a mapped pool may still be copying (ordered on the caller's stream), and
-  ``release`` waits for that copy before the slot goes back.
-- Any failure to pull (peer SIGKILLed, unreachable, timeout, NIXL error state) raises
-  :class:`OwnerGoneError`: "recompute from the source". A READ of an expired CPU lease is NOT
-  detectable by the puller (one-sided), so TTLs must exceed the worst consumer delay.
-- Not thread-safe: every method runs on the event loop thread that called ``start``. NIXL's
-  own progress thread (``progress_wake_ms`` > 0) sleeps on UCX's event fd and serves peers'
-  READs (:mod:`shared.transfer.nixl_thread`); the ``start``-ed progress task handles
-  notifications and lease expiry. With ``progress_wake_ms = 0`` there is no thread and that
-  task must also drive NIXL for peers' READs of this pool to complete.
-- Blocking calls: ``add_remote_agent`` (first contact with a peer) connects eagerly, ~10 ms;
-  a loopback DRAM READ copies inside ``transfer()`` (UCX cma), ~0.1 ms per MiB.
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations
@@ -75,7 +47,31 @@ def _slot_bytes(src: torch.Tensor) -> int:
 
 
 class TransferAgent:
-    """The process's NIXL agent plus its registered tensor pool (see module contracts)."""
+    """The process's NIXL agent plus its registered tensor pool.
+
+    - ONE page-aligned uint8 pool of ``pool_bytes``, registered with NIXL (DRAM, UCX) once. A
+      ref names the raw ``(addr, nbytes, device_id)`` descriptor plus the lease. A lease ends when
+      a consumer releases it (NIXL notification ``b"rel:<id>,<id>..."``), on ``free_local``, or
+      when ``lease_ttl_ms`` passes; release of an unknown lease is ignored. A READ of an expired
+      CPU lease is NOT detectable by the puller (one-sided), so TTLs must exceed the worst
+      consumer delay.
+    - Pins (for caches): ``pin(ref)`` holds a slot without a TTL until ``unpin(ref)``; ``share``
+      gives another consumer its own lease on a held slot. A slot is freed only when its last
+      holder goes (:class:`~shared.transfer.leases.SlotHolders`). A ref with ``lease == 0`` names
+      a pinned slot without holding it: a remote reader must validate it some other way (the
+      embedding index).
+    - ``get`` READs into a private staging slot, then copies into a NEW tensor; a CPU tensor put
+      with ``keep_source=True`` is handed as it is to this process's own ``get`` of that slot.
+    - GPUs (:class:`~shared.transfer.paths.DevicePaths`): the pool is pinned host memory; ``put``
+      of a CUDA tensor starts its device→pinned copy without waiting (consumers wait on the slot's
+      staging word, :mod:`shared.transfer.staging`) and, with ``cuda_ipc``, copies it into the GPU
+      pool that same-GPU consumers open. A ref marked ``on_device`` arrives on the consumer's GPU
+      (in host memory where it has none); ``release`` waits for a copy still in flight.
+    - NIXL's own progress thread (``progress_wake_ms`` > 0) sleeps on UCX's event fd and serves
+      peers' READs (:mod:`shared.transfer.nixl_thread`); the ``start``-ed progress task handles
+      notifications and lease expiry (and, with no thread, must also drive NIXL).
+    - Blocking calls: first contact with a peer connects eagerly (~10 ms); a loopback DRAM READ
+      copies inside ``transfer()`` (UCX cma), ~0.1 ms per MiB."""
 
     def __init__(
         self, name: str, pool_bytes: int, *, lease_ttl_ms: int = 60_000,

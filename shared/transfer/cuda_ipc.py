@@ -1,19 +1,11 @@
 """CUDA IPC between processes of one host: a GPU agent's GPU pool (the device twin of its pinned
-pool, same slot offsets) exported once as the raw fields of torch's
+pool, same slot offsets) exported once (:func:`export`) as the raw fields of torch's
 ``UntypedStorage._share_cuda_()`` in a msgspec :class:`~shared.protocol.CudaIpcHandle` (no
-pickle); each ref names its slot by ``slot_offset``. A consumer opens a peer's pool once
-(``UntypedStorage._new_shared_cuda``, ~0.3 ms) and keeps it open, so a pull is one device copy.
+pickle); each ref names its slot by ``slot_offset``. A consumer opens a peer's pool once (~0.3 ms)
+and keeps it open (:class:`IpcPeers`, LRU-bounded), so a pull is one device copy. Any CUDA
+failure raises :class:`IpcError` and callers fall back to the host paths.
 
-Contracts:
-- ``export(t)`` needs ``t`` to own its whole storage (a fresh ``empty``); the exporter keeps it
-  for its life (the transfer agent's GPU pool).
-- ``can_open(h)`` is True only on the exporter's host with the exporter's GPU visible here.
-- ``IpcPeers(max_open).copy(owner, h, nbytes, ...)`` copies the slot into a NEW tensor on this
-  process's copy of that GPU (synchronous unless told not to: then the caller keeps the slot's lease
-  until the copy is done). At most
-  ``max_open`` pools stay open (least recently used is closed first). Any CUDA failure raises
-  ``IpcError``; callers fall back to the host paths. The slot's bytes must be complete: the
-  caller checks the owner's staging word first (:mod:`shared.transfer.staging`).
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations
@@ -33,6 +25,8 @@ class IpcError(Exception):
 
 
 def export(t: torch.Tensor) -> CudaIpcHandle:
+    """``t`` must own its whole storage (a fresh ``empty``); the exporter keeps it for its life
+    (the transfer agent's GPU pool)."""
     if t.device.type != "cuda" or t.storage_offset() != 0 or not t.is_contiguous():
         raise ValueError("export needs a contiguous CUDA tensor that starts its storage")
     storage = t.untyped_storage()
@@ -44,6 +38,7 @@ def export(t: torch.Tensor) -> CudaIpcHandle:
 
 
 def can_open(h: CudaIpcHandle) -> bool:
+    """True only on the exporter's host with the exporter's GPU visible here."""
     return h.host == host_id() and local_index(h.device_uuid) is not None
 
 
@@ -58,7 +53,8 @@ class IpcPeers:
              device: torch.device | None = None, sync: bool = True) -> torch.Tensor:
         """A new tensor with the slot's bytes, on ``device`` (default: the exporter's GPU here).
         ``sync=False``: return with the copy queued on the current stream (the caller must not
-        let the slot go before it is done)."""
+        let the slot go before it is done). The slot's bytes must be complete: the caller checks
+        the owner's staging word first (:mod:`shared.transfer.staging`)."""
         index = local_index(h.device_uuid)
         if h.host != host_id() or index is None:
             raise IpcError(f"handle of {h.host} GPU {h.device_uuid} cannot be opened here")

@@ -1,22 +1,12 @@
-"""Host pools that processes of one host share: the fast lane between them.
+"""Host pools that processes of one host share: the fast lane between them. An agent's pool is a
+memfd mapping registered with NIXL as DRAM (page-locked too on a GPU agent); its refs name the
+memfd as ``/proc/<pid>/fd/<fd>`` plus the slot's offset (:class:`~shared.protocol.HostShm`). A
+consumer on the same host maps that file once (:class:`PeerPools`) and copies slot → its own
+tensor: one copy instead of a NIXL DRAM READ. Consumers on another host take the NIXL path, as
+does any whose open or mapping fails or whose owner has exited. A consumer reads a slot only
+while it holds the lease that names it.
 
-An agent's pool is a memfd mapping registered with NIXL as DRAM like any pool; on a GPU agent
-it is also page-locked with ``cudaHostRegister`` (device copies into it run at pinned speed).
-Its refs name the memfd as ``/proc/<pid>/fd/<fd>`` plus the slot's offset
-(:class:`~shared.protocol.HostShm`). A consumer on the same host maps that file once, then
-copies slot→its own tensor directly: one copy instead of a NIXL DRAM READ (UCX's CMA, plus a
-copy out of the consumer's staging slot and the polling that waits for it). A GPU consumer
-page-locks its mapping and copies to its device. Consumers on another host take the NIXL path;
-so does any consumer whose open or mapping fails, or whose owner has exited (its fd is gone).
-
-Contracts: ``SharedPool(nbytes, pinned)`` owns the memfd, the mapping and the registration
-until ``close``. ``PeerPools(max_peers)`` keeps at most ``max_peers`` mappings (least recently
-used is unmapped first), each page-locked only once a copy to a GPU reads it (locking a CPU
-owner's whole pool for host copies would commit all of its memory); ``copy_to(...)`` returns a
-new tensor on the device asked for
-(following a GPU owner's staging copy chunk by chunk) or raises ``OSError`` / ``RuntimeError``
-(callers fall back). Slot lifetimes are the leases' business, as with NIXL: a consumer reads a
-slot only while it holds the lease that names it.
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations
@@ -72,7 +62,8 @@ class _Mapping:
 
 
 class SharedPool:
-    """The owner's pool: ``tensor`` (uint8; page-locked if ``pinned``) and ``ref(offset)`` for its slots."""
+    """The owner's pool: ``tensor`` (uint8; page-locked if ``pinned``) and ``ref(offset)`` for its
+    slots. Owns the memfd, the mapping and the registration until ``close``."""
 
     def __init__(self, nbytes: int, pinned: bool = True) -> None:
         fd = os.memfd_create("mmfleet-pool", os.MFD_CLOEXEC)
@@ -91,7 +82,10 @@ class SharedPool:
 
 
 class PeerPools:
-    """A consumer's mappings of other processes' pools, LRU-bounded."""
+    """A consumer's mappings of other processes' pools, at most ``max_peers`` (least recently used
+    unmapped first). A mapping is page-locked only once a copy to a GPU reads it (locking a CPU
+    owner's whole pool for host copies would commit all of its memory). ``copy_to`` raises
+    ``OSError`` / ``RuntimeError`` when it cannot (callers fall back)."""
 
     def __init__(self, max_peers: int = 16) -> None:
         self._max = max_peers

@@ -1,16 +1,11 @@
-"""Who holds a slot of the registered pool: leases (with a TTL) and pins (without).
+"""Who holds a slot of the registered pool (:class:`SlotHolders`): leases (numbered, each ending
+on release or after ``ttl_s``) and at most one pin (held by a cache until it unpins). A slot
+stays allocated while it has a holder; only when the last goes is its offset handed back to free
+(each mutating call returns the offsets that became free). So a consumer's release never ends a
+cache's pin, and an evicted slot stays intact until every lease on it has ended. Lease ids are
+unique and never 0 (0 means "no lease" in a ``TensorRef``). Pure Python, not thread-safe.
 
-Contracts:
-- A slot (a pool offset) stays allocated while it has at least one holder. Holders are
-  leases (numbered, each ends on release or when ``ttl_s`` passes) and at most one pin (held
-  by a cache until it unpins). Only when the last holder goes is the offset handed back to
-  the caller to free (each mutating call returns the offsets that became free).
-- So a cached tensor can be read by many consumers at once: each gets its own lease on the
-  pinned slot, and a consumer's release ends only its lease, never the cache's pin; and an
-  evicted (unpinned) slot stays intact until every outstanding lease on it has ended.
-- Lease ids are unique for the table's lifetime and never 0 (0 means "no lease" in a
-  ``TensorRef``). Ending an unknown lease is a no-op that reports False.
-- Pure Python, no NIXL, not thread-safe (the agent calls it from its event loop).
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations

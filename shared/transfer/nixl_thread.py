@@ -1,13 +1,12 @@
 """A NIXL agent whose UCX progress thread sleeps on UCX's event fd instead of spinning.
+nixl's Python wrapper creates every agent with ``pthrDelay = 0``, which its UCX backend turns into
+the progress thread's ``poll()`` timeout: the thread never sleeps and keeps a core busy. Given
+``wake_ms`` > 0 the thread sleeps in ``poll()`` until UCX has work or ``wake_ms`` passes, so a
+peer's READ is served at once without Python polling. The wrapper has no parameter for it, so
+its constructor is wrapped for one call; if its shape changes, the agent runs without the thread
+(Python polling drives progress) and a warning says so.
 
-nixl's Python wrapper creates every agent with ``pthrDelay = 0``, and its UCX backend turns that
-delay into the progress thread's ``poll()`` timeout (rounded up to whole ms): 0 means the thread
-never sleeps, the busy core DESIGN.md measured. Given ``wake_ms`` > 0 the thread arms the
-worker's event fd and sleeps in ``poll()`` until UCX has work or ``wake_ms`` passes, so a peer's
-READ of this agent's memory is served at once without anything polling from Python. The
-wrapper has no parameter for the delay, so the binding's agent constructor is wrapped for the
-one call that creates the agent; if the wrapper's shape ever changes, the agent is created
-without the thread (the caller's Python polling then drives progress) and a warning says so.
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations

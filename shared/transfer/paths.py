@@ -1,21 +1,12 @@
-"""Which ways a tensor can take between processes on this host, and the memory the agent's
-pool is made of.
+"""Which ways a tensor can take between processes on this host (:class:`DevicePaths`), and the
+memory the agent's pool is made of. Fastest first where the host offers them: ``cuda-ipc`` (same
+host and GPU: device→device), ``shm-staging`` (device→pinned memfd pool→device, the consumer
+following the owner's chunks), ``host-shm`` (a CPU tensor: one copy out of the owner's mapped
+pool), ``staging`` (device→pinned pool→NIXL DRAM READ→device: always works, across hosts too).
+``nixl-vram`` (UCX reading GPU memory) is measured by the doctor but not used: without a GPU
+transport UCX emulates it over TCP loopback, ~100× slower than staging.
 
-The paths, fastest first where the host offers them:
-- ``cuda-ipc``: a consumer on the same host and GPU opens the owner's GPU copy (device→device).
-- ``nixl-vram``: NIXL/UCX reading GPU memory directly. Only worth it where UCX has a GPU
-  transport (cuda_ipc, RDMA/GDR); on a host without one UCX emulates it over TCP loopback,
-  ~100× slower than staging (the README, "GPUs"). The agent does not register VRAM: the
-  doctor measures this path so an operator sees what the host offers, and staging stays the
-  cross-process path until a host shows a GPU transport faster than it.
-- ``shm-staging``: device→pinned pool→device, the pool a memfd a GPU consumer on the same host
-  maps (:mod:`shared.transfer.host_shm`): one pinned copy each side, no NIXL hop; the owner's
-  copy runs in chunks behind ``put`` and the consumer's follows it chunk by chunk
-  (:mod:`shared.transfer.staging`).
-- ``host-shm``: a CPU tensor between processes of one host: the owner's pool is a memfd the
-  consumer maps, one copy slot→its tensor, no NIXL hop (``shared_pool``, on by default).
-- ``staging``: device→pinned host pool→NIXL DRAM READ→pinned pool→device; always works, also
-  across hosts (CPU tensors: a NIXL DRAM READ, then a copy out of the staging slot).
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
-"""The agent's side of talking to peers over NIXL: their metadata, and one polled READ.
+"""The agent's side of talking to peers over NIXL (:class:`Peers`): their metadata, and one
+polled READ. ``ensure`` loads a peer's metadata once (NIXL connects eagerly, ~10 ms) and checks
+it names that peer; ``forget`` drops it so a later pull reconnects. ``await_staged`` READs a GPU
+owner's staging word until the slot's bytes are there. ``read`` is one one-sided READ polled from
+the event loop; any failure raises :class:`OwnerGoneError`, and a READ NIXL cannot cancel calls
+``on_stuck``: the local bytes may still be written and must never be reused.
 
-Contracts:
-- ``ensure`` loads a peer's metadata once (NIXL connects eagerly, ~10 ms) and checks the
-  metadata really names that peer; ``forget`` drops it so a later pull reconnects instead of
-  reusing a dead endpoint.
-- ``await_staged`` READs a GPU owner's staging word until the slot's bytes are all there.
-- ``read`` is one one-sided READ of a peer's descriptor into a local address, polled from the
-  event loop (warm pulls finish in microseconds: yield only at first, then timed sleeps).
-  Any failure (peer gone, timeout, error state) raises :class:`OwnerGoneError`. If NIXL
-  cannot cancel a failed READ, ``on_stuck`` is called: the local bytes may still be written
-  and must never be reused.
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations

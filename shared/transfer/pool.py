@@ -1,16 +1,11 @@
-"""Offset allocator for one contiguous, pre-registered memory region.
+"""Offset allocator for one contiguous, pre-registered memory region (:class:`SlotAllocator`):
+byte offsets into ``capacity_bytes``, never touching memory (pure Python, testable without NIXL).
+Offsets and slot sizes are multiples of ``align_bytes`` (a 0-byte request still takes one unit);
+first-fit over a free list sorted by offset, coalescing on free, so ``used_bytes + free_bytes ==
+capacity_bytes``. Freeing an offset not allocated raises ``KeyError``: accepting it would hide a
+lease-accounting bug that later hands the same bytes to two tensors. Not thread-safe.
 
-Contracts:
-- :class:`SlotAllocator` hands out byte offsets into a region of ``capacity_bytes``; it never
-  touches memory, so it is pure Python and unit-testable without NIXL.
-- Every offset returned is a multiple of ``align_bytes`` and every slot occupies a multiple
-  of ``align_bytes`` (a 0-byte request still takes one aligned unit, so offsets stay unique).
-- Placement is first-fit over a free list kept sorted by offset; freeing coalesces with both
-  neighbours, so ``used_bytes + free_bytes == capacity_bytes`` always holds.
-- ``free`` of an offset that is not currently allocated (double free, never allocated)
-  raises ``KeyError``: silently accepting it would hide a lease-accounting bug that later
-  hands the same bytes to two tensors.
-- Not thread-safe; callers serialise access (the transfer agent uses it from one event loop).
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """A bandwidth probe of every transfer path this host offers, between two real processes
-(``mmfleet doctor``; ``make gpu-check`` prints it too).
+(``mmfleet doctor``; ``make gpu-check`` prints it too). The prober starts a peer (``python -m
+shared.transfer.probe --peer``) owning a :class:`~shared.transfer.TransferAgent` on the same
+device that ``put``s one seeded random tensor per size; the prober times the median of
+``repeats`` pulls of each path (:func:`probe`) and checks every byte. Frames between the two are
+length-prefixed msgpack on the peer's stdin / stdout.
 
-The probing process starts a peer (``python -m shared.transfer.probe --peer``) that owns a
-:class:`~shared.transfer.TransferAgent` on the same device and ``put``s one random tensor per
-size (seeded, so the prober regenerates the expected bytes on its own device). The prober then
-times, per size, the median of ``repeats`` pulls of each path and checks every byte:
-- ``pinned copy H2D`` / ``D2H``: the reference, torch copies between pinned host memory and
-  the GPU in one process;
-- ``staging get``: the agent's NIXL DRAM READ of the peer's pinned slot + pinned→device copy;
-- ``shm-staging get``: the agent copying from its mapping of the peer's pinned pool to its GPU
-  (same host);
-- ``staging end-to-end`` / ``shm-staging end-to-end``: a fresh ``put`` at the peer pulled at
-  once, timed from the peer's ``put`` call (the clock is the host's, shared by both) to the
-  bytes on this GPU, so the owner's device→pinned copy is in it, overlapping the pull;
-- ``... stream``: the same as throughput, 512 MiB of fresh puts pulled as each ref arrives
-  (bandwidth with one transfer's fixed costs overlapping the others' copies);
-- ``cuda-ipc get``: the agent opening the peer's IPC handle, device→device;
-- ``nixl-vram``: a raw NIXL READ of GPU memory the peer registered as VRAM (what UCX offers).
-On a CPU-only host ``staging get`` (a NIXL READ, host pool to host pool) and ``host-shm get``
-(a copy out of this process's mapping of the peer's pool) are measured. Frames between
-the two processes are msgpack (msgspec), length-prefixed, on the peer's stdin/stdout.
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations
@@ -182,7 +168,21 @@ async def read_frame(stream: asyncio.StreamReader, type_, timeout_s: float):
 # ---------------------------------------------------------------- the prober
 
 async def probe(device: str = "cpu", sizes_mib: tuple[int, ...] = (1, 16, 256), repeats: int = 5) -> list[Row]:
-    """Rows of (path, size, GB/s, ok) for every path this host offers (see module doc)."""
+    """Rows of (path, size, GB/s, ok) for every path this host offers:
+
+    - ``pinned copy H2D`` / ``D2H``: the reference, torch copies between pinned host memory and
+      the GPU in one process;
+    - ``staging get``: the agent's NIXL DRAM READ of the peer's pinned slot + pinned→device copy;
+    - ``shm-staging get``: the agent copying from its mapping of the peer's pinned pool to its GPU;
+    - ``staging end-to-end`` / ``shm-staging end-to-end``: a fresh ``put`` at the peer pulled at
+      once, timed from the peer's ``put`` call (the host's clock, shared by both) to the bytes on
+      this GPU, so the owner's device→pinned copy is in it, overlapping the pull;
+    - ``... stream``: the same as throughput, 512 MiB of fresh puts pulled as each ref arrives;
+    - ``cuda-ipc get``: the agent opening the peer's IPC handle, device→device;
+    - ``nixl-vram``: a raw NIXL READ of GPU memory the peer registered as VRAM.
+
+    On a CPU-only host: ``staging get`` (a NIXL READ, host pool to host pool) and ``host-shm get``
+    (a copy out of this process's mapping of the peer's pool)."""
     from shared.device import resolve_placement
     from shared.transfer.agent import TransferAgent
 

@@ -1,8 +1,10 @@
-"""Progress for a NIXL agent created without its progress thread (that thread busy-spins a
-core): an asyncio task calls ``poll`` (notifications, lease expiry) every ``fast_s`` while
-``busy()`` and every ``idle_s`` otherwise; :meth:`Progress.kick` cuts the current sleep short
-(a new lease, a transfer, a release to send). Also the release-notification format that
-travels between agents: ``b"rel:<id>,<id>,..."``, at most ``REL_CHUNK`` lease ids a message.
+"""Progress for a NIXL agent: an asyncio task calls ``poll`` (notifications, lease expiry, and
+NIXL's own progress where the agent runs without its progress thread) every ``fast_s`` while
+``busy()`` and every ``idle_s`` otherwise; :meth:`Progress.kick` cuts the current sleep short (a
+new lease, a transfer, a release to send). Also the release-notification format that travels
+between agents: ``b"rel:<id>,<id>,..."``, at most ``REL_CHUNK`` lease ids a message.
+
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ log = logging.getLogger(__name__)
 
 # How often to poll with nothing in flight (an agent with NIXL's progress thread: peers' releases,
 # slots freed a little later, and lease expiry). 20 cost each process ~50 polls a second, idle or
-# under load (README, second session of 2026-11-28).
+# under load.
 IDLE_POLL_MS = 100.0
 REL_PREFIX = b"rel:"
 REL_CHUNK = 512  # lease ids per notification, keeps each message small

@@ -1,19 +1,12 @@
-"""Asynchronous device→pinned staging of a GPU tensor, and the word that says how far it got.
+"""Asynchronous device→pinned staging of a GPU tensor (:class:`Stager`), and the word that says
+how far it got. A GPU owner's ``put`` queues its device→host copy in chunks on a copy stream of
+its own; the slot's *staging word* (16 bytes after the data) is ``(stamp, chunks done)``, written
+``(stamp, 0)`` by the host before the ref exists and then by the stream after each chunk, so a
+count of ``k`` proves those bytes are in host memory. A same-host GPU consumer copies each chunk
+as it lands; a NIXL consumer READs the data once every chunk is done. A word of another stamp
+means the slot was freed and reused. CPU tensors are copied synchronously (``stamp == 0``).
 
-A GPU owner's ``put`` does not wait for its device→host copy: :class:`Stager` queues it on a
-copy stream of its own in chunks. The slot's *staging word* (16 bytes after the slot's data,
-8-aligned) is ``(stamp, chunks done)``: the host writes ``(stamp, 0)`` before the ref exists,
-and after each chunk the same stream writes the count. The copy engine runs the stream in
-order, so a count of ``k`` proves those bytes are in host memory. Consumers read the word
-before the bytes:
-- a GPU consumer on the same host (shm-staging) polls it in its mapping and copies each chunk
-  to its device as soon as it lands, so the two copies overlap (the README's "GPUs" has the
-  figures);
-- a NIXL consumer READs the word first and the data only once every chunk is done.
-``stamp`` is unique per put of one agent and is written by the host before the ref exists, so
-a word of another stamp means the slot was freed and reused (the lease is gone).
-
-CPU tensors are copied synchronously and carry no stamp (``TensorRef.stamp == 0``).
+Design: docs/design/transfer.md.
 """
 
 from __future__ import annotations

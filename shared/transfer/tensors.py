@@ -1,5 +1,8 @@
 """What the transfer layer shares with its callers: the dtypes a pool can hold, the error
-vocabulary, and the checks that turn a tensor into pool bytes and a ``TensorRef`` back."""
+vocabulary, and the checks that turn a tensor into pool bytes and a ``TensorRef`` back.
+
+Design: docs/design/transfer.md.
+"""
 
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Chaos: the broker is killed (``kill -9``) mid-load and restarted by ``mmfleet up``.
 
-The embedded broker keeps records in memory only, so the restart loses every record in flight
-and every committed offset. The promise still holds because nothing depends on the broker's
-durability alone: the supervisor records the restart (a fresh broker-epoch token in Redis), the
-gateway re-drives each request it is still answering from its source under a fresh attempt,
-stages redo them (their ledger keys carry the attempt), and decode resumes from the Redis token
-log, so every stream shows each token once. Requests that arrive while the broker is down wait
-for it (``queue_retry_ms``) instead of failing.
-
-Then the broker is killed twice more with the fleet idle and a request arriving at once: CI
-once lost every later request there (an offset commit decided before the restart landed on the
-new broker, and records produced before its topics existed were hidden by it).
+The embedded broker keeps records and committed offsets in memory only, yet every stream shows
+each token once: the supervisor records the restart (a fresh broker-epoch token in Redis), the
+gateway re-drives each request it is still answering under a fresh attempt, stages redo it and
+decode resumes from the token log. Requests arriving while the broker is down wait for it
+(``queue_retry_ms``). Then the broker is killed twice more with the fleet idle and a request
+arriving at once: an offset commit decided before the restart must not land on the new broker,
+and records produced before its topics exist must not be hidden by it.
 """
 
 from __future__ import annotations

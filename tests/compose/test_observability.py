@@ -1,14 +1,12 @@
 """compose/observability.yml (Prometheus + Grafana), checked without a Docker engine.
 
 - The fleet's file includes it, and its services pass the fleet file's own service checks.
-- Prometheus discovers, through Docker DNS, exactly the services of docker-compose.yml that run
-  ``mmfleet worker`` / ``mmfleet gateway``, on the ports their effective settings serve /metrics.
-- Grafana's provisioning wires the datasource, the dashboard folder and the home dashboard to
-  what the compose file mounts.
-- Every dashboard query parses (``promql-parser``) and names only series the code exports: the
-  names come from the prometheus_client registry after importing every module of ``shared`` and
-  ``services`` that defines series, never from a hand list; and every series the ``/fleet``
-  snapshot reads has a panel. Mutation tests break a copy and expect the right complaint.
+- Prometheus discovers (Docker DNS) exactly the services running ``mmfleet worker`` / ``mmfleet
+  gateway``, on the ports their effective settings serve /metrics; Grafana's provisioning wires
+  the datasource, dashboard folder and home dashboard to what the compose file mounts.
+- Every dashboard query parses and names only series the code exports (from the
+  prometheus_client registry, never a hand list); every series ``/fleet`` reads has a panel.
+  Mutation tests break a copy and expect the right complaint.
 """
 
 from __future__ import annotations

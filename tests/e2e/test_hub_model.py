@@ -1,4 +1,4 @@
-"""Serving by hub id (issue #20): the tiny model laid out as the hub keeps a VLM repository
+"""Serving by hub id: the tiny model laid out as the hub keeps a VLM repository
 (bf16 sharded safetensors + index, preprocessor_config.json, the processor's template in
 chat_template.json apart from the tokenizer's) in a hub cache of its own, served by ``mmfleet
 up`` in e-p-d as ``MMFLEET_MODEL=<id>`` with ``HF_HUB_OFFLINE=1``: the fleet answers to the id,

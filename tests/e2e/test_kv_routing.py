@@ -1,4 +1,4 @@
-"""KV-aware routing end to end (issue #7): mode e-p-d with three prefill workers, multi-turn
+"""KV-aware routing end to end: mode e-p-d with three prefill workers, multi-turn
 chat sessions with images through the official ``openai`` client.
 
 Which prefill worker served a request is read from its token log's ``Finish`` spans; how much

@@ -1,15 +1,11 @@
 """Parity across deployment modes and engines: every supported (mode, engine) pair gives, at
 temperature 0, exactly the tokens of in-process ``generate()`` for a text, a one-image and a
 two-image prompt, streamed and whole; an engine lacking what a layout needs is refused at
-start-up with a message saying why.
-
-Each pair is a real fleet (``mmfleet up --mode M`` with ``MMFLEET_ENGINE``) on the session's
-broker and Redis, one fleet per pair with every prompt against it; the m-e-p-d transformers
-fleet (every stage apart) is covered by test_skeleton.py. The e-p-d vLLM fleet then has its decode and prefill
-workers killed under load (``tests.chaos.test_kill_workers.check_vllm_kills``): nothing lost
-or duplicated. vLLM in e-p-d and ep-d moves the KV prefill engine →
-decode engine (NixlConnector); equal tokens there mean the KV really moved (decode's engine
-never sees the images)."""
+start-up saying why. Each pair is a real fleet (``mmfleet up --mode M``, ``MMFLEET_ENGINE``) on
+the shared broker and Redis; m-e-p-d with transformers is covered by test_skeleton.py. The
+e-p-d vLLM fleet then has its decode and prefill workers killed under load (nothing lost or
+duplicated). vLLM in e-p-d and ep-d moves the KV engine to engine (NixlConnector): equal tokens
+mean the KV really moved (decode's engine never sees the images)."""
 
 from __future__ import annotations
 

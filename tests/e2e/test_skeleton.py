@@ -1,6 +1,6 @@
 """The walking skeleton, end to end: real broker, real Redis, real NIXL, four worker processes
 (``m-e-p-d``: every stage apart, so every topic and every hop's NIXL transfer is exercised) and
-the gateway (started by the same ``mmfleet up`` the README uses), driven by the official
+the gateway (started by the same ``mmfleet up`` the quickstart uses), driven by the official
 ``openai`` client. The reference is the same model's ``generate()`` in this process."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``python -m loadtest cold``: a prefill forward's CPU cost hot and cold, on the tiny model
-(cheap: a short prompt, few forwards). The figures themselves are benchmark results (README),
+(cheap: a short prompt, few forwards). The figures themselves are benchmark results (docs/benchmarks/),
 never asserted here; that every condition is measured, consistently, and written out is."""
 
 from __future__ import annotations

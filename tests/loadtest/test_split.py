@@ -1,6 +1,6 @@
 """``python -m loadtest split``: the in-process encode / prefill / decode measurement, on the tiny
 model (cheap: one repeat, short prompts). What it measures for the bench model is a benchmark
-figure (README), never asserted here."""
+figure (docs/benchmarks/), never asserted here."""
 
 from __future__ import annotations
 

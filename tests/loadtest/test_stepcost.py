@@ -1,5 +1,5 @@
 """``python -m loadtest steps``: a batched decode step's CPU cost by width, on the tiny model
-(cheap: short prompts, few steps). The figures themselves are benchmark results (README), never
+(cheap: short prompts, few steps). The figures themselves are benchmark results (docs/benchmarks/), never
 asserted here; that every width is measured, consistently, and written out is."""
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """A fleet across hosts, on one machine: network namespaces on a private bridge stand in for
-hosts. Host "infra" runs the broker, Redis, the gateway and media-fetch; "enc1" and "enc2" an
-encode worker each; "pd" prefill and decode. UCX is limited to TCP (``UCX_TLS=tcp``: separate
-hosts share no memory, and namespaces on one kernel would otherwise let UCX use cma), so every
-NIXL READ between hosts crosses the bridge. Proves:
-- every advertised address (Kafka listener, liveness records and their metrics URLs, NIXL
-  peers) is the host's own, never 127.0.0.1;
-- answers equal the temperature-0 references (what the one-host fleet answers);
-- taking host enc1 down under load (SIGKILL its processes, delete its namespace) loses
-  nothing: every request completes with the reference text or ends in an explicit error;
-- the metrics show NIXL bytes that crossed hosts.
-Skips, saying why, where namespaces cannot be created. 8 processes, 12 requests.
+hosts ("infra": broker, Redis, gateway, media-fetch; "enc1", "enc2": an encode worker each;
+"pd": prefill and decode). ``UCX_TLS=tcp`` (hosts share no memory), so every NIXL READ between
+hosts crosses the bridge. Proves: every advertised address (Kafka listener, liveness records,
+metrics URLs, NIXL peers) is the host's own, never 127.0.0.1; answers equal the temperature-0
+references; taking host enc1 down under load loses nothing (reference text or explicit error);
+the metrics show NIXL bytes that crossed hosts. Skips, saying why, where namespaces cannot be
+created. 8 processes, 12 requests.
 """
 
 from __future__ import annotations

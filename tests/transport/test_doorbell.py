@@ -273,7 +273,7 @@ async def test_a_consumer_asleep_on_the_bell_stops_cleanly(bell_env):
     try:
         await until(lambda: bool(consumer._fetcher._pending_tasks), 30)  # a fetch is out, then asleep
         await asyncio.sleep(0.3)
-        await asyncio.wait_for(consumer.stop(), 10)  # raised CancelledError before the fix
+        await asyncio.wait_for(consumer.stop(), 10)  # a stop during a parked fetch must not raise CancelledError
     finally:
         await bell.close()
 
