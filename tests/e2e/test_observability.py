@@ -33,7 +33,7 @@ from tests.e2e.test_skeleton import image_parts, noise_image, png_data_url
 
 PREFIX = "obs"
 STAGES = ("media-fetch", "encode", "prefill", "decode")
-DOCS_SHOT = procs.REPO / "docs" / "fleet-page.png"  # UPDATE_DOCS_SCREENSHOT=1 retakes it
+DOCS_SHOT = procs.REPO / "docs" / "guide" / "img" / "fleet-page.png"  # UPDATE_DOCS_SCREENSHOT=1 retakes it
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_json_logs_carry_the_request_id_through_the_stages(fleet, traffic, obs_l
     assert failed and failed[0]["stage"] == "media-fetch" and failed[0]["process"].startswith("media-fetch")
 
 
-# ------------------------------------------------------------------ the operator's view (issue 23)
+# ------------------------------------------------------------------ the operator's view
 # Both run on this module's fleet; the page test kills a worker, so it comes last.
 def test_mmfleet_top_once_shows_every_stage_and_process(fleet, traffic, redis_url):
     _gateways, workers = asyncio.run(_endpoints(redis_url))
@@ -204,7 +204,7 @@ async def _drive_fleet_page(base: str, redis_url: str) -> None:
         try:
             after = await page.wait_for(moved, 180)
             shot = DOCS_SHOT if os.environ.get("UPDATE_DOCS_SCREENSHOT") == "1" else None
-            if shot is not None:  # under load: the README's picture of the page, in 48 colours
+            if shot is not None:  # under load: the docs' picture of the page, in 48 colours
                 await page.screenshot(shot)
                 Image.open(shot).convert("RGB").quantize(48, method=Image.Quantize.MEDIANCUT).save(shot, optimize=True)
         finally:
