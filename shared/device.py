@@ -1,19 +1,12 @@
-"""Where a worker computes: the ``device`` and ``dtype`` settings turned into torch objects, and
-the host facts the transfer layer needs to tell whether two processes share a GPU.
+"""Where a worker computes: the ``device`` and ``dtype`` settings as torch objects
+(:func:`resolve_placement`: ``auto`` is a bf16/fp16 checkpoint's own dtype, else bfloat16 on
+CUDA and float32 on CPU; a GPU asked for and not visible is a ``ValueError``, never a silent CPU
+fallback), and the host facts the transfer layer needs: ``host_id()`` (stable for one boot of
+one machine; CUDA IPC handles are opened only between equal host ids), ``device_uuid`` /
+``local_index`` (a GPU named independently of ``CUDA_VISIBLE_DEVICES``).
 
-Contracts:
-- ``resolve_placement("cpu" | "cuda" | "cuda:N", "auto" | "float32" | "bfloat16" | "float16")``
-  gives a :class:`Placement`; ``auto`` is the checkpoint's own dtype when it is bfloat16 or
-  float16 (``checkpoint_dtype``: weights load as they are saved), else bfloat16 on CUDA and
-  float32 on CPU. Asking for CUDA
-  where torch sees no GPU (or not that index) is a ``ValueError`` that says so: a worker told to
-  use a GPU never silently falls back to the CPU.
-- ``host_id()`` is stable for one boot of one machine (hostname + kernel boot id): CUDA IPC
-  handles are only opened by processes with the same host id.
-- ``device_uuid(device)`` names a GPU independently of ``CUDA_VISIBLE_DEVICES``;
-  ``local_index(uuid)`` maps it back to this process's index (``None``: not visible here).
+Design: docs/design/transfer.md.
 """
-
 from __future__ import annotations
 
 import socket
