@@ -139,8 +139,7 @@ class Targets:
     @staticmethod
     def _settings_of(env: dict[str, str]) -> dict[str, str]:
         """The fleet's settings for the report, secrets redacted (reports get shared)."""
-        from shared.settings import ENV_PREFIX
-        from shared.settings_doc import REDACTED, SECRET_FIELDS, redact_url
+        from shared.settings import ENV_PREFIX, REDACTED, SECRET_FIELDS, redact_url
 
         secret_vars = {ENV_PREFIX + name.upper() for name in SECRET_FIELDS}
         return {k: (REDACTED if k in secret_vars and v else redact_url(v) if k.endswith("_URL") else v)

@@ -351,8 +351,6 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
         return msgspec.structs.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def __repr__(self) -> str:  # settings end up in logs and tracebacks: never with secrets
-        from shared.settings_doc import redacted
-
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in redacted(self).items()) + ")"
 
     __str__ = __repr__
@@ -457,3 +455,31 @@ def child_env(settings: Settings) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(to_env(settings))
     return env
+
+
+# settings whose values are secrets: shown as REDACTED (when set) by ``redacted``
+SECRET_FIELDS: frozenset[str] = frozenset({"kafka_sasl_password", "redis_password"})
+REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its userinfo replaced (``redis://u:p@h`` → ``redis://u:***@h``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest.split("/", 1)[0]:
+        return url
+    userinfo, _, hostpart = rest.partition("@")
+    user = userinfo.split(":", 1)[0] + (":" + REDACTED if ":" in userinfo else "")
+    return f"{scheme}://{user}@{hostpart}"
+
+
+def redacted(settings: Settings) -> dict[str, Any]:
+    """Every setting by name, secrets replaced: what may be printed or logged."""
+    out: dict[str, Any] = {}
+    for name in field_names():
+        value = getattr(settings, name)
+        if name in SECRET_FIELDS and value:
+            value = REDACTED
+        elif name.endswith("_url") and isinstance(value, str):
+            value = redact_url(value)
+        out[name] = value
+    return out

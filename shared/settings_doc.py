@@ -1,44 +1,17 @@
 """What may be shown of settings: every setting's documentation, generated from
 :class:`shared.settings.Settings` (its ``msgspec.Meta`` descriptions) for ``mmfleet --help``,
 ``mmfleet settings`` and the table in docs/guide/configuration.md (a test keeps that page equal
-to :func:`markdown_table`); and settings with their secrets redacted (:func:`redacted`), the only
-form in which they reach logs and screens."""
+to :func:`markdown_table`); and the secret values of settings (:func:`secret_values`). Redaction
+itself lives beside the settings (:func:`shared.settings.redacted`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, get_type_hints
+from typing import get_type_hints
 
 import msgspec
 
-from shared.settings import Settings, _as_env, env_name, field_names
-
-# settings whose values are secrets: shown as REDACTED (when set) by ``redacted``
-SECRET_FIELDS: frozenset[str] = frozenset({"kafka_sasl_password", "redis_password"})
-REDACTED = "***"
-
-
-def redact_url(url: str) -> str:
-    """``url`` with the password of its userinfo replaced (``redis://u:p@h`` → ``redis://u:***@h``)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest.split("/", 1)[0]:
-        return url
-    userinfo, _, hostpart = rest.partition("@")
-    user = userinfo.split(":", 1)[0] + (":" + REDACTED if ":" in userinfo else "")
-    return f"{scheme}://{user}@{hostpart}"
-
-
-def redacted(settings: Settings) -> dict[str, Any]:
-    """Every setting by name, secrets replaced: what may be printed or logged."""
-    out: dict[str, Any] = {}
-    for name in field_names():
-        value = getattr(settings, name)
-        if name in SECRET_FIELDS and value:
-            value = REDACTED
-        elif name.endswith("_url") and isinstance(value, str):
-            value = redact_url(value)
-        out[name] = value
-    return out
+from shared.settings import SECRET_FIELDS, Settings, _as_env, env_name, field_names
 
 
 def secret_values(settings: Settings) -> list[str]:

@@ -92,12 +92,12 @@ def test_redis_arguments():
 def test_settings_repr_and_redacted_hide_secrets():
     s = _settings(kafka_sasl_password=SASL_PASSWORD, redis_password=REDIS_PASSWORD,
                   redis_url=f"redis://app:{REDIS_PASSWORD}@r:6379/0")
-    for text in (repr(s), str(s), f"{s}", str(settings_doc.redacted(s))):
+    for text in (repr(s), str(s), f"{s}", str(settings_mod.redacted(s))):
         assert SASL_PASSWORD not in text and REDIS_PASSWORD not in text
         assert "***" in text
-    assert settings_doc.redacted(s)["redis_url"] == "redis://app:***@r:6379/0"
+    assert settings_mod.redacted(s)["redis_url"] == "redis://app:***@r:6379/0"
     assert set(settings_doc.secret_values(s)) == {SASL_PASSWORD, REDIS_PASSWORD}
-    assert settings_doc.redacted(_settings())["redis_password"] == ""  # unset stays visibly unset
+    assert settings_mod.redacted(_settings())["redis_password"] == ""  # unset stays visibly unset
 
 
 def test_mmfleet_settings_prints_no_secret():
