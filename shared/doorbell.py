@@ -234,7 +234,7 @@ class Doorbell:
     def ring_acked(self, topic: str, acked: protocol.AckedRecord) -> None:
         """The ring for a carried record the broker acked: carries ``acked`` and sets
         ``RedisKeys.acked`` (its partition) in the same write, for ``ACKED_TTL_MS``: an early run's
-        guarded stream write checks it in Redis (``shared.stage.WriteGuard``)."""
+        guarded stream write checks it in Redis (``shared.ledger.WriteGuard``)."""
         key = self._keys.acked(topic, acked.request_id, acked.attempt)
         self._wire.send(self.channel(topic), protocol.encode(acked), (key, str(acked.partition)))
 

@@ -15,12 +15,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 
 from shared.keys import RedisKeys
 from shared.redis_lean import lean_of
-from shared.stage import WriteGuard
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,17 @@ return 1
 """
 ABORTED, DONE, CLAIMED, HELD = 0, 1, 2, 3
 _REFRESH = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+
+
+class WriteGuard(NamedTuple):
+    """What Redis must show for an early run's stream write to go before the run knows it may
+    write: its claim (``claim_key`` holds ``owner``) and its record in Kafka (``acked_key``, set by
+    the producer with its ack's ring, holds the record's ``partition``). See ``shared.early``."""
+
+    claim_key: str
+    owner: str
+    acked_key: str
+    partition: int
 
 
 class StageLedger:

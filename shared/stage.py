@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from msgspec import Struct
 
@@ -82,17 +82,6 @@ class LogLost(Exception):
     """The request's token log is gone (Redis flushed) while its writer is past position 0: the
     writer appends its log again from position 0 (readers drop the positions they have), so a
     delta written and flushed before anyone read it is not lost."""
-
-
-class WriteGuard(NamedTuple):
-    """What Redis must show for an early run's stream write to go before the run knows it may
-    write: its claim (``claim_key`` holds ``owner``) and its record in Kafka (``acked_key``, set by
-    the producer with its ack's ring, holds the record's ``partition``). See ``shared.early``."""
-
-    claim_key: str
-    owner: str
-    acked_key: str
-    partition: int
 
 
 class EventSink(Protocol):

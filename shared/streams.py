@@ -3,7 +3,7 @@ order and ends with exactly one terminal event (``Finish`` or ``ErrorEvent``) in
 Streams are bounded (``MAXLEN ~``) and expire ``ttl_s`` after the last write, so an abandoned
 request cannot grow Redis without bound. Readers resume from the last entry id they saw; a
 process's followers share one blocking read. Compare-and-appends made in one event-loop turn go
-to Redis in one script call; a guarded append (``append_delta_if``, ``shared.stage.WriteGuard``)
+to Redis in one script call; a guarded append (``append_delta_if``, ``shared.ledger.WriteGuard``)
 is written only if Redis shows its guard met, in the same call.
 
 Design: docs/design/architecture.md.
@@ -20,8 +20,9 @@ import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import RedisKeys
+from shared.ledger import WriteGuard
 from shared.redis_lean import as_dict, lean_of
-from shared.stage import LogLost, WriteGuard
+from shared.stage import LogLost
 from shared.stream_mux import StreamMux
 
 _FIELD = b"e"

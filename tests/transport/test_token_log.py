@@ -14,8 +14,9 @@ import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import RedisKeys
+from shared.ledger import WriteGuard
 from shared.redis_lean import LeanRedis
-from shared.stage import LogLost, WriteGuard
+from shared.stage import LogLost
 from shared.streams import TokenStreams
 from tests.roundtrips import count_round_trips
 

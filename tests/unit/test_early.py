@@ -12,8 +12,7 @@ from prometheus_client import REGISTRY
 
 from shared import protocol
 from shared.early import EarlyStarts, Unconfirmed
-from shared.ledger import CLAIMED
-from shared.stage import WriteGuard
+from shared.ledger import CLAIMED, WriteGuard
 
 
 def _msg(rid: str = "r1") -> protocol.PrefillRequest:
