@@ -12,7 +12,7 @@ Design: docs/design/kv-routing.md.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 import orjson
@@ -21,9 +21,6 @@ from prometheus_client import Counter, Histogram
 
 from shared import protocol
 from shared.keys import RedisKeys
-
-if TYPE_CHECKING:  # (table.py imports this module)
-    from shared.kv.table import TableWriter
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +53,14 @@ def classify(note: protocol.RouteNote | None, ran_on: str, hit: int) -> str:
     return "load"  # the winner held nothing, another worker held ``best`` blocks
 
 
+class NoteWriter(Protocol):
+    """Where notes go: the worker's :class:`~shared.kv.table.TableWriter` (which imports this module)."""
+
+    def note(self, key: str, fields: dict[str, str]) -> bool: ...
+
+    async def flush(self, timeout_s: float = 5.0) -> bool: ...
+
+
 class RouteAudit:
     """Writes the notes of one prefill worker, through its :class:`~shared.kv.table.TableWriter`
     (one pipeline with the worker's table changes, not a round trip a note). A note is one JSON
@@ -63,7 +68,7 @@ class RouteAudit:
     fields: the ``RouteNote``'s (``policy``, ``worker``, ``overlap``, ``best``, ``cost`` / ``load``
     in blocks, ``candidates``, ``blocks``, ``t_ms``), ``ran_on``, ``hit`` and ``cause``."""
 
-    def __init__(self, writer: TableWriter, keys: RedisKeys) -> None:
+    def __init__(self, writer: NoteWriter, keys: RedisKeys) -> None:
         self._writer = writer
         self._keys = keys
 
