@@ -127,14 +127,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadtest.cli import _model_dir
+    from loadtest.procs import model_dir
     from shared.engines.transformers_engine import compute_class
     from shared.models.loading import LM
 
     if args.forwards < 1 or args.repeats < 1 or args.idle_ms < 0 or args.pressure_bytes < 0:
         raise SystemExit("--forwards and --repeats: at least 1; --idle-ms and --pressure-bytes: not negative")
     torch.set_num_threads(args.threads)
-    model_dir = _model_dir(args.model_dir)
+    model_dir = model_dir(args.model_dir)
     compute = compute_class(model_dir)(model_dir, parts=frozenset({LM}))
     res = measure(compute, prompt_tokens=args.prompt_tokens, forwards=args.forwards, repeats=args.repeats,
                   idle_ms=args.idle_ms, pressure_bytes=args.pressure_bytes)

@@ -232,3 +232,14 @@ def redis_server(log_dir: Path, *, password: str | None = None, pids: list[int] 
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         stop_group(proc)
+
+
+def model_dir(explicit: Path | None) -> Path:
+    """``explicit``, or the model the settings in force name (the demo model by default)."""
+    if explicit:
+        return explicit
+    from shared import settings as settings_mod
+    from shared.models.registry import resolve_model_path
+
+    return resolve_model_path(settings_mod.from_env())
+

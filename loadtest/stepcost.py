@@ -118,12 +118,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadtest.cli import _model_dir
+    from loadtest.procs import model_dir
     from shared.engines.transformers_engine import compute_class
     from shared.models.loading import LM
 
     torch.set_num_threads(args.threads)
-    model_dir = _model_dir(args.model_dir)
+    model_dir = model_dir(args.model_dir)
     compute = compute_class(model_dir)(model_dir, parts=frozenset({LM}))
     widths = [int(w) for w in args.widths.split(",") if w.strip()]
     if not widths or min(widths) < 1:

@@ -139,7 +139,7 @@ class Autoscaler:
         return [c for c in self.fleet.services if "--stages" in c.argv and c.argv[c.argv.index("--stages") + 1] == flag]
 
     def add(self, group: tuple[str, ...]) -> None:
-        from services.supervisor import worker_settings
+        from services.children import worker_settings
 
         f = self.fleet
         self._spawned += 1

@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from services import embedded_broker
+from shared.settings import Settings
 from shared.zygote import Adopted, Zygote, ZygoteGone, die_with_parent
 
 log = logging.getLogger("mmfleet.up")
@@ -131,3 +132,11 @@ def redis_child(host: str, port: int) -> Child:
     if host not in ("127.0.0.1", "localhost", "::1"):  # protected mode refuses every non-loopback client
         argv += ["--protected-mode", "no"]
     return Child("redis", argv, restart=False)
+
+
+def worker_settings(settings: Settings, index: int) -> Settings:
+    """Worker ``index``'s settings. A fixed metrics port would collide on one host, so worker i
+    gets ``metrics_port + i``; 0 (ephemeral) stays 0 and each worker binds a free port."""
+    if settings.metrics_port == 0:
+        return settings
+    return settings.with_overrides(metrics_port=settings.metrics_port + index)

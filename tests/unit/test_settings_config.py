@@ -81,8 +81,8 @@ def test_children_get_the_effective_settings_not_the_file(tmp_path, monkeypatch)
 
 
 def test_up_gives_each_worker_its_own_metrics_port():
+    from services.children import worker_settings
     from services.modes import MODES
-    from services.supervisor import worker_settings
 
     fixed = Settings(metrics_port=9100)
     ports = [worker_settings(fixed, i).metrics_port for i in range(len(MODES["m-e-p-d"]))]
