@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from services.children import Child, _answers, _host_port, _wait_port, broker_child, redis_child
+from services.children import Child, _answers, _host_port, _wait_port, broker_child, redis_child, worker_settings
 from services.modes import MODES, check_engine, group_replicas, parse_replicas
 from services.stages import fleet_topics
 from shared import gcpolicy
@@ -43,13 +43,8 @@ class CannotStart(Exception):
     and exits non-zero, without a traceback."""
 
 
-
-def worker_settings(settings: Settings, index: int) -> Settings:
-    """Worker ``index``'s settings. A fixed metrics port would collide on one host, so worker i
-    gets ``metrics_port + i``; 0 (ephemeral) stays 0 and each worker binds a free port."""
-    if settings.metrics_port == 0:
-        return settings
-    return settings.with_overrides(metrics_port=settings.metrics_port + index)
+# what every process the zygote forks runs: imported once, in the zygote
+ZYGOTE_PRELOAD = ("services.cli", "services.gateway.main", "services.worker")
 
 
 class Fleet:
@@ -57,7 +52,7 @@ class Fleet:
                  stop_timeout_s: float = 15.0) -> None:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; supported: {', '.join(MODES)}")
-        from services.worker import engine_capabilities
+        from shared.engines.registry import engine_capabilities
 
         caps = engine_capabilities(settings.engine)
         for stages in MODES[mode]:  # refuse an unsupported (mode, engine) before starting anything
@@ -89,7 +84,7 @@ class Fleet:
             become_subreaper()
             self._subreaper = True
             self.zygote = Zygote.start(env, self.log_dir / "zygote.log" if self.log_dir else None,
-                                       model_dir=str(model_dir), engine=s.engine)
+                                       model_dir=str(model_dir), engine=s.engine, preload=ZYGOTE_PRELOAD)
         khost, kport = _host_port(s.kafka_bootstrap, 9092)
         if not _answers(khost, kport):
             await self._start_infra(broker_child(khost, kport), khost, kport)

@@ -27,16 +27,16 @@ _PID = struct.Struct("<i")
 REPARENT_TIMEOUT_S = 5.0
 
 
-def preload(model_dir: str, engine: str) -> None:
-    """What every fleet process imports (~6 s of CPU on this 2-core machine), and what a
-    transformers engine's start imports for this model (~6 s more): the model's and processor's
-    modules, no weights. vLLM is not imported here: its engine core is a process of its own."""
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
+def preload(model_dir: str, engine: str, modules: list[str]) -> None:
+    """What every fleet process imports (~6 s of CPU on this 2-core machine): torch, transformers
+    and ``modules`` (named by the caller, :meth:`Zygote.start`'s ``preload``: this library does not
+    know the services above it); and what a transformers engine's start imports for this model
+    (~6 s more): the model's and processor's modules, no weights. vLLM is not imported here: its
+    engine core is a process of its own."""
+    import importlib
 
-    import services.cli  # noqa: F401
-    import services.gateway.main  # noqa: F401
-    import services.worker  # noqa: F401
+    for name in ("torch", "transformers", *modules):
+        importlib.import_module(name)
 
     if engine == "transformers":
         from shared.engines.transformers_engine import preload_family
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--engine", required=True)
+    parser.add_argument("--preload", default="", help="comma-separated modules to import before serving")
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
     parent = os.getppid()
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         from shared.settings import from_env
 
         keep_triton_out(from_env().device)  # the children's settings; before preload imports torch._dynamo
-        preload(args.model_dir, args.engine)
+        preload(args.model_dir, args.engine, [m for m in args.preload.split(",") if m])
     except Exception as exc:  # noqa: BLE001 - reported; the parent starts processes without us
         zygote.send(sock, zygote.Failed(f"preload: {type(exc).__name__}: {exc}"))
         return 1
