@@ -26,8 +26,8 @@ from services.decode.stream import stream_completion
 from services.gateway import schema
 from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.responses import Shaper, error_response, event_error_response, sse_response, whole_response
-from services.worker import make_engine
 from shared import aio, protocol
+from shared.engines.registry import make_engine
 from shared.settings import Settings
 from shared.stage import RequestFailed
 

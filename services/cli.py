@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "settings":
         if args.effective:
             print("\n".join(f"{settings_mod.env_name(k)}={settings_mod._as_env(v)}"
-                            for k, v in settings_doc.redacted(settings).items()))
+                            for k, v in settings_mod.redacted(settings).items()))
         else:
             print(settings_doc.markdown_table() if args.markdown else settings_doc.help_table())
         return 0
@@ -184,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         return aio.run(run_up(settings, mode=args.mode, log_dir=args.log_dir, ready_file=args.ready_file,
                               autoscale=args.autoscale), settings.event_loop)
     if args.command == "worker":
-        from services.worker import run_worker, uses_decode_core
+        from services.worker import run_worker
         from shared import zygote
+        from shared.engines.registry import uses_decode_core
 
         stages = [s.strip() for s in args.stages.split(",") if s.strip()]
         spawner = None

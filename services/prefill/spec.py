@@ -31,7 +31,7 @@ async def build(parts: StageParts) -> StageBuild:
 
         return StageBuild(GenerateHandler(lm, puller), concurrency=settings.decode_concurrency)
     from services.prefill.handler import PrefillHandler
-    from services.worker import engine_capabilities
+    from shared.engines.registry import engine_capabilities
     from shared.kv.audit import RouteAudit
     from shared.kv.prefix_cache import PrefixCache
     from shared.kv.reuse import EngineCacheReport, PrefixReuse

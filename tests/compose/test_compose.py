@@ -211,7 +211,7 @@ def check_commands(compose: dict, dockerfile: str) -> list[str]:
             try:
                 stages = normalise([s.strip() for s in args.stages.split(",") if s.strip()])
                 engine = effective_settings(svc, dockerfile).engine
-                from services.worker import engine_capabilities
+                from shared.engines.registry import engine_capabilities
 
                 check_engine(stages, engine, engine_capabilities(engine))
             except (UnsupportedLayout, ValueError, ImportError) as exc:

@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from services.worker import make_engine
 from shared.device import resolve_placement
 from shared.engines.base import MediaEmbeds
 from shared.engines.qwen2_vl import Qwen2VLCompute
+from shared.engines.registry import make_engine
 from shared.models.loading import ALL_PARTS, ENCODER, LM, parts_for, weight_bytes
 from shared.models.reference import load_reference, reference_generate
 from shared.settings import Settings
