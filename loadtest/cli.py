@@ -12,6 +12,7 @@ Docs: docs/benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 import time
@@ -214,7 +215,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.command == "kv":
         from loadtest import kvbench
 
-        opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
+        opts = TargetOptions(model_dir=procs.model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
                              extra_env=extra_env, ready_timeout_s=args.ready_timeout_s)
         long = kvbench.Sessions("long", args.turns, args.window or args.turns, args.text_words)
         result = kvbench.run_kv(out, opts, sessions=args.sessions, concurrency=args.concurrency,
@@ -232,7 +233,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         cfg = stepload.StepConfig(burst_rate=args.burst_rate, burst_s=args.burst_s, max_workers=args.max_workers,
                                   ttft_slo_ms=args.ttft_slo_ms, mode=args.mode)
-        result = stepload.run_step(out, _model_dir(args.model_dir), cfg, ready_timeout_s=args.ready_timeout_s)
+        result = stepload.run_step(out, procs.model_dir(args.model_dir), cfg, ready_timeout_s=args.ready_timeout_s)
         print(stepload.write(result, out, plots=not args.no_plots).read_text())
         print(f"results in {out}", file=sys.stderr)
         return 1 if any(f["failed"] for f in result["fleets"].values()) else 0
@@ -268,14 +269,13 @@ def _bench(args: argparse.Namespace) -> int:
                       model=args.model, temperature=temperature, slos=slos, warmup=args.warmup,
                       timeout_s=args.timeout_s, media_latency_ms=media_latency, progress=not args.no_progress,
                       idle_cpu_s=args.idle_cpu_s, repeat=args.repeat, interleave=args.interleave)
-    opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
+    opts = TargetOptions(model_dir=procs.model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
                          extra_env=extra_env, vllm_python=args.vllm_python, ready_timeout_s=args.ready_timeout_s,
                          redis_url=redis_url, redis_prefix=redis_prefix)
     after = None
-    if args.command == "engines":
-        def after(ep):
-            return vllmclient.run_client(ep, model=args.model, tokenizer=opts.model_dir, out_dir=out,
-                                         num_prompts={1: args.low_requests, 8: args.sat_requests})
+    if args.command == "engines":  # vLLM's own client against each target, after ours
+        after = functools.partial(vllmclient.run_client, model=args.model, tokenizer=opts.model_dir, out_dir=out,
+                                  num_prompts={1: args.low_requests, 8: args.sat_requests})
     result = run_bench(cfg, opts, after=after)
     goals = suite.evaluate_goals(result) if args.command in ("suite", "engines") else None
     summary = report.write_all(result, out, goals=goals, plots=not args.no_plots)
@@ -306,7 +306,7 @@ def _reuse(args: argparse.Namespace, out: Path, logs: Path, slos: dict, extra_en
                       shapes=[reuse.default_shape(args.concurrency, args.num_requests, args.duration_s)],
                       out_dir=out, model=args.model, slos=slos, warmup=args.warmup, timeout_s=args.timeout_s,
                       progress=not args.no_progress)
-    opts = TargetOptions(model_dir=_model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
+    opts = TargetOptions(model_dir=procs.model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
                          extra_env=extra_env, vllm_python=args.vllm_python, ready_timeout_s=args.ready_timeout_s)
     result = reuse.run_reuse(cfg, opts, ratios=args.ratios, repeats=args.repeats)
     goals, lines = reuse.table(result, *targets)  # on, off[, baseline[, second fleet]]
@@ -319,10 +319,3 @@ def _reuse(args: argparse.Namespace, out: Path, logs: Path, slos: dict, extra_en
     return 1 if result["failed"] or not result["runs"] else 0
 
 
-def _model_dir(explicit: Path | None) -> Path:
-    if explicit:
-        return explicit
-    from shared import settings as settings_mod
-    from shared.models.registry import resolve_model_path
-
-    return resolve_model_path(settings_mod.from_env())

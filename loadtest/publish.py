@@ -11,6 +11,7 @@ plots: docs/benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -327,7 +328,7 @@ def publish(root: Path = ROOT, plots: bool = True, log=print) -> list[str]:
     wanted = [(r, p) for r in records.values() for p in r.get("plots", [])]
     if wanted and plots:
         try:
-            import matplotlib  # noqa: F401
+            importlib.import_module("matplotlib")
         except ImportError:
             plots = False
             log("matplotlib is not installed (pip install -e '.[bench]'): plots skipped")

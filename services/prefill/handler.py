@@ -11,6 +11,8 @@ table (``TableWriter``); an engine with its own cache reports them. Design: docs
 
 from __future__ import annotations
 
+import functools
+
 from services.decode.stream import write_first_delta
 from shared import protocol
 from shared.embcache.pull import EmbeddingPuller
@@ -115,9 +117,8 @@ class PrefillHandler:
     async def _first_delta(self, ctx: Context, meta: protocol.RequestMeta, out: PrefillOutput) -> None:
         more = None
         if out.kv is not None:  # a packed KV: a first token without text yet gets its next ones from it (copied)
-            def more():
-                return self._engine.decode(meta.request_id, out.kv, out.rope_delta, out.prompt_len, out.first_token,
-                                           meta.sampling, prompt_ids=meta.prompt_token_ids)
+            more = functools.partial(self._engine.decode, meta.request_id, out.kv, out.rope_delta, out.prompt_len,
+                                     out.first_token, meta.sampling, prompt_ids=meta.prompt_token_ids)
         await write_first_delta(ctx.events, meta, out.first_token, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, more=more)
 
