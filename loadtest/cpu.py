@@ -16,7 +16,7 @@ import time
 
 from loadtest.mdtable import runs_header
 from loadtest.procs import argv_of
-from shared.compute import LANE_THREAD_PREFIX
+from shared.process.compute import LANE_THREAD_PREFIX
 
 try:
     import psutil
@@ -57,7 +57,7 @@ def process_role(p) -> str:
         return "redis"
     if "shared.engines.decode_core_main" in argv:
         return "decode core"
-    if "shared.zygote_main" in argv:
+    if "shared.process.zygote_main" in argv:
         return "zygote"
     if "services.cli" in argv:
         verb = argv[argv.index("services.cli") + 1:][:1]
@@ -70,7 +70,7 @@ def process_role(p) -> str:
 
 
 def thread_class(role: str, pid: int, tid: int, os_name: str) -> str:
-    """A thread's class: a compute lane (``shared.compute``: its OS name) or the decode core's
+    """A thread's class: a compute lane (``shared.process.compute``: its OS name) or the decode core's
     main thread, which runs the model; the main thread of any other process, its event loop;
     anything else (NIXL's and UCX's threads, tokenizers, executors)."""
     if os_name.startswith(LANE_THREAD_PREFIX) or (role == "decode core" and tid == pid):

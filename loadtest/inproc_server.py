@@ -26,8 +26,9 @@ from services.decode.stream import stream_completion
 from services.gateway import schema
 from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.responses import Shaper, error_response, event_error_response, sse_response, whole_response
-from shared import aio, protocol
+from shared import protocol
 from shared.engines.registry import make_engine
+from shared.process import aio
 from shared.settings import Settings
 from shared.stage import RequestFailed
 
@@ -80,10 +81,10 @@ def _span(stage: str, total_s: float, *, queue_s: float = 0.0, transfer_s: float
 
 
 async def _lifecycle(app: web.Application):
-    from shared.compute import ComputeLane
     from shared.engines.qwen2_vl import ImagePreprocessor
     from shared.media.fetch import MediaFetcher
     from shared.models.registry import resolve_model_path
+    from shared.process.compute import ComputeLane
 
     s = app[SETTINGS]
     model_dir = resolve_model_path(s)

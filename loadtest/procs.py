@@ -174,7 +174,7 @@ def pause_trees(roots: list[int], sig: int = signal.SIGSTOP) -> int:
 
 def argv_of(pid: int) -> list[str]:
     """``pid``'s command line; [] if it is gone. A process the zygote forked shows the command
-    line it stands for as one title (shared/zygote_main.py): split on its spaces."""
+    line it stands for as one title (shared/process/zygote_main.py): split on its spaces."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:

@@ -26,8 +26,8 @@ from services.modes import MODES, entry_stages
 from services.stages import BY_NAME
 from shared import settings as settings_mod
 from shared.autoscale import Bounds, GroupScaler, p99_from_buckets
-from shared.bus import kafka_client_kwargs
 from shared.keys import consumer_group
+from shared.transport.bus import kafka_client_kwargs
 
 log = logging.getLogger("mmfleet.autoscale")
 

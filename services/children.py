@@ -20,8 +20,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from services import embedded_broker
+from shared.process.zygote import Adopted, Zygote, ZygoteGone, die_with_parent
 from shared.settings import Settings
-from shared.zygote import Adopted, Zygote, ZygoteGone, die_with_parent
 
 log = logging.getLogger("mmfleet.up")
 
@@ -39,7 +39,7 @@ class Child:
     host: str = "127.0.0.1"  # infra: the address it listens on (the bootstrap's / redis_url's host)
     port: int | None = None  # infra: where it must listen again after a restart
     log_path: Path | None = None
-    zygote: Zygote | None = None  # forks it (shared/zygote.py) where it can; else Popen
+    zygote: Zygote | None = None  # forks it (shared/process/zygote.py) where it can; else Popen
     _log_file: object = field(default=None, repr=False)
 
     def start(self) -> None:

@@ -15,8 +15,9 @@ import functools
 import sys
 from pathlib import Path
 
-from shared import aio, logs, settings_doc
+from shared import logs, settings_doc
 from shared import settings as settings_mod
+from shared.process import aio
 
 _FLAGS = ("kafka_bootstrap", "redis_url", "model", "model_path", "revision", "log_level", "log_format",
           "gateway_port", "engine", "stage_replicas")
@@ -172,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             print(settings_doc.markdown_table() if args.markdown else settings_doc.help_table())
         return 0
     logs.setup(settings, process=args.command)
-    if args.command in ("up", "worker", "gateway"):  # long-lived fleet processes: shared/gcpolicy.py
-        from shared import gcpolicy
-        from shared.device import keep_triton_out
+    if args.command in ("up", "worker", "gateway"):  # long-lived fleet processes: shared/process/gcpolicy.py
+        from shared.process import gcpolicy
+        from shared.process.device import keep_triton_out
 
         gcpolicy.starting()
         keep_triton_out(settings.device)  # before anything imports torch._dynamo
@@ -185,15 +186,15 @@ def main(argv: list[str] | None = None) -> int:
                               autoscale=args.autoscale), settings.event_loop)
     if args.command == "worker":
         from services.worker import run_worker
-        from shared import zygote
         from shared.engines.registry import uses_decode_core
+        from shared.process import zygote
 
         stages = [s.strip() for s in args.stages.split(",") if s.strip()]
         spawner = None
         if zygote.preloaded and uses_decode_core(settings, tuple(stages)):
             # forked by the zygote, so still one thread with everything imported: fork a zygote
             # of our own here, for the decode core (and its restarts) to start without imports
-            from shared.zygote_main import fork_here
+            from shared.process.zygote_main import fork_here
 
             spawner = fork_here()
         return aio.run(run_worker(settings, stages, spawner), settings.event_loop)
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         return aio.run(run_gateway(settings), settings.event_loop)
     if args.command == "topics":
         from services.stages import fleet_topics
-        from shared.bus import ensure_topics
+        from shared.transport.bus import ensure_topics
 
         asyncio.run(ensure_topics(settings, fleet_topics(settings)))
         print("\n".join(fleet_topics(settings)))

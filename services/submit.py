@@ -19,9 +19,9 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from shared.bus import ensure_topics, kafka_client_kwargs
 from shared.keys import TOPIC_REQUESTS
 from shared.settings import Settings
+from shared.transport.bus import ensure_topics, kafka_client_kwargs
 
 
 @dataclass

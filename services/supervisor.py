@@ -24,16 +24,16 @@ import aiohttp
 from services.children import Child, _answers, _host_port, _wait_port, broker_child, redis_child, worker_settings
 from services.modes import MODES, check_engine, group_replicas, parse_replicas
 from services.stages import fleet_topics
-from shared import gcpolicy
 from shared import settings as settings_mod
-from shared.aio import wait_event
-from shared.bus import ensure_topics
-from shared.consume import BROKER_RESTART_GRACE_MS
 from shared.keys import RedisKeys
 from shared.models.registry import resolve_model_path
-from shared.redis_conn import make_redis
+from shared.process import gcpolicy
+from shared.process.aio import wait_event
+from shared.process.zygote import Zygote, become_subreaper, reap_strays
 from shared.settings import Settings
-from shared.zygote import Zygote, become_subreaper, reap_strays
+from shared.transport.bus import ensure_topics
+from shared.transport.consume import BROKER_RESTART_GRACE_MS
+from shared.transport.redis_conn import make_redis
 
 log = logging.getLogger("mmfleet.up")
 
@@ -113,8 +113,8 @@ class Fleet:
         """Until every stage group has a live worker holding partitions (its liveness record)."""
         from collections import Counter
 
-        from shared.liveness import live_workers
-        from shared.redis_conn import make_redis
+        from shared.transport.liveness import live_workers
+        from shared.transport.redis_conn import make_redis
 
         wanted = Counter({tuple(stages): group_replicas(tuple(stages), self.replicas) for stages in MODES[self.mode]})
         redis = make_redis(self.settings)
@@ -216,7 +216,7 @@ class Fleet:
         broker = child.name.startswith("kafka")
         if broker:
             # Before the new broker exists (docs/guide/operations.md): consumers drop their
-            # watermarks, and commits decided earlier give up (shared.consume.COMMIT_TIMEOUT_MS).
+            # watermarks, and commits decided earlier give up (shared.transport.consume.COMMIT_TIMEOUT_MS).
             await self._bump(RedisKeys.broker_epoch)
             await asyncio.sleep(BROKER_RESTART_GRACE_MS / 1000)
         child.start()

@@ -25,32 +25,33 @@ from redis.asyncio import Redis
 
 from services.modes import check_engine, entry_stages, normalise
 from services.stages import BY_NAME, SPECS
-from shared import gcpolicy, hostaddr, logs, metrics, protocol
-from shared.aio import succeeded
-from shared.bus import make_producer
-from shared.device import resolve_placement
-from shared.doorbell import Doorbell
+from shared import logs, metrics, protocol
 from shared.engines.base import Engine
 from shared.engines.registry import engine_capabilities, make_engine
 from shared.keys import RedisKeys
 from shared.kv.router import Router
-from shared.ledger import StageLedger
-from shared.liveness import heartbeat
 from shared.metrics import MetricsServer
 from shared.models.registry import family_of, placeholder_token_id, resolve_model_path, served_modalities
-from shared.redis_conn import make_redis
-from shared.redis_lean import lean_of
-from shared.runner import StageRunner
+from shared.process import gcpolicy, hostaddr
+from shared.process.aio import succeeded
+from shared.process.device import resolve_placement
 from shared.settings import Settings
 from shared.stage import Context, StageParts
-from shared.streams import TokenStreams
 from shared.transfer import TransferAgent
+from shared.transport.bus import make_producer
+from shared.transport.doorbell import Doorbell
+from shared.transport.ledger import StageLedger
+from shared.transport.liveness import heartbeat
+from shared.transport.redis_conn import make_redis
+from shared.transport.redis_lean import lean_of
+from shared.transport.runner import StageRunner
+from shared.transport.streams import TokenStreams
 
 log = logging.getLogger(__name__)
 
 
 async def run_worker(settings: Settings, stages_arg: list[str], spawner=None) -> int:
-    """``spawner``: a ``shared.zygote.Zygote`` this worker forked (services/cli.py) for its
+    """``spawner``: a ``shared.process.zygote.Zygote`` this worker forked (services/cli.py) for its
     decode core; stopped with the worker."""
     stages = normalise(stages_arg)
     if {"prefill", "decode"} & set(stages):
@@ -126,15 +127,13 @@ async def run_worker(settings: Settings, stages_arg: list[str], spawner=None) ->
                                concurrency=built[stage].concurrency, local_routes=local, router=router,
                                rebalance_listener=built[stage].listener, doorbell=doorbell)
                    for stage in entry_stages(stages)]
-        # a stage's own consumers (prefill apart: the KV table) end the process like a runner's end
-        consumers = [*runners, *(c for b in built.values() for c in b.consumers)]
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: [c.stop() for c in consumers])
+            loop.add_signal_handler(sig, lambda: [r.stop() for r in runners])
         log.info("worker %s running stages %s (engine %s, model %s, device %s, dtype %s)", worker_id, stages,
                  settings.engine, model_dir, placement.device, str(placement.dtype).removeprefix("torch."))
         gcpolicy.serving()  # engines built: the collector back on, start-up's heap frozen
-        tasks = [asyncio.create_task(c.run(), name=getattr(c, "stage", type(c).__name__)) for c in consumers]
+        tasks = [asyncio.create_task(r.run(), name=r.stage) for r in runners]
         background = [asyncio.create_task(run()) for b in built.values() for run in b.background]
         info = protocol.WorkerInfo(worker_id=worker_id, stages=stages, pid=os.getpid(),
                                    host=hostaddr.advertise_host(settings), started_unix_ms=int(time.time() * 1000),
@@ -147,15 +146,15 @@ async def run_worker(settings: Settings, stages_arg: list[str], spawner=None) ->
         if done == {boot} and succeeded(boot):
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         stopping_at = time.monotonic()
-        for c in consumers:  # one ending (stop or fatal) ends the process
-            c.stop()
+        for r in runners:  # one ending (stop or fatal) ends the process
+            r.stop()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         if boot.done() and not boot.cancelled() and not succeeded(boot):  # an engine that never could serve
             results.append(boot.exception())
         for t in [beat, boot, *background]:
             t.cancel()
         await asyncio.gather(beat, boot, *background, return_exceptions=True)
-        log.info("worker %s: consumers stopped in %.1f s; releasing resources", worker_id,
+        log.info("worker %s: runners stopped in %.1f s; releasing resources", worker_id,
                  time.monotonic() - stopping_at)
     log.info("worker %s stopped in %.1f s", worker_id, time.monotonic() - stopping_at)
     failed = [r for r in results if isinstance(r, BaseException)]

@@ -43,7 +43,7 @@ class RedisKeys:
         return f"{self.prefix}:stream:{request_id}"
 
     def stream_wake(self, reader_id: str) -> str:
-        """A process's wake-up stream for its one token-stream reader (``shared.stream_mux``)."""
+        """A process's wake-up stream for its one token-stream reader (``shared.transport.stream_mux``)."""
         return f"{self.prefix}:stream-wake:{reader_id}"
 
     def token_seq(self, request_id: str) -> str:
@@ -57,7 +57,7 @@ class RedisKeys:
 
     def acked(self, topic: str, request_id: str, attempt: int) -> str:
         """A carried stage record the broker acked: its partition, written by the producer with
-        its ack's ring; an early run's guarded stream writes read it (``shared.early``)."""
+        its ack's ring; an early run's guarded stream writes read it (``shared.transport.early``)."""
         return f"{self.prefix}:acked:{topic}:{request_id}:{attempt}"
 
     def done(self, request_id: str, stage: str) -> str:

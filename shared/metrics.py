@@ -51,12 +51,13 @@ STAGE_RECORDS = Counter("mmfleet_stage_records_total",
                         "handed its message in memory by another in its worker counts its ok ones",
                         ["stage", "outcome"])
 EARLY_STARTS = Counter("mmfleet_early_starts_total",
-                       "records a stage started on the copy a doorbell ring carried (shared.early), by "
+                       "records a stage started on the copy a doorbell ring carried (shared.transport.early), by "
                        "outcome: started, adopted (its record came and it finished the record), dropped "
                        "(its record did not come in time, or its partition went)", ["stage", "outcome"])
 COMPUTE_JOBS = Counter("mmfleet_compute_jobs_total",
                        "jobs a compute lane ran, by where: thread (the lane's compute thread) or inline (the "
-                       "event loop's, the thread being idle and the job short: shared.compute)", ["lane", "where"])
+                       "event loop's, the thread being idle and the job short: shared.process.compute)",
+                       ["lane", "where"])
 CONSUMER_LAG = Gauge("mmfleet_consumer_lag_records",
                      "records behind the partition's high watermark (highwater - position)",
                      ["stage", "partition"])

@@ -63,7 +63,7 @@ class CudaIpcHandle(Struct, frozen=True):
     fields of torch's ``UntypedStorage._share_cuda_()`` for the owner's GPU pool (no pickle),
     where it lives, and the slot's offset in it."""
 
-    host: str  # shared.device.host_id() of the owner: only that host may open it
+    host: str  # shared.process.device.host_id() of the owner: only that host may open it
     device_uuid: str  # the GPU, independent of CUDA_VISIBLE_DEVICES
     handle: bytes  # cudaIpcMemHandle of the allocation holding the storage
     storage_bytes: int
@@ -81,7 +81,7 @@ class HostShm(Struct, frozen=True):
     ``inode``: the memfd's, so a consumer that opens the path in another pid namespace (same host
     name and kernel, another process behind that pid) does not map some other file."""
 
-    host: str  # shared.device.host_id() of the owner
+    host: str  # shared.process.device.host_id() of the owner
     path: str
     pool_bytes: int
     offset: int
@@ -372,7 +372,7 @@ class DeadLetter(Struct, frozen=True, tag="dead_letter"):
 class CarriedRecord(Struct, frozen=True, tag="doorbell.carried"):
     """A doorbell ring's payload: a copy of the stage record produced with it (``value``, the
     record's bytes, bound for ``partition``), so the stage can start before Kafka delivers it
-    (``shared.early``). ``sent_unix_ms``: when the producer sent it (the record's queue start)."""
+    (``shared.transport.early``). ``sent_unix_ms``: when the producer sent it (the record's queue start)."""
 
     partition: int
     sent_unix_ms: int
@@ -382,7 +382,7 @@ class CarriedRecord(Struct, frozen=True, tag="doorbell.carried"):
 class AckedRecord(Struct, frozen=True, tag="doorbell.acked"):
     """A second ring's payload, once the broker acked a carried record (``CarriedRecord``): the
     record is in Kafka (``partition``, ``offset``), so an early run of it (``request_id`` at
-    ``attempt``) may show its stream writes before its own fetch delivers it (``shared.early``)."""
+    ``attempt``) may show its stream writes before its own fetch delivers it (``shared.transport.early``)."""
 
     partition: int
     offset: int

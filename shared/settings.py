@@ -24,7 +24,7 @@ _ALIASES = {"KAFKA_BOOTSTRAP": "kafka_bootstrap", "REDIS_URL": "redis_url"}
 _OLD_NAMES = {"model_path": "model"}  # old setting name -> its name now (the new name wins when both are set)
 _MiB = 1024 * 1024
 VLLM_KV_BUFFER_DEVICES = ("auto", "cuda", "cpu")  # vllm_kv_buffer_device (shared.engines.vllm_pd)
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # event_loop (shared.aio.loop_factory)
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # event_loop (shared.process.aio.loop_factory)
 
 
 def _default_cache_dir() -> str:
@@ -90,7 +90,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # at most this much finished work, which the ledger's done-marks skip.
     commit_interval_ms: Annotated[int, _d("a consumer commits finished records at most this often (stop and "
                                           "rebalance commit at once)")] = 100
-    # The doorbell (shared/doorbell.py) takes the broker's wait off the critical path: stage
+    # The doorbell (shared/transport/doorbell.py) takes the broker's wait off the critical path: stage
     # consumers fetch with a 1 ms broker-side wait (tansu answers a 0 ms fetch with no records)
     # and sleep client-side until the upstream stage
     # rings (a Redis PUBLISH as its produce goes out) or the idle interval passes. A lost ring
@@ -100,7 +100,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
                                  "fetch_max_wait_ms polling")] = True
     idle_fetch_interval_ms: Annotated[int, _d("with the doorbell: how often an idle stage consumer fetches "
                                               "anyway (the most a lost ring costs)")] = 100
-    # Early start (shared/early.py): a ring carries a copy of the stage record produced with it and
+    # Early start (shared/transport/early.py): a ring carries a copy of the stage record produced with it and
     # the stage begins on the copy, holding every effect until Kafka delivers the record itself.
     early_start: Annotated[bool, _d("with the doorbell: rings carry a copy of each stage record and the next "
                                     "stage starts on it before Kafka delivers the record (its outputs wait for "
@@ -326,7 +326,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # 0 lets every worker on a host bind its own port; the bound port is in its liveness record.
     metrics_port: Annotated[int, _d("each worker's /metrics port; 0: an ephemeral port (published in its "
                                     "Redis liveness record); `mmfleet up` gives worker i port+i")] = 0
-    # Past one host every advertised address must be the host's own (see shared/hostaddr.py).
+    # Past one host every advertised address must be the host's own (see shared/process/hostaddr.py).
     advertise_host: Annotated[str, _d("address other hosts reach this process at (liveness records, metrics URL, "
                                       "NIXL peer host); empty: metrics_host unless a wildcard, else the host "
                                       "name")] = ""

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 
     from shared.engines.base import Engine
     from shared.keys import RedisKeys
-    from shared.ledger import StageLedger
     from shared.settings import Settings
     from shared.transfer import TransferAgent
+    from shared.transport.ledger import StageLedger
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class LogLost(Exception):
 class EventSink(Protocol):
     """Where token-stream events go (Redis in production, a list in handler tests). A sink may
     also offer ``append_delta_if(request_id, delta, position, guard) -> bool | None`` (Redis's
-    does): ``append_delta`` only if the store shows ``guard`` met, None if not (``shared.early``);
+    does): ``append_delta`` only if the store shows ``guard`` met, None if not (``shared.transport.early``);
     and ``append_delta_soon(request_id, delta, position) -> asyncio.Future | None``: the append
     queued without waiting for it, its future's result 1 appended, 0 another writer has the
     position, 2 the log is gone; None: not now (await ``append_delta``)."""
@@ -137,7 +137,7 @@ class StageParts:
     worker_id: str
     router: Any  # shared.kv.router.Router of the process
     index: Any = None  # shared.embcache.index.EmbeddingIndex, None with the embedding cache off
-    doorbell: Any = None  # shared.doorbell.Doorbell of the process, None with the doorbell off
+    doorbell: Any = None  # shared.transport.doorbell.Doorbell of the process, None with the doorbell off
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,6 @@ class StageBuild:
     handler: Handler
     concurrency: int | None = None  # records in flight for its runner (None: ``stage_concurrency``)
     listener: Any = None  # an aiokafka ConsumerRebalanceListener for its runner's consumer
-    consumers: tuple = ()  # objects with ``run()``/``stop()`` whose end ends the worker, like a runner's
     background: tuple[Callable[[], Awaitable[None]], ...] = ()  # run beside, cancelled at the end
 
 

@@ -1,10 +1,10 @@
 """Counting a redis-py client's round trips in transport tests: each lone command is recorded by
 its name, each pipeline by its number of commands; so is each call of a ``LeanRedis`` opened on
-that client (shared.redis_lean)."""
+that client (shared.transport.redis_lean)."""
 
 from __future__ import annotations
 
-from shared.redis_lean import LeanRedis
+from shared.transport.redis_lean import LeanRedis
 
 
 def count_round_trips(monkeypatch, redis) -> list:

@@ -12,10 +12,10 @@ Design: docs/design/embedding-cache.md.
 from __future__ import annotations
 
 from shared import protocol
-from shared.aio import gather
 from shared.embcache.coalesce import EncodeCache, count_uncached_encode
 from shared.engines.base import Engine
 from shared.keys import TOPIC_PREFILL
+from shared.process.aio import gather
 from shared.stage import Context, Outcome, Produce
 from shared.tracing import timed_transfer
 

@@ -25,7 +25,7 @@ from services.fleetview import promstats as ps
 from services.fleetview.snapshot import FleetSnapshot, ProcessRow, build
 from services.modes import STAGE_ORDER
 from shared.keys import RedisKeys
-from shared.liveness import live_gateways, live_workers
+from shared.transport.liveness import live_gateways, live_workers
 
 _LOOPBACK = "127.0.0.1"
 

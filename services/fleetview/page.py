@@ -19,8 +19,8 @@ from services.fleetview.collect import FleetCollector
 from services.gateway.auth import Authenticator
 from services.gateway.responses import Rejected
 from shared.keys import RedisKeys
-from shared.redis_conn import make_redis
 from shared.settings import Settings
+from shared.transport.redis_conn import make_redis
 
 STATIC = Path(__file__).parent / "static"
 _FILES = {"fleet.js": "text/javascript", "fleet.css": "text/css"}

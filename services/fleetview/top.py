@@ -18,8 +18,8 @@ from rich.text import Text
 from services.fleetview.collect import FleetCollector
 from services.fleetview.snapshot import FleetSnapshot, HistogramView, Quantiles
 from shared.keys import RedisKeys
-from shared.redis_conn import make_redis
 from shared.settings import Settings
+from shared.transport.redis_conn import make_redis
 
 _STATE_STYLE = {"up": "green", "down": "yellow", "gone": "red"}
 

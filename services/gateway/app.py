@@ -23,18 +23,19 @@ from services.gateway.auth import Authenticator
 from services.gateway.frontend import Frontend, new_request_id
 from services.gateway.prompt import PromptBuilder
 from services.gateway.responses import ClientGone, Rejected, error_response, http_reply
-from shared import hostaddr, logs, metrics
-from shared.bus import make_producer
-from shared.doorbell import Doorbell
+from shared import logs, metrics
 from shared.keys import INGRESS_STAGE, RedisKeys
 from shared.kv.router import Router
-from shared.ledger import StageLedger
 from shared.models.registry import placeholder_token_id, resolve_model_path
-from shared.redis_conn import make_redis
-from shared.redis_lean import lean_of
+from shared.process import hostaddr
 from shared.settings import Settings
-from shared.streams import TokenStreams
 from shared.transfer import TransferAgent
+from shared.transport.bus import make_producer
+from shared.transport.doorbell import Doorbell
+from shared.transport.ledger import StageLedger
+from shared.transport.redis_conn import make_redis
+from shared.transport.redis_lean import lean_of
+from shared.transport.streams import TokenStreams
 
 log = logging.getLogger(__name__)
 

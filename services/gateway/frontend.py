@@ -29,12 +29,12 @@ from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.redrive import Redriver
 from services.gateway.responses import Rejected, Reply, Shaper, error_reply, shape_replies
 from shared import metrics, protocol
-from shared.bus import produce_entry
-from shared.ledger import StageLedger
 from shared.settings import Settings
 from shared.stage import RequestFailed, entry_message
-from shared.streams import TokenStreams
 from shared.transfer import PoolFullError, TransferAgent
+from shared.transport.bus import produce_entry
+from shared.transport.ledger import StageLedger
+from shared.transport.streams import TokenStreams
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Frontend:
         self.ledger = ledger
         self.inflight = 0
         self.router = router  # shared.kv.router.Router for entries at mm.prefill (None: by key)
-        self.doorbell = doorbell  # shared.doorbell.Doorbell: rung once an entry record is acked
+        self.doorbell = doorbell  # shared.transport.doorbell.Doorbell: rung once an entry record is acked
         # its run() is started by the gateway app
         self.redriver = Redriver(ledger, producer, router=router, doorbell=doorbell)
 

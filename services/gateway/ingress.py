@@ -19,9 +19,9 @@ from prometheus_client import Counter
 
 from services.gateway.frontend import Frontend
 from services.gateway.responses import Rejected, Reply, error_reply
-from shared.consume import ConsumeLoop
 from shared.keys import INGRESS_STAGE, TOPIC_REPLY_ERRORS, TOPIC_REQUESTS, consumer_group
-from shared.ledger import CLAIMED, EpochWatch, StageLedger
+from shared.transport.consume import ConsumeLoop
+from shared.transport.ledger import CLAIMED, EpochWatch, StageLedger
 
 log = logging.getLogger(__name__)
 

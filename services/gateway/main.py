@@ -19,12 +19,13 @@ import uuid
 from aiohttp import web
 
 from services.gateway.app import create_app
-from shared import gcpolicy, hostaddr, logs, protocol
+from shared import logs, protocol
 from shared.keys import RedisKeys
-from shared.liveness import keep_record
 from shared.models.registry import resolve_model_path
-from shared.redis_conn import make_redis
+from shared.process import gcpolicy, hostaddr
 from shared.settings import Settings
+from shared.transport.liveness import keep_record
+from shared.transport.redis_conn import make_redis
 
 log = logging.getLogger(__name__)
 

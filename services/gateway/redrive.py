@@ -18,9 +18,9 @@ import time
 import msgspec
 
 from shared import protocol
-from shared.bus import produce_entry
-from shared.ledger import EpochWatch, StageLedger
 from shared.stage import entry_message
+from shared.transport.bus import produce_entry
+from shared.transport.ledger import EpochWatch, StageLedger
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class Redriver:
     def __init__(self, ledger: StageLedger, producer, *, poll_ms: int = 500, router=None, doorbell=None) -> None:
         self._ledger = ledger
         self._producer = producer
-        self._router = router  # entries are routed like the gateway's (shared.bus.produce_entry)
+        self._router = router  # entries are routed like the gateway's (shared.transport.bus.produce_entry)
         self._doorbell = doorbell
         self._poll_s = poll_ms / 1000
         self._tracked: dict[str, protocol.RequestMeta] = {}

@@ -19,8 +19,6 @@ from collections.abc import Callable
 import blake3
 
 from shared import metrics, protocol
-from shared.aio import gather
-from shared.compute import ComputeLane
 from shared.embcache.identity import cache_key
 from shared.embcache.index import EmbeddingIndex
 from shared.embcache.metrics import HITS, MISSES
@@ -32,6 +30,8 @@ from shared.media.files import load_file
 from shared.media.images import decode_image
 from shared.media.sources import REMOTE_SCHEMES, MediaError, scheme_of
 from shared.media.video import VideoLimits, decode_video
+from shared.process.aio import gather
+from shared.process.compute import ComputeLane
 from shared.settings import Settings
 from shared.stage import Context, Outcome, Produce, RequestFailed
 from shared.tracing import timed_transfer

@@ -55,8 +55,8 @@ def _preprocessors(model_dir, served: frozenset[str]) -> dict:
 
 async def build(parts: StageParts) -> StageBuild:
     from services.media_fetch.handler import MediaFetchHandler
-    from shared.compute import ComputeLane
     from shared.media.fetch import MediaFetcher
+    from shared.process.compute import ComputeLane
 
     settings, model_dir = parts.settings, parts.model_dir
     fetcher = await parts.stack.enter_async_context(MediaFetcher.from_settings(settings))

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from shared import protocol
 from shared.keys import RedisKeys
-from shared.redis_lean import lean_of
+from shared.transport.redis_lean import lean_of
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ Design: docs/design/embedding-cache.md.
 from __future__ import annotations
 
 from shared import protocol
-from shared.aio import gather
 from shared.embcache.index import EmbeddingIndex
 from shared.embcache.metrics import FALLBACKS, HITS
 from shared.embcache.recent import RecentEmbeddings
 from shared.engines.base import MediaEmbeds
+from shared.process.aio import gather
 from shared.stage import Context
 from shared.tracing import timed_transfer
 from shared.transfer import OwnerGoneError

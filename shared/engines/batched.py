@@ -16,7 +16,7 @@ import asyncio
 import torch
 
 from shared import metrics
-from shared.aio import wait_event
+from shared.process.aio import wait_event
 
 
 def _uses_mrope(compute) -> bool:

@@ -25,9 +25,9 @@ import msgspec
 import torch
 
 from shared import metrics, protocol
-from shared.aio import succeeded
 from shared.engines.base import Capabilities, EngineError, SampledToken
 from shared.engines.sampling import DecodeSeq
+from shared.process.aio import succeeded
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +109,14 @@ class CoreDecodeEngine:
     def __init__(self, model_dir, *, device: str = "cpu", dtype: str = "auto", max_batch: int = 16,
                  torch_threads: int = 1, spawner=None) -> None:
         self._model_dir = str(model_dir)
-        self._spawner = spawner  # a shared.zygote.Zygote that forks the core (no imports to pay), else Popen
+        self._spawner = spawner  # a shared.process.zygote.Zygote that forks the core (no imports to pay), else Popen
         self._argv = [sys.executable, "-m", self.core_module, "--model-dir", self._model_dir,
                       "--device", device, "--dtype", dtype, "--max-batch", str(max_batch),
                       "--threads", str(torch_threads)]
         self.tokenizer = None
         self.eos_token_ids: frozenset[int] = frozenset()
         self.max_model_len = 0
-        self._proc = None  # subprocess.Popen, or shared.zygote.Adopted
+        self._proc = None  # subprocess.Popen, or shared.process.zygote.Adopted
         self._writer: asyncio.StreamWriter | None = None
         self._reader: asyncio.Task | None = None
         self._boot: asyncio.Task | None = None  # the core's start: done once its Ready arrived
@@ -167,7 +167,7 @@ class CoreDecodeEngine:
         try:
             self._proc = None
             if self._spawner is not None:  # in this worker's process group, as a Popen child would be
-                from shared.zygote import ZygoteGone
+                from shared.process.zygote import ZygoteGone
 
                 try:
                     self._proc = self._spawner.spawn(argv, dict(os.environ), None, new_session=False,

@@ -29,8 +29,8 @@ class PlainLMCompute:
         ``parts`` of it, see :mod:`shared.models.loading`, when given)."""
         from transformers import AutoProcessor
 
-        from shared.device import resolve_placement
         from shared.models.loading import checkpoint_dtype
+        from shared.process.device import resolve_placement
 
         self.model_dir = Path(model_dir)
         self.placement = resolve_placement(device, dtype, checkpoint_dtype(self.model_dir))

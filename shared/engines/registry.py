@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import socket
 
-from shared.device import resolve_placement
 from shared.engines.base import Engine
+from shared.process.device import resolve_placement
 from shared.settings import Settings
 
 ENGINES = ("transformers", "vllm")
@@ -40,7 +40,7 @@ def uses_decode_core(settings: Settings, stages: tuple[str, ...]) -> bool:
 def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...] = (), spawner=None) -> Engine:
     """The engine for a worker running ``stages``: a vLLM engine running prefill apart from
     decode is built as KV producer, one running decode apart as KV consumer (vllm_pd). A
-    transformers decode core is forked by ``spawner`` (a ``shared.zygote.Zygote``) when given."""
+    transformers decode core is forked by ``spawner`` (a ``shared.process.zygote.Zygote``) when given."""
     cls = engine_class(name)
     if name == "transformers" and uses_decode_core(settings, stages):
         from shared.engines.decode_core import CoreDecodeEngine

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from shared import protocol
-from shared.compute import ComputeLane, LaneBatcher, MicroBatcher
 from shared.engines.base import Capabilities, MediaEmbeds, PrefillOutput
 from shared.engines.batched import DecodeBatcher
 from shared.engines.batched_prefill import prefill_many
 from shared.engines.sampling import DecodeSeq, sample_at, stop_token_set, with_logprob
 from shared.engines.structured import LazyGrammars
+from shared.process.compute import ComputeLane, LaneBatcher, MicroBatcher
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class TransformersEngine:
         self._model_dir = Path(model_dir)
         self._inline_max_ms = inline_max_ms  # ComputeLane's; CPU only (below)
         self._parts = parts  # None: the whole model
-        self._device, self._dtype = device, dtype  # settings device / dtype (shared.device)
+        self._device, self._dtype = device, dtype  # settings device / dtype (shared.process.device)
         self._batch_items = encode_max_batch_items
         self._batch_wait_ms = encode_batch_wait_ms
         self._lane: ComputeLane | None = None
@@ -225,7 +225,7 @@ def _report_memory(compute) -> None:
 def preload_family(model_dir: str | Path) -> None:
     """Imports what :meth:`TransformersEngine.start` will for this model (its family's compute
     path, the model and processor classes) without loading weights: the zygote's preload
-    (shared/zygote_main.py)."""
+    (shared/process/zygote_main.py)."""
     from transformers import AutoConfig, AutoProcessor
 
     compute_class(model_dir)

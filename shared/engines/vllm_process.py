@@ -131,7 +131,7 @@ class EngineProcessExtension:
       the OS reclaims the memory."""
 
     def mmfleet_setup_engine_process(self) -> bool:
-        from shared import gcpolicy
+        from shared.process import gcpolicy
 
         gcpolicy.freeze_at_exit()
         return arm_parent_watchdog()

@@ -27,8 +27,8 @@ from prometheus_client import Counter
 from shared import protocol
 from shared.keys import TOPIC_PREFILL, RedisKeys
 from shared.kv.blocks import block_hashes
-from shared.redis_lean import as_dict, lean_of
 from shared.settings import Settings
+from shared.transport.redis_lean import as_dict, lean_of
 
 log = logging.getLogger(__name__)
 

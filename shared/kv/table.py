@@ -20,12 +20,12 @@ import orjson
 import redis.asyncio as aioredis
 from aiokafka import ConsumerRebalanceListener
 
-from shared.aio import wait_event
 from shared.keys import TOPIC_PREFILL, RedisKeys
 from shared.kv.audit import LAG_SAMPLES, MAX_PENDING, NOTE_TTL_S, lag_ops
 from shared.kv.prefix_cache import CacheChanges
-from shared.redis_lean import lean_of
+from shared.process.aio import wait_event
 from shared.settings import Settings
+from shared.transport.redis_lean import lean_of
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ def load_reference(model_dir: Path, *, device: str = "cpu", dtype: str = "auto")
 
     cls = getattr(transformers, _MODEL_CLASS[family_of(model_dir).name])
     processor = AutoProcessor.from_pretrained(str(model_dir))
-    from shared.device import resolve_placement
     from shared.models.loading import checkpoint_dtype
+    from shared.process.device import resolve_placement
 
     model = resolve_placement(device, dtype, checkpoint_dtype(model_dir)).load(cls, model_dir)
     return processor, model

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from shared import metrics
-from shared.aio import wait_event
+from shared.process.aio import wait_event
 from shared.protocol import AgentRef, TensorRef
 from shared.transfer.leases import SlotHolders
 from shared.transfer.nixl_thread import make_agent

@@ -14,7 +14,7 @@ import collections
 
 import torch
 
-from shared.device import device_uuid, host_id, local_index
+from shared.process.device import device_uuid, host_id, local_index
 from shared.protocol import CudaIpcHandle
 
 __all__ = ["IpcError", "export", "can_open", "IpcPeers"]

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from shared.device import host_id
+from shared.process.device import host_id
 from shared.protocol import HostShm
 from shared.transfer.staging import read_word, slot_bytes, wait_chunks, word_offset
 

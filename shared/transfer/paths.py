@@ -52,7 +52,7 @@ def describe_paths(device: torch.device, pool_bytes: int, ipc: bool, shared: boo
             return f"transfer paths: staging over NIXL DRAM (host pool {mib} MiB, CPU tensors; transfer_host_shm off)"
         return (f"transfer paths: host-shm (shared host pool {mib} MiB, mapped by consumers on this host); "
                 f"NIXL DRAM READ for consumers on other hosts")
-    from shared.device import device_uuid
+    from shared.process.device import device_uuid
 
     ipc_part = (f"cuda-ipc (GPU pool {mib} MiB, exported once) for consumers on this host and GPU "
                 f"{device_uuid(device)}" if ipc

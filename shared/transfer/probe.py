@@ -183,7 +183,7 @@ async def probe(device: str = "cpu", sizes_mib: tuple[int, ...] = (1, 16, 256), 
 
     On a CPU-only host: ``staging get`` (a NIXL READ, host pool to host pool) and ``host-shm get``
     (a copy out of this process's mapping of the peer's pool)."""
-    from shared.device import resolve_placement
+    from shared.process.device import resolve_placement
     from shared.transfer.agent import TransferAgent
 
     dev = resolve_placement(device).device
@@ -374,7 +374,7 @@ async def _probe_vram(hello: Hello, size: int, dev: torch.device, repeats: int) 
 async def doctor_report(device: str, sizes_mib: tuple[int, ...] = (1, 16, 256)) -> str:
     """What ``mmfleet doctor`` prints: the device, the paths an agent there would use, and the
     probe's table."""
-    from shared.device import host_id, resolve_placement
+    from shared.process.device import host_id, resolve_placement
     from shared.transfer.paths import describe_paths
 
     placement = resolve_placement(device)

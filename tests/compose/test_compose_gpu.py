@@ -17,7 +17,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from shared import settings as settings_mod
-from shared.device import resolve_placement
+from shared.process.device import resolve_placement
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_COMPOSE = REPO / "compose" / "docker-compose.gpu.yml"

@@ -32,11 +32,12 @@ def client(kafka_bootstrap, redis_url, audio_model_dir, tmp_path_factory):
     env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(audio_model_dir),
            "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024), "MMFLEET_REDIS_PREFIX": "audio",
            "MMFLEET_MAX_AUDIO_DURATION_S": "10",
-           "MMFLEET_ZYGOTE": "false"}  # this fleet's processes start as their own `python -m` (shared/zygote.py)
+           # this fleet's processes start as their own `python -m` (shared/process/zygote.py)
+           "MMFLEET_ZYGOTE": "false"}
     with procs.fleet(env, tmp_path_factory.mktemp("audio-fleet-logs")) as (base, proc):
         kids = [procs.argv_of(k) for k in procs.children_of(proc.pid)]
         assert sum("--stages" in argv for argv in kids) == 3, kids
-        assert not any("shared.zygote_main" in argv for argv in kids), kids
+        assert not any("shared.process.zygote_main" in argv for argv in kids), kids
         yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 

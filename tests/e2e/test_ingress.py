@@ -26,8 +26,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from services.gateway.auth import hash_key
 from shared import settings as settings_mod
 from shared.keys import RedisKeys
-from shared.liveness import live_gateways, live_workers
-from shared.redis_conn import make_redis
+from shared.transport.liveness import live_gateways, live_workers
+from shared.transport.redis_conn import make_redis
 from tests import procs
 from tests.e2e.test_skeleton import noise_image, png_data_url
 

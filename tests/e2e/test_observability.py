@@ -27,7 +27,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.keys import RedisKeys
-from shared.liveness import heartbeat, live_gateways, live_workers
+from shared.transport.liveness import heartbeat, live_gateways, live_workers
 from tests import browser, procs
 from tests.e2e.test_skeleton import image_parts, noise_image, png_data_url
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loadtest import cpu
-from shared.compute import LANE_THREAD_PREFIX
+from shared.process.compute import LANE_THREAD_PREFIX
 
 psutil = pytest.importorskip("psutil")
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 # compute lane and then on the main thread (seconds: argv 1 and 2), says so, and waits to be told to exit.
 _CHILD = textwrap.dedent("""
     import asyncio, sys, time
-    from shared.compute import ComputeLane
+    from shared.process.compute import ComputeLane
 
     def spin(cpu_s):
         end = time.thread_time() + cpu_s

@@ -252,7 +252,7 @@ def test_small_run_against_the_real_fleet_and_inproc(tmp_path, kafka_bootstrap, 
         roles = set(by_role)
         assert {"supervisor", "gateway", *(f"worker {','.join(g)}" for g in MODES["e-p-d"])} <= roles, roles
         assert "decode core" in roles, roles  # the decode worker's child: its CPU is counted too
-        # the workers and gateway were forked from the fleet's zygote (shared/zygote.py), the decode
+        # the workers and gateway were forked from the fleet's zygote (shared/process/zygote.py), the decode
         # core from the decode worker's own
         assert len(by_role["zygote"]) == 2, by_role
         assert cpu.process_role(by_role["decode core"][0].parent()) == "worker decode"

@@ -13,9 +13,9 @@ import torch
 
 from services.media_fetch.handler import MediaFetchHandler
 from shared import protocol
-from shared.compute import ComputeLane
 from shared.keys import TOPIC_ENCODE, TOPIC_PREFILL
 from shared.media.fetch import MediaFetcher
+from shared.process.compute import ComputeLane
 from shared.settings import Settings
 from shared.stage import Context, RequestFailed
 from tests.fakes import ListSink, MemoryTransfer

@@ -13,7 +13,7 @@ from services.gateway.auth import Authenticator, hash_key
 from services.gateway.responses import Rejected
 from shared import settings as settings_mod
 from shared.keys import RedisKeys
-from shared.redis_conn import make_redis
+from shared.transport.redis_conn import make_redis
 from tests import procs
 
 PASSWORD = "redis-acl-Pa55-7781"

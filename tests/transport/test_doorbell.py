@@ -14,11 +14,11 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from shared import protocol
-from shared.bus import ensure_topics, make_producer, produce_all
-from shared.doorbell import ACKED_TTL_MS, RING_CLIENT_NAME, Doorbell, _Bell
 from shared.keys import RedisKeys
 from shared.settings import Settings
 from shared.stage import Produce
+from shared.transport.bus import ensure_topics, make_producer, produce_all
+from shared.transport.doorbell import ACKED_TTL_MS, RING_CLIENT_NAME, Doorbell, _Bell
 from tests.waits import until
 
 
@@ -305,7 +305,7 @@ async def test_a_carried_record_rings_again_once_acked_with_its_offset(bell_env)
     """``produce_all`` with ``carry``: a ring with the record's copy as it goes out, then one with
     a ``protocol.AckedRecord`` (its partition and offset, the request and attempt) once the broker
     acked it, written with the record's acked key: what lets an early run show its stream writes
-    before its own fetch (shared.early)."""
+    before its own fetch (shared.transport.early)."""
     settings, topic, producer, redis = bell_env
     sub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)
     pub = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=60_000)

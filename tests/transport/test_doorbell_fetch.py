@@ -1,4 +1,4 @@
-"""The doorbell's fetch wrapper (shared/doorbell.py, ``Doorbell.attach``) driven by a scripted
+"""The doorbell's fetch wrapper (shared/transport/doorbell.py, ``Doorbell.attach``) driven by a scripted
 broker in place of aiokafka's one-fetch method, with the assignment and fetch request aiokafka
 passes it: what follows an empty answer (a fetch at once inside the window after a ring, a repeat
 while the broker reports records past our position, else a sleep until a ring). Real Redis
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import redis.asyncio as aioredis
 
-from shared.doorbell import _BEHIND_REPEATS, Doorbell
+from shared.transport.doorbell import _BEHIND_REPEATS, Doorbell
 from tests.waits import until
 
 TOPIC = "t.bell.scripted"

@@ -14,14 +14,14 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared import protocol
-from shared.bus import ensure_topics, make_producer, produce_all
-from shared.doorbell import Doorbell
 from shared.keys import RedisKeys
-from shared.ledger import CLAIMED, HELD, StageLedger
-from shared.runner import StageRunner
 from shared.settings import Settings
 from shared.stage import Context, Outcome, Produce
-from shared.streams import TokenStreams
+from shared.transport.bus import ensure_topics, make_producer, produce_all
+from shared.transport.doorbell import Doorbell
+from shared.transport.ledger import CLAIMED, HELD, StageLedger
+from shared.transport.runner import StageRunner
+from shared.transport.streams import TokenStreams
 from tests.transport.test_runner import _drain_topic, _start, _until
 
 

@@ -18,7 +18,7 @@ from services.gateway.auth import hash_key
 from shared import metrics, protocol
 from shared import settings as settings_mod
 from shared.keys import RedisKeys
-from shared.redis_conn import make_redis
+from shared.transport.redis_conn import make_redis
 from tests import procs
 
 PREFIX = "fleetview"

@@ -17,8 +17,8 @@ from shared.kv.blocks import block_hashes
 from shared.kv.prefix_cache import CacheChanges
 from shared.kv.router import Router
 from shared.kv.table import COALESCE_S, LoadReporter, LoadTracker, TableWriter
-from shared.redis_lean import lean_of
 from shared.settings import Settings
+from shared.transport.redis_lean import lean_of
 from tests.roundtrips import count_round_trips
 
 PH = 99

@@ -11,7 +11,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from shared.keys import RedisKeys
-from shared.ledger import ABORTED, CLAIMED, DONE, HELD, StageLedger
+from shared.transport.ledger import ABORTED, CLAIMED, DONE, HELD, StageLedger
 
 
 async def test_enter_and_finish(redis_url):

@@ -9,8 +9,8 @@ import asyncio
 from shared import protocol
 from shared import settings as settings_mod
 from shared.keys import RedisKeys
-from shared.liveness import heartbeat, keep_record
-from shared.redis_conn import make_redis
+from shared.transport.liveness import heartbeat, keep_record
+from shared.transport.redis_conn import make_redis
 
 LONG_INTERVAL_S = 60.0  # no refresh tick falls inside the test: what shows, the change wrote
 

@@ -1,4 +1,4 @@
-"""The lean pipelined connection (shared.redis_lean) against a real redis-server: replies in call
+"""The lean pipelined connection (shared.transport.redis_lean) against a real redis-server: replies in call
 order, redis-py's errors, a script the server lost, a restarted server, a cancelled blocking
 read, and a password-locked server."""
 
@@ -14,8 +14,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import settings as settings_mod
-from shared.redis_conn import make_redis
-from shared.redis_lean import LeanRedis
+from shared.transport.redis_conn import make_redis
+from shared.transport.redis_lean import LeanRedis
 from tests import procs
 
 PASSWORD = "lean-Pa55-0412"

@@ -1,4 +1,4 @@
-"""The process's Redis client (``shared.redis_conn.make_redis``) against a real Redis: its
+"""The process's Redis client (``shared.transport.redis_conn.make_redis``) against a real Redis: its
 connection pool is bounded by the gateway's admission bound plus headroom, and a burst past the
 bound waits for a connection instead of failing (redis-py's default pool raises past 100, which
 40 concurrent streams and their doorbell rings reached)."""
@@ -9,8 +9,8 @@ import asyncio
 
 from redis import exceptions as redis_exceptions
 
-from shared import redis_conn
 from shared.settings import Settings
+from shared.transport import redis_conn
 
 
 async def test_pool_is_sized_from_the_admission_bound(redis_url):

@@ -12,13 +12,13 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 
 from shared import protocol
-from shared.bus import ensure_topics, make_producer
-from shared.consume import OffsetTracker
 from shared.keys import TOPIC_DEAD_LETTER, RedisKeys
-from shared.runner import StageRunner
 from shared.settings import Settings
 from shared.stage import Context, Outcome, Produce, RequestFailed
-from shared.streams import TokenStreams
+from shared.transport.bus import ensure_topics, make_producer
+from shared.transport.consume import OffsetTracker
+from shared.transport.runner import StageRunner
+from shared.transport.streams import TokenStreams
 
 
 def _meta(rid: str, *, deadline_ms: int = 60_000) -> protocol.RequestMeta:

@@ -82,8 +82,8 @@ class _ToLocal:
 async def test_a_stage_handed_its_message_in_memory_counts_its_records(env):  # noqa: F811 - the fixture
     """e-p-d's encode runs in the media-fetch worker and is never consumed from Kafka: its
     records are counted all the same (``mmfleet top`` and /fleet read them)."""
-    from shared.runner import StageRunner
     from shared.stage import Context
+    from shared.transport.runner import StageRunner
 
     tag = env["tag"]
     entry, local = f"entry-{tag}", f"local-{tag}"

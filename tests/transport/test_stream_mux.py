@@ -1,4 +1,4 @@
-"""The shared blocking read of token streams against a real Redis (shared.stream_mux): a
+"""The shared blocking read of token streams against a real Redis (shared.transport.stream_mux): a
 follower that joins while the read blocks."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from shared.stream_mux import StreamMux
+from shared.transport.stream_mux import StreamMux
 
 
 async def _first_entry(sub, timeout_s: float = 5.0):

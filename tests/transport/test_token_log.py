@@ -14,10 +14,10 @@ import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import RedisKeys
-from shared.ledger import WriteGuard
-from shared.redis_lean import LeanRedis
 from shared.stage import LogLost
-from shared.streams import TokenStreams
+from shared.transport.ledger import WriteGuard
+from shared.transport.redis_lean import LeanRedis
+from shared.transport.streams import TokenStreams
 from tests.roundtrips import count_round_trips
 
 
@@ -66,7 +66,7 @@ async def test_a_log_lost_after_its_writer_finished_is_written_back_and_rerun(re
     flushed, so the rest is gone and nobody writes it again (seen in the Redis-flush e2e test:
     a request waited out its deadline). The follower notices the missing log, writes back what
     it read, and asks for the request to run again; the new run resumes after those deltas."""
-    monkeypatch.setattr("shared.streams.LOST_CHECK_S", 0.2)
+    monkeypatch.setattr("shared.transport.streams.LOST_CHECK_S", 0.2)
     redis = aioredis.from_url(redis_url)
     keys = RedisKeys("toklog")
     streams = TokenStreams(redis, keys, maxlen=1000, ttl_s=60)

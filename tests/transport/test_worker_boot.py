@@ -12,9 +12,9 @@ from services import worker as worker_mod
 from shared import settings as settings_mod
 from shared.engines.decode_core import CoreDecodeEngine
 from shared.keys import RedisKeys
-from shared.liveness import live_workers
-from shared.redis_conn import make_redis
-from shared.runner import StageRunner
+from shared.transport.liveness import live_workers
+from shared.transport.redis_conn import make_redis
+from shared.transport.runner import StageRunner
 
 
 async def test_a_decode_worker_whose_core_never_gets_ready_is_never_listed_and_exits_1(

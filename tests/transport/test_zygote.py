@@ -1,4 +1,4 @@
-"""The zygote (shared/zygote.py) with real processes: what it forks is the asking process's own
+"""The zygote (shared/process/zygote.py) with real processes: what it forks is the asking process's own
 child (its exit status, including a signal's), runs its module as ``__main__`` with the
 environment, log file, session and command line asked for, starts with torch and transformers
 already imported, and dies with the asking process. The fleet runs on it by default (every e2e

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.zygote import Zygote, ZygoteGone, become_subreaper
+from shared.process.zygote import Zygote, ZygoteGone, become_subreaper
 
 CHILD = [sys.executable, "-m", "tests.transport.zygote_child"]
 
@@ -43,7 +43,7 @@ if __name__ == "__main__":
         seen["not_python_m"] = str(exc)
     # a zygote forked from this very process (as a worker forks one for its decode core): what
     # it forks stays in this process's session and gets a descriptor by number
-    from shared.zygote_main import fork_here
+    from shared.process.zygote_main import fork_here
 
     here = fork_here()
     r, w = os.pipe()

@@ -1,7 +1,7 @@
-"""shared.aio.wait_event: set / timeout answers, and a cancel arriving in the same loop turn as
+"""shared.process.aio.wait_event: set / timeout answers, and a cancel arriving in the same loop turn as
 the wake-up is never lost (Python 3.11's wait_for loses it: a cancelled loop would run on).
-shared.aio.gather: asyncio.gather's answers, a lone awaitable run in place (ahead of what is ready).
-shared.aio.run / loop_factory: the loop the event_loop setting names; uvloop asked for and missing
+shared.process.aio.gather: asyncio.gather's answers, a lone awaitable run in place (ahead of what is ready).
+shared.process.aio.run / loop_factory: the loop the event_loop setting names; uvloop asked for and missing
 is an error, auto falls back to asyncio's."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 import pytest
 import uvloop
 
-from shared import aio
-from shared.aio import gather, wait_event
+from shared.process import aio
+from shared.process.aio import gather, wait_event
 from shared.settings import Settings
 
 

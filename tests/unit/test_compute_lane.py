@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from shared.compute import ComputeLane, LaneBatcher, MicroBatcher
+from shared.process.compute import ComputeLane, LaneBatcher, MicroBatcher
 
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("VAR", default="caller")
 

@@ -1,5 +1,5 @@
 """ConsumeLoop commits: bounded in time, and never across a broker restart (see the
-COMMIT_TIMEOUT_MS comment in shared/consume.py)."""
+COMMIT_TIMEOUT_MS comment in shared/transport/consume.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import asyncio
 import pytest
 from aiokafka import TopicPartition
 
-from shared import consume
-from shared.consume import ConsumeLoop, OffsetTracker
-from shared.ledger import EpochWatch
 from shared.settings import Settings
+from shared.transport import consume
+from shared.transport.consume import ConsumeLoop, OffsetTracker
+from shared.transport.ledger import EpochWatch
 
 TP = TopicPartition("t", 0)
 

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import torch
 
-from shared.device import host_id, resolve_placement
+from shared.process.device import host_id, resolve_placement
 from shared.protocol import CudaIpcHandle, TensorRef
 from shared.transfer import cuda_ipc
 from shared.transfer.tensors import as_bytes

@@ -1,4 +1,4 @@
-"""shared.early's rules without a broker: which carried copies start a run, how a run waits for
+"""shared.transport.early's rules without a broker: which carried copies start a run, how a run waits for
 its record (and its stream writes with it), and when it is dropped."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from shared import protocol
-from shared.early import EarlyStarts, Unconfirmed
-from shared.ledger import CLAIMED, WriteGuard
+from shared.transport.early import EarlyStarts, Unconfirmed
+from shared.transport.ledger import CLAIMED, WriteGuard
 
 
 def _msg(rid: str = "r1") -> protocol.PrefillRequest:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.ledger import EpochWatch
+from shared.transport.ledger import EpochWatch
 
 
 @pytest.mark.asyncio

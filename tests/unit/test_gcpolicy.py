@@ -1,4 +1,4 @@
-"""shared/gcpolicy.py in a fresh interpreter (it changes process-wide collector state): no
+"""shared/process/gcpolicy.py in a fresh interpreter (it changes process-wide collector state): no
 automatic collection while a process starts, start-up's heap frozen and the collector back on
 once it serves, the heap frozen again at exit."""
 
@@ -12,7 +12,7 @@ from tests.procs import REPO
 
 SCRIPT = textwrap.dedent("""
     import gc
-    from shared import gcpolicy
+    from shared.process import gcpolicy
 
     runs = []
     gc.callbacks.append(lambda phase, info: runs.append(info["generation"]) if phase == "start" else None)

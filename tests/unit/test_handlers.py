@@ -19,13 +19,13 @@ from services.media_fetch.handler import MediaFetchHandler
 from services.prefill.generate import GenerateHandler
 from services.prefill.handler import PrefillHandler
 from shared import protocol
-from shared.compute import ComputeLane
 from shared.engines.qwen2_vl import ImagePreprocessor
 from shared.engines.transformers_engine import TransformersEngine
 from shared.keys import TOPIC_DECODE, TOPIC_ENCODE, TOPIC_PREFILL, RedisKeys
 from shared.kv.router import Router
 from shared.media.fetch import MediaFetcher
 from shared.models.reference import reference_generate
+from shared.process.compute import ComputeLane
 from shared.settings import Settings
 from shared.stage import Context, RequestFailed
 from tests.fakes import ListSink, MemoryTransfer

@@ -10,12 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
-from shared.device import resolve_placement
 from shared.engines.base import MediaEmbeds
 from shared.engines.qwen2_vl import Qwen2VLCompute
 from shared.engines.registry import make_engine
 from shared.models.loading import ALL_PARTS, ENCODER, LM, parts_for, weight_bytes
 from shared.models.reference import load_reference, reference_generate
+from shared.process.device import resolve_placement
 from shared.settings import Settings
 from tests.unit.test_engine_qwen2_vl import MAX_NEW_TOKENS, greedy_decode, messages_for
 

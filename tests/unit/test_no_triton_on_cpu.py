@@ -1,7 +1,7 @@
-"""A fleet process on the CPU never imports triton (``shared.device.keep_triton_out``): imported
+"""A fleet process on the CPU never imports triton (``shared.process.device.keep_triton_out``): imported
 (torchvision imports ``torch._dynamo``, which imports triton when it is installed), triton's
 nanobind types are reported as leaked when the process exits with its heap frozen
-(``shared.gcpolicy``): pages of warnings on Ctrl-C. In a fresh interpreter, as a worker starts."""
+(``shared.process.gcpolicy``): pages of warnings on Ctrl-C. In a fresh interpreter, as a worker starts."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from tests.procs import REPO
 
 SCRIPT = textwrap.dedent("""
     import sys
-    from shared import gcpolicy
-    from shared.device import keep_triton_out
+    from shared.process import gcpolicy
+    from shared.process.device import keep_triton_out
 
     gcpolicy.starting()
     if sys.argv[1] == "cpu":

@@ -1,4 +1,4 @@
-"""Batched prefill (shared.engines.batched_prefill, shared.compute.LaneBatcher): prompts of
+"""Batched prefill (shared.engines.batched_prefill, shared.process.compute.LaneBatcher): prompts of
 different lengths, with and without images, prefilled in one forward give what one prompt per
 forward gives (logits, KV, M-RoPE offset, greedy tokens through the engine); a bad prompt fails
 alone; prompts that continue a cached prefix run alone; prompts that arrive while the lane is
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from shared import protocol
-from shared.compute import ComputeLane, LaneBatcher
 from shared.engines.base import MediaEmbeds
 from shared.engines.batched_prefill import PAD_WASTE, _groups, prefill_many
 from shared.engines.qwen2_vl import Qwen2VLCompute
 from shared.engines.transformers_engine import TransformersEngine
 from shared.models.llava_tiny import ensure_tiny_llava
 from shared.models.reference import load_reference, reference_generate
+from shared.process.compute import ComputeLane, LaneBatcher
 from tests.conftest import CACHE_DIR
 from tests.unit.test_engine_llava import image, msgs
 from tests.unit.test_engine_qwen2_vl import make_images, messages_for

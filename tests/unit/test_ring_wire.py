@@ -1,4 +1,4 @@
-"""shared.doorbell._RingWire with a stand-in connection: close() ends the ring task even when
+"""shared.transport.doorbell._RingWire with a stand-in connection: close() ends the ring task even when
 the write in flight swallows the cancel (redis-py writes under asyncio.wait_for when its pool
 sets a socket timeout, and Python 3.11's wait_for can lose a cancel), and rings after close()
 are dropped. Rings against a real Redis: tests/transport/test_doorbell.py."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.doorbell import _RingWire
+from shared.transport.doorbell import _RingWire
 
 
 class _SwallowingConn:

@@ -19,9 +19,9 @@ from services.gateway.auth import Authenticator, hash_key, parse_key_hashes
 from services.gateway.responses import Rejected
 from shared import settings as settings_mod
 from shared import settings_doc
-from shared.bus import kafka_client_kwargs
 from shared.keys import RedisKeys
-from shared.redis_conn import redis_kwargs
+from shared.transport.bus import kafka_client_kwargs
+from shared.transport.redis_conn import redis_kwargs
 from tests import procs
 
 SASL_PASSWORD = "sasl-Pa55-word-XYZ"

@@ -76,7 +76,7 @@ def keep_triton_out(device: str) -> None:
     Call it before ``torch._dynamo`` is imported (torchvision imports it, through transformers'
     processors), which imports triton when installed only to note that it is; triton serves
     GPU kernels alone. Imported, triton's types are reported as leaked at exit, because a fleet
-    process freezes its heap then (``shared.gcpolicy``): pages of warnings on Ctrl-C."""
+    process freezes its heap then (``shared.process.gcpolicy``): pages of warnings on Ctrl-C."""
     if device.strip().lower() == "cpu":
         sys.modules.setdefault("triton", None)
 

@@ -3,7 +3,7 @@ what is done, for every consumer of the fleet (the stage runner and the Kafka in
 Bounded (at most ``concurrency`` records in flight; beyond it the partitions are paused and the
 backlog stays in Kafka); at-least-once (an offset is committed only once every record below it
 is processed, :class:`OffsetTracker`); every (re)assigned partition, and every partition after a
-broker restart that lost its records (:class:`~shared.ledger.EpochWatch`), starts with a fresh
+broker restart that lost its records (:class:`~shared.transport.ledger.EpochWatch`), starts with a fresh
 watermark; ``stop()`` drains for ``drain_timeout_ms``, and what is left is redelivered.
 
 Design: docs/design/runner.md.
@@ -20,10 +20,10 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
 from shared import metrics
-from shared.aio import wait_event
-from shared.bus import make_consumer
-from shared.ledger import EpochWatch
+from shared.process.aio import wait_event
 from shared.settings import Settings
+from shared.transport.bus import make_consumer
+from shared.transport.ledger import EpochWatch
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class ConsumeLoop:
         self._process_one = process
         self._process_batch = process_batch
         self._epoch = epoch
-        self._doorbell = doorbell  # shared.doorbell.Doorbell: idle waits that an upstream produce cuts short
+        self._doorbell = doorbell  # shared.transport.doorbell.Doorbell: idle waits that an upstream produce cuts short
         self._consumer = make_consumer(settings, topic, group, listener=_Rebalance(self, listener),
                                        fetch_max_wait_ms=1 if doorbell is not None else None)
         self._trackers: dict[TopicPartition, OffsetTracker] = {}

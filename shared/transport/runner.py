@@ -21,14 +21,14 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from shared import logs, metrics, protocol, tracing
-from shared.bus import produce_all
-from shared.consume import ConsumeLoop
-from shared.early import EarlyRun, EarlyStarts, Unconfirmed
 from shared.keys import TOPIC_DEAD_LETTER, consumer_group
-from shared.ledger import ABORTED, CLAIMED, DONE, EpochWatch
 from shared.settings import Settings
 from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entry_message
 from shared.transfer import OwnerGoneError
+from shared.transport.bus import produce_all
+from shared.transport.consume import ConsumeLoop
+from shared.transport.early import EarlyRun, EarlyStarts, Unconfirmed
+from shared.transport.ledger import ABORTED, CLAIMED, DONE, EpochWatch
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class StageRunner:
         self._producer = producer
         self._settings = settings
         self._router = router  # shared.kv.router.Router: picks the partitions of the topic it routes
-        self._doorbell = doorbell  # shared.doorbell.Doorbell: rung after produces, wakes this consumer
+        self._doorbell = doorbell  # shared.transport.doorbell.Doorbell: rung after produces, wakes this consumer
         self._loop = ConsumeLoop(settings, topic, consumer_group(stage), name=stage,
                                  concurrency=concurrency or settings.stage_concurrency,
                                  poll_timeout_ms=settings.fetch_max_wait_ms + 100, process=self._handle_record,

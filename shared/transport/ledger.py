@@ -20,7 +20,7 @@ from typing import NamedTuple
 import redis.asyncio as aioredis
 
 from shared.keys import RedisKeys
-from shared.redis_lean import lean_of
+from shared.transport.redis_lean import lean_of
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ _REFRESH = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pex
 class WriteGuard(NamedTuple):
     """What Redis must show for an early run's stream write to go before the run knows it may
     write: its claim (``claim_key`` holds ``owner``) and its record in Kafka (``acked_key``, set by
-    the producer with its ack's ring, holds the record's ``partition``). See ``shared.early``."""
+    the producer with its ack's ring, holds the record's ``partition``). See ``shared.transport.early``."""
 
     claim_key: str
     owner: str

@@ -16,7 +16,7 @@ import logging
 
 import redis.asyncio as aioredis
 
-from shared.redis_lean import LeanRedis, as_dict
+from shared.transport.redis_lean import LeanRedis, as_dict
 
 __all__ = ["StreamMux", "Subscription"]
 

@@ -33,7 +33,7 @@ def redis_kwargs(settings: Settings) -> dict:
 
 # Connections per process: requests in flight each issue their own commands (admission, claims,
 # the router, doorbell rings: at most 64 in flight), bounded by max_inflight_requests; the
-# gateway's token streams share one blocking read (shared.stream_mux). redis-py's own default
+# gateway's token streams share one blocking read (shared.transport.stream_mux). redis-py's own default
 # is 100 and raises past it (40 concurrent streams, each with its own XREAD then, reached it). A
 # burst past the bound waits for a free connection instead of failing the request.
 _POOL_HEADROOM = 128

@@ -1,5 +1,5 @@
-"""The zygote's process (``python -m shared.zygote_main --fd N --model-dir D --engine E``,
-started by :class:`shared.zygote.Zygote`): imports what a fleet process will (:func:`preload`),
+"""The zygote's process (``python -m shared.process.zygote_main --fd N --model-dir D --engine E``,
+started by :class:`shared.process.zygote.Zygote`): imports what a fleet process will (:func:`preload`),
 says ``Ready`` (with its thread count: it must fork single-threaded), then serves ``Spawn``
 requests on its socket until EOF. Each is forked twice so that the new process is reparented to
 the zygote's parent, a child subreaper; the forked process then runs its module as ``__main__``,
@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from shared import zygote
+from shared.process import zygote
 
 _PID = struct.Struct("<i")
 REPARENT_TIMEOUT_S = 5.0
@@ -140,7 +140,7 @@ def serve(sock: socket.socket, parent: int) -> tuple[zygote.Spawn, list[int]] | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shared.zygote_main")
+    parser = argparse.ArgumentParser(prog="python -m shared.process.zygote_main")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--engine", required=True)
@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
     parent = os.getppid()
-    gc.disable()  # start-up objects are frozen below, as in every fleet process (shared/gcpolicy.py)
+    gc.disable()  # start-up objects are frozen below, as in every fleet process (shared/process/gcpolicy.py)
     try:
-        from shared.device import keep_triton_out
+        from shared.process.device import keep_triton_out
         from shared.settings import from_env
 
         keep_triton_out(from_env().device)  # the children's settings; before preload imports torch._dynamo
@@ -192,7 +192,7 @@ def fork_here() -> zygote.Zygote | None:
         try:
             mine.close()
             zygote.die_with_parent()
-            _title(f"{sys.executable} -m shared.zygote_main --forked-by {parent}")
+            _title(f"{sys.executable} -m shared.process.zygote_main --forked-by {parent}")
             got = serve(theirs, parent)
             if got is not None:  # a process it forked: run its module here, exit with its code
                 _become(*got, parent)

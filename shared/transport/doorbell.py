@@ -3,7 +3,7 @@
 The embedded broker (tansu) never answers a waiting fetch when data arrives, so with the doorbell
 on, consumers fetch with a 1 ms broker-side wait and, after an empty fetch, wait client-side for
 a ring on their topic's channel or ``idle_fetch_interval_ms``. A ring is a wake-up, at most
-carrying a copy of a record also produced to Kafka (``shared.early``): Kafka stays the record of
+carrying a copy of a record also produced to Kafka (``shared.transport.early``): Kafka stays the record of
 truth, and a lost ring costs at most one idle interval. :class:`Doorbell` does both sides.
 
 Design: docs/design/doorbell.md.
@@ -19,9 +19,9 @@ from aiokafka import TopicPartition
 from redis.exceptions import ResponseError
 
 from shared import protocol
-from shared.aio import wait_event
 from shared.keys import RedisKeys
-from shared.redis_conn import write_at_once
+from shared.process.aio import wait_event
+from shared.transport.redis_conn import write_at_once
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class _Bell:
         self.event = asyncio.Event()
         self.expect_s = expect_s
         self.expect_until = 0.0  # time.monotonic(): till then an empty fetch is repeated at once
-        self.on_carried = None  # callback(bytes) for a ring's carried record (shared.early)
+        self.on_carried = None  # callback(bytes) for a ring's carried record (shared.transport.early)
         self.behind_repeats = 0  # empty fetches repeated in a row because the broker had more (_BEHIND_REPEATS)
 
     def ring(self) -> None:
@@ -234,7 +234,7 @@ class Doorbell:
     def ring_acked(self, topic: str, acked: protocol.AckedRecord) -> None:
         """The ring for a carried record the broker acked: carries ``acked`` and sets
         ``RedisKeys.acked`` (its partition) in the same write, for ``ACKED_TTL_MS``: an early run's
-        guarded stream write checks it in Redis (``shared.ledger.WriteGuard``)."""
+        guarded stream write checks it in Redis (``shared.transport.ledger.WriteGuard``)."""
         key = self._keys.acked(topic, acked.request_id, acked.attempt)
         self._wire.send(self.channel(topic), protocol.encode(acked), (key, str(acked.partition)))
 

@@ -1,5 +1,5 @@
 """Fleet processes forked from one process that has imported torch and transformers once (the
-zygote, :mod:`shared.zygote_main`), so a worker or gateway starts without paying ~6 s of imports
+zygote, :mod:`shared.process.zygote_main`), so a worker or gateway starts without paying ~6 s of imports
 again. The parent (``mmfleet up``) makes itself a child subreaper, starts the zygote
 (:meth:`Zygote.start`) and asks it for ``python -m MODULE ...`` command lines
 (:meth:`Zygote.spawn`). The zygote forks twice, so the new process is the parent's own child
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _HEAD = struct.Struct("<I")
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
-preloaded = False  # true in a process the zygote forked (shared.zygote_main sets it)
+preloaded = False  # true in a process the zygote forked (shared.process.zygote_main sets it)
 READY_TIMEOUT_S = 180.0  # its imports; a loaded 2-core machine has taken ~15 s
 SPAWN_TIMEOUT_S = 30.0
 
@@ -200,14 +200,14 @@ class Zygote:
     @classmethod
     def start(cls, env: dict[str, str], log_path: Path | None, *, model_dir: str, engine: str,
               preload: tuple[str, ...] = ()) -> Zygote:
-        """Starts ``python -m shared.zygote_main``, which imports what a fleet process serving
+        """Starts ``python -m shared.process.zygote_main``, which imports what a fleet process serving
         ``model_dir`` with ``engine`` will, ``preload`` (module names) included; it runs under
         ``env``, the environment its children get (less their own differences: a worker's
         metrics port)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         out = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - closed below
         try:
-            argv = [sys.executable, "-m", "shared.zygote_main", "--fd", str(theirs.fileno()), "--model-dir",
+            argv = [sys.executable, "-m", "shared.process.zygote_main", "--fd", str(theirs.fileno()), "--model-dir",
                     model_dir, "--engine", engine, "--preload", ",".join(preload)]
             proc = subprocess.Popen(argv, env=env, pass_fds=(theirs.fileno(),), stdout=out,
                                     stderr=subprocess.STDOUT if out else None, start_new_session=True,

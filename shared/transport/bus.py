@@ -72,7 +72,7 @@ def make_consumer(settings: Settings, topic: str, group_id: str,
                   listener: ConsumerRebalanceListener | None = None, *,
                   fetch_max_wait_ms: int | None = None) -> AIOKafkaConsumer:
     """``fetch_max_wait_ms``: the broker-side wait (default the setting); 1 for a consumer a
-    :class:`shared.doorbell.Doorbell` is attached to, which waits client-side instead (tansu
+    :class:`shared.transport.doorbell.Doorbell` is attached to, which waits client-side instead (tansu
     answers a fetch with max wait 0 with no records at all, so 1 ms is the least that works)."""
     consumer = AIOKafkaConsumer(
         **kafka_client_kwargs(settings),
@@ -177,7 +177,7 @@ async def produce_all(producer: AIOKafkaProducer, produces: list[Produce], *, de
     for each record as it goes out, the ring carrying a copy of a stage record (one with a
     ``meta``) when ``carry``; and again, bare, when an ack came late or a record was not even
     queued at first; a carried record's ack rings too, with a ``protocol.AckedRecord`` (see
-    :mod:`shared.doorbell`, :mod:`shared.early`)."""
+    :mod:`shared.transport.doorbell`, :mod:`shared.transport.early`)."""
     sent_at, sent_unix_ms = time.monotonic(), int(time.time() * 1000)
     sends, rings = [], {}
     for p in produces:

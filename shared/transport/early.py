@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from shared import metrics, protocol
-from shared.aio import succeeded
-from shared.ledger import CLAIMED, WriteGuard
+from shared.process.aio import succeeded
+from shared.transport.ledger import CLAIMED, WriteGuard
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class EarlyRun:
     (``handled`` False) and the record, when it comes, takes the usual path. Effects wait for the
     record (:meth:`confirmed`); stream writes for it to be in Kafka (:meth:`durable`), except a
     guarded append that Redis writes only if it shows the claim this run's and the record acked
-    (``shared.ledger.WriteGuard``); the log's compare-and-append keeps a write a later owner of the
+    (``shared.transport.ledger.WriteGuard``); the log's compare-and-append keeps a write a later owner of the
     record repeats from showing twice. Dropped, the run releases its claim; tensor slots it put
     lapse with their leases."""
 

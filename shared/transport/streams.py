@@ -3,7 +3,7 @@ order and ends with exactly one terminal event (``Finish`` or ``ErrorEvent``) in
 Streams are bounded (``MAXLEN ~``) and expire ``ttl_s`` after the last write, so an abandoned
 request cannot grow Redis without bound. Readers resume from the last entry id they saw; a
 process's followers share one blocking read. Compare-and-appends made in one event-loop turn go
-to Redis in one script call; a guarded append (``append_delta_if``, ``shared.ledger.WriteGuard``)
+to Redis in one script call; a guarded append (``append_delta_if``, ``shared.transport.ledger.WriteGuard``)
 is written only if Redis shows its guard met, in the same call.
 
 Design: docs/design/architecture.md.
@@ -20,10 +20,10 @@ import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import RedisKeys
-from shared.ledger import WriteGuard
-from shared.redis_lean import as_dict, lean_of
 from shared.stage import LogLost
-from shared.stream_mux import StreamMux
+from shared.transport.ledger import WriteGuard
+from shared.transport.redis_lean import as_dict, lean_of
+from shared.transport.stream_mux import StreamMux
 
 _FIELD = b"e"
 # how long a follower waits without news before it checks that its log still exists
@@ -70,7 +70,7 @@ class TokenStreams:
         self._maxlen = maxlen
         self._ttl_s = ttl_s
         self._cas = redis.register_script(_APPEND_AT_SEQ)
-        self._appends = lean_of(redis)  # ~1 script call a decode step: the lean client's (shared.redis_lean)
+        self._appends = lean_of(redis)  # ~1 script call a decode step: the lean client's (shared.transport.redis_lean)
         # appends waiting for the next script call: at most one per writer, each awaits its own;
         # keys (stream, counter, claim, acked) and args (position, delta, owner, partition)
         self._batch: list[tuple[tuple[str, str, str, str], tuple[int, bytes, str, int], asyncio.Future]] = []
@@ -146,7 +146,7 @@ class TokenStreams:
                      on_lost: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[protocol.StreamEvent]:
         """Yield events until a terminal one; raises ``TimeoutError`` past ``deadline_s``
         (a ``loop.time()`` value), or the reader's Redis error. Every follow of this instance
-        shares one blocking read (:class:`~shared.stream_mux.StreamMux`). Each delta position is
+        shares one blocking read (:class:`~shared.transport.stream_mux.StreamMux`). Each delta position is
         yielded once: a log rewritten from the start (Redis flushed between prefill's first token
         and decode's read of the log) repeats positions the reader already has, and those are
         dropped.
