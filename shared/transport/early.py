@@ -21,15 +21,12 @@ import msgspec
 
 from shared import metrics, protocol
 from shared.process.aio import succeeded
-from shared.transport.ledger import CLAIMED, WriteGuard
+from shared.transport.delivery import Unconfirmed
+from shared.transport.ledger import CLAIMED, StageLedger, WriteGuard
 
 log = logging.getLogger(__name__)
 
 _SEEN_MAX = 1024  # hashes of records delivered lately: a ring heard after its record starts nothing
-
-
-class Unconfirmed(Exception):
-    """Kafka did not deliver the early-started record in time, or its partition went away."""
 
 
 class Unclaimed(Unconfirmed):
@@ -37,7 +34,7 @@ class Unclaimed(Unconfirmed):
 
 
 class EarlyRun:
-    """One record started from its carried copy.
+    """One record started from its carried copy: a :class:`~shared.transport.delivery.Delivery`.
 
     Its claim's round trip overlaps the work (:meth:`claimed`): what it shows waits for the claim
     too. A claim held elsewhere, a done-mark or an abort drops the run with nothing shown
@@ -69,6 +66,14 @@ class EarlyRun:
         self._claim = asyncio.ensure_future(enter)
         self._claim.add_done_callback(self._claim_done)
         self._guard = guard
+
+    async def enter(self, ledger: StageLedger, stage: str, meta: protocol.RequestMeta, worker_id: str,
+                    topic: str) -> int:
+        """The delivery's claim: taken while the work starts (:meth:`claim`), so ``CLAIMED`` at once;
+        all the run shows waits for the round trip's answer."""
+        self.claim(ledger.enter(meta.request_id, stage, meta.attempt, worker_id),
+                   ledger.write_guard(meta.request_id, stage, meta.attempt, worker_id, topic, self.partition))
+        return CLAIMED
 
     def write_guard(self) -> WriteGuard | None:
         """The guard for a stream write Redis may check instead of this run, while the run does not
@@ -158,7 +163,7 @@ class EarlyRun:
         return (not self.dropped and self._in_kafka.is_set()
                 and (self._claim is None or (self._claim.done() and _won(self._claim))))
 
-    def gated(self, events):
+    def gate(self, events):
         """``events`` (an EventSink) whose writes wait for :meth:`durable`."""
         return _GatedEvents(events, self)
 

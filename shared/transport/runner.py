@@ -27,8 +27,9 @@ from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entr
 from shared.transfer import OwnerGoneError
 from shared.transport.bus import produce_all
 from shared.transport.consume import ConsumeLoop
-from shared.transport.early import EarlyRun, EarlyStarts, Unconfirmed
-from shared.transport.ledger import ABORTED, CLAIMED, DONE, EpochWatch
+from shared.transport.delivery import Delivered, Delivery, Unconfirmed
+from shared.transport.early import EarlyRun, EarlyStarts
+from shared.transport.ledger import ABORTED, DONE, EpochWatch
 
 log = logging.getLogger(__name__)
 
@@ -101,35 +102,28 @@ class StageRunner:
             self._count("dead_letter")
             return
         with logs.bind(request_id=msg.meta.request_id, stage=self.stage):
-            await self._handle_decoded(tp, rec, msg)
+            await self._handle_decoded(Delivered(tp, rec), msg)
 
     def _count(self, outcome: str) -> None:
         metrics.STAGE_RECORDS.labels(self.stage, outcome).inc()
 
     async def _early_run(self, run: EarlyRun) -> None:
         with logs.bind(request_id=run.msg.meta.request_id, stage=self.stage):
-            await self._handle_decoded(None, None, run.msg, run)
+            await self._handle_decoded(run, run.msg)
 
-    async def _handle_decoded(self, tp: TopicPartition | None, rec, msg, run: EarlyRun | None = None) -> None:
-        """``run``: an early start (``tp``/``rec`` None until Kafka delivers the record)."""
+    async def _handle_decoded(self, delivery: Delivery, msg) -> None:
         meta: protocol.RequestMeta = msg.meta
-        queue_ms = now_ms() - (rec.timestamp if run is None else run.sent_unix_ms)  # produced → picked up here
+        queue_ms = now_ms() - delivery.sent_unix_ms  # produced → picked up here
         ledger = self._ctx.ledger
         if ledger is None:
-            await self._attempts(tp, rec, msg, meta, queue_ms)
+            await self._attempts(delivery, msg, queue_ms)
             return
         t_claim = time.perf_counter()
-        if run is not None:  # the claim's round trip overlaps the work; all the run shows waits for it
-            run.claim(ledger.enter(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id),
-                      ledger.write_guard(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id, self.topic,
-                                         run.partition))
-            state = CLAIMED
-        else:  # past the deadline an unclaimed record goes on: the deadline check ends it with a 504
-            state = await ledger.enter_waiting(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id,
-                                               give_up_unix_ms=meta.deadline_unix_ms, poll_s=0.2)
+        state = await delivery.enter(ledger, self.stage, meta, self._ctx.worker_id, self.topic)
         if state == ABORTED:
-            await self._fail(meta, RequestFailed(499, "the client closed the request", type_="invalid_request_error",
-                                                 code="client_closed_request"), outcome="aborted")
+            await self._fail(delivery, meta, RequestFailed(499, "the client closed the request",
+                                                           type_="invalid_request_error",
+                                                           code="client_closed_request"), outcome="aborted")
             return
         if state == DONE:
             log.debug("%s: %s is done already; skipping the redelivery", self.stage, meta.request_id)
@@ -139,30 +133,29 @@ class StageRunner:
         keeper = ledger.keeper(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
         finished = False
         try:
-            await self._attempts(tp, rec, msg, meta, queue_ms, claim_ms, run)
-            if run is not None:
-                await run.confirmed()  # never a done-mark without the claim (every effect waited for it)
+            await self._attempts(delivery, msg, queue_ms, claim_ms)
+            await delivery.confirmed()  # never a done-mark without the claim (every effect waited for it)
             await keeper.stop()
             await ledger.finish(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
             finished = True
         finally:
             await keeper.stop()
-            if not finished and (run is None or await run.holds_claim()):
+            if not finished and await delivery.holds_claim():
                 await ledger.release(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
 
-    async def _attempts(self, tp: TopicPartition | None, rec, msg, meta: protocol.RequestMeta, queue_ms: float,
-                        claim_ms: float = 0.0, run: EarlyRun | None = None) -> None:
-        """``run``: an early start; nothing leaves this worker before ``run.confirmed()``."""
+    async def _attempts(self, delivery: Delivery, msg, queue_ms: float, claim_ms: float = 0.0) -> None:
+        """Nothing leaves this worker before ``delivery.confirmed()``; stream writes are gated."""
+        meta: protocol.RequestMeta = msg.meta
         attempts = 0
         while True:
             attempts += 1
             if now_ms() > meta.deadline_unix_ms:
-                await self._fail(meta, RequestFailed.deadline(meta.request_id, self.stage), run=run)
+                await self._fail(delivery, meta, RequestFailed.deadline(meta.request_id, self.stage))
                 return
             try:
-                outcome = await self._run_stage(self._handler, msg, self._ctx, queue_ms, claim_ms, run)
+                outcome = await self._run_stage(self._handler, msg, self._ctx, queue_ms, claim_ms, delivery)
             except RequestFailed as failed:
-                await self._fail(meta, failed, run=run)
+                await self._fail(delivery, meta, failed)
                 return
             except OwnerGoneError as exc:
                 log.warning("%s: %s lost an input tensor (%s); restarting it from its source", self.stage,
@@ -173,45 +166,43 @@ class StageRunner:
                         fresh = await self._ctx.ledger.next_attempt(meta.request_id, meta.attempt)
                     outcome = restart_from_source(meta, self._settings.max_restarts, str(exc), fresh)
                 except RequestFailed as failed:
-                    await self._fail(meta, failed, run=run)
+                    await self._fail(delivery, meta, failed)
                     return
             except (asyncio.CancelledError, Unconfirmed):  # an early start's record did not come: drop it
                 raise
             except Exception as exc:
-                if run is not None:
-                    await run.claimed()  # a run without the claim drops here rather than retry
+                await delivery.claimed()  # an early start without the claim drops here rather than retry
                 log.exception("%s: handler failed for %s (attempt %d)", self.stage, meta.request_id, attempts)
                 if attempts >= self._settings.max_attempts:
-                    if run is not None:
-                        tp, rec = await run.confirmed()
+                    tp, rec = await delivery.confirmed()
                     await self._dead_letter(tp, rec, f"{type(exc).__name__}: {exc}", attempts)
-                    await self._fail(meta, RequestFailed(
+                    await self._fail(delivery, meta, RequestFailed(
                         500, f"stage {self.stage} failed {attempts} times on this request; it was "
                              f"moved to {TOPIC_DEAD_LETTER}", type_="server_error", code="stage_failed"),
                         outcome="dead_letter")
                     return
                 await asyncio.sleep(min(0.05 * 2 ** attempts, 2.0))
                 continue
-            if run is not None:
-                await run.confirmed()
+            await delivery.confirmed()
             try:
                 await self._deliver(outcome, meta.deadline_unix_ms)
             except KafkaError as exc:  # the broker stayed unreachable until the deadline
-                await self._fail(meta, RequestFailed(503, f"stage {self.stage} could not queue its output before "
-                                                          f"the deadline ({type(exc).__name__})",
-                                                     type_="server_error", code="queue_unavailable"))
+                await self._fail(delivery, meta, RequestFailed(
+                    503, f"stage {self.stage} could not queue its output before the deadline "
+                         f"({type(exc).__name__})", type_="server_error", code="queue_unavailable"))
                 return
             self._count("ok")
             log.debug("%s: handled %s (%d outputs)", self.stage, meta.request_id, len(outcome.produce))
             return
 
-    async def _run_stage(self, handler: Handler, msg, ctx: Context, queue_ms: float,
-                         claim_ms: float = 0.0, run: EarlyRun | None = None) -> Outcome:
-        """One handler call under its stage span; its outputs carry the span; outputs for
-        local stages are handled here too (queue 0), and only the rest goes to Kafka. ``run``: an
-        early start, whose stream writes wait for its record."""
-        if run is not None:
-            ctx = dataclasses.replace(ctx, events=run.gated(ctx.events))
+    async def _run_stage(self, handler: Handler, msg, ctx: Context, queue_ms: float, claim_ms: float,
+                         delivery: Delivery) -> Outcome:
+        """One handler call under its stage span, its stream writes gated by ``delivery``; its
+        outputs carry the span; outputs for local stages are handled here too (queue 0), and only
+        the rest goes to Kafka."""
+        events = delivery.gate(ctx.events)
+        if events is not ctx.events:  # an early start's: the context's other parts stay shared
+            ctx = dataclasses.replace(ctx, events=events)
         with tracing.stage_span(ctx.stage, ctx.worker_id, queue_ms, claim_ms) as timer:
             try:
                 with logs.bind(stage=ctx.stage):  # a locally routed stage logs under its own name
@@ -226,7 +217,7 @@ class StageRunner:
             if route is None:
                 produce.append(Produce(p.topic, p.key, value, p.partition))
                 continue
-            sub = await self._run_stage(route[0], value, route[1], 0.0, run=run)
+            sub = await self._run_stage(route[0], value, route[1], 0.0, 0.0, delivery)
             # a stage handed its message in memory finished one too (its failures end the
             # whole chain and count under the stage that consumed the record)
             metrics.STAGE_RECORDS.labels(route[1].stage, "ok").inc()
@@ -244,12 +235,11 @@ class StageRunner:
             for owner, leases in outcome.releases:
                 await self._ctx.transfer.release(owner, leases)
 
-    async def _fail(self, meta: protocol.RequestMeta, failed: RequestFailed, outcome: str | None = None,
-                    run: EarlyRun | None = None) -> None:
-        """Write the request's terminal error (an early start's once its record is delivered);
-        count ``outcome`` (default: deadline for a 504, else failed)."""
-        if run is not None:
-            await run.confirmed()
+    async def _fail(self, delivery: Delivery, meta: protocol.RequestMeta, failed: RequestFailed,
+                    outcome: str | None = None) -> None:
+        """Write the request's terminal error once the delivery is confirmed; count ``outcome``
+        (default: deadline for a 504, else failed)."""
+        await delivery.confirmed()
         log.info("%s: request %s failed: %s", self.stage, meta.request_id, failed.event.message)
         await self._ctx.events.append(meta.request_id, failed.event)
         self._count(outcome or ("deadline" if failed.event.status == 504 else "failed"))

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from shared import protocol
-from shared.transport.early import EarlyStarts, Unconfirmed
+from shared.transport.delivery import Unconfirmed
+from shared.transport.early import EarlyStarts
 from shared.transport.ledger import CLAIMED, WriteGuard
 
 
@@ -127,7 +128,7 @@ async def test_adopt_hands_the_record_to_the_waiting_run_and_its_stream_writes()
     value = run.value
     sink = _Sink()
     written = sink.written
-    gated = run.gated(sink)
+    gated = run.gate(sink)
     writer = asyncio.create_task(gated.append("r1", "ev"))
     await asyncio.sleep(0.05)
     assert written == [] and await gated.history("r1") == []  # reads go through, writes wait
@@ -183,7 +184,7 @@ async def test_the_brokers_ack_releases_stream_writes_and_only_delivery_the_rest
     value = run.value
     sink = _Sink()
     written = sink.written
-    gated = run.gated(sink)
+    gated = run.gate(sink)
     writer = asyncio.create_task(gated.append_delta("r1", "d0", 0))
     confirmed = asyncio.create_task(run.confirmed())
     env.early.offer(_acked(msg, partition=1))  # another partition's record: not this run's
@@ -230,7 +231,7 @@ async def test_a_dropped_run_writes_nothing_even_once_acked():
     run = await _started(env, msg)
     sink = _Sink()
     written = sink.written
-    gated = run.gated(sink)
+    gated = run.gate(sink)
     with pytest.raises(Unconfirmed):  # neither acked nor delivered within the bound
         await gated.append("r1", "ev")
     assert run.dropped
@@ -254,7 +255,7 @@ async def test_a_delta_the_run_cannot_vouch_for_yet_is_a_guarded_append():
     guard = WriteGuard("claim-key", "w1", "acked-key", 0)
     run.claim(claim, guard)
     sink = _GuardedSink()
-    gated = run.gated(sink)
+    gated = run.gate(sink)
     sink.shows = True
     assert await gated.append_delta("r1", "d0", 0) is True
     assert sink.written == [("d0", 0)] and sink.guards == [guard]
@@ -279,7 +280,7 @@ async def test_a_dropped_run_makes_no_guarded_append():
     run.claim(claim, WriteGuard("c", "w1", "a", 0))
     sink = _GuardedSink()
     sink.shows = True
-    gated = run.gated(sink)
+    gated = run.gate(sink)
     run.drop()
     with pytest.raises(Unconfirmed):
         await gated.append_delta("r1", "d0", 0)
@@ -308,7 +309,7 @@ async def test_appends_are_queued_through_the_gate_only_once_the_run_may_write()
     claim = asyncio.get_running_loop().create_future()
     run.claim(claim)
     sink = _QueuingSink()
-    gated = run.gated(sink)
+    gated = run.gate(sink)
     assert gated.append_delta_soon("r1", "d0", 0) is None  # neither claim nor ack seen
     env.early.offer(_acked(msg))
     assert gated.append_delta_soon("r1", "d0", 0) is None  # acked, the claim still in flight
@@ -332,6 +333,6 @@ async def test_a_run_whose_claim_is_held_elsewhere_queues_nothing():
     env.early.offer(_acked(msg))
     await asyncio.sleep(0)
     sink = _QueuingSink()
-    assert run.gated(sink).append_delta_soon("r1", "d0", 0) is None and sink.written == []
+    assert run.gate(sink).append_delta_soon("r1", "d0", 0) is None and sink.written == []
     env.gate.set()
     await asyncio.gather(run.task, return_exceptions=True)
