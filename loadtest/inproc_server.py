@@ -22,12 +22,12 @@ import msgspec
 import torch
 from aiohttp import web
 
-from services.decode.stream import stream_completion
 from services.gateway import schema
 from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.responses import Shaper, error_response, event_error_response, sse_response, whole_response
 from shared import protocol
 from shared.engines.registry import make_engine
+from shared.engines.token_stream import stream_completion
 from shared.process import aio
 from shared.settings import Settings
 from shared.stage import RequestFailed

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import msgspec
 
-from services.decode.stream import LOOKAHEAD_TOKENS, abort_check, read_log, stream_completion
 from shared import protocol
 from shared.engines.base import Engine, SampledToken
+from shared.engines.token_stream import LOOKAHEAD_TOKENS, abort_check, read_log, stream_completion
 from shared.stage import Context, Outcome
 from shared.tracing import timed_transfer
 from shared.transfer import OwnerGoneError

@@ -3,18 +3,18 @@ the engine) and the tokens are written to the request's Redis stream as they com
 
 In: ``PrefillRequest``. Out: the token stream; releases encode's embedding slots at the end.
 Like decode it first reads the request's token log: a finished request is not generated again,
-a partly streamed one resumes after its last logged token (``services.decode.stream``).
+a partly streamed one resumes after its last logged token (``shared.engines.token_stream``).
 
 Design: docs/design/decode-core.md.
 """
 
 from __future__ import annotations
 
-from services.decode.stream import abort_check, read_log, stream_completion
 from services.prefill.handler import check_context, embedding_releases, pull_media
 from shared import protocol
 from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine
+from shared.engines.token_stream import abort_check, read_log, stream_completion
 from shared.stage import Context, Outcome
 
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import functools
 
-from services.decode.stream import write_first_delta
 from shared import protocol
 from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine, MediaEmbeds, PrefillOutput
+from shared.engines.token_stream import write_first_delta
 from shared.keys import TOPIC_DECODE
 from shared.kv.audit import RouteAudit
 from shared.kv.prefix_cache import CacheChanges

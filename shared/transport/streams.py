@@ -155,7 +155,7 @@ class TokenStreams:
         finished, so nobody writes it again) is noticed after ``LOST_CHECK_S`` without news: the
         deltas read so far are written back (compare-and-append, so a writer that is still
         running keeps its own) and ``on_lost`` asks for the request to run again; its decode
-        resumes after those deltas (services/decode/stream.py)."""
+        resumes after those deltas (shared/engines/token_stream.py)."""
         loop = asyncio.get_running_loop()
         key = self._keys.token_stream(request_id)
         sub = await self._mux.subscribe(key)

@@ -218,7 +218,7 @@ async def test_decodes_queue_their_appends_and_a_step_shares_one_call(redis_url,
     without writing."""
     from transformers import AutoTokenizer
 
-    from services.decode.stream import stream_completion
+    from shared.engines.token_stream import stream_completion
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok.encode(" the sea is blue and calm today", add_special_tokens=False)

@@ -92,8 +92,8 @@ def test_logprobs_shapes():
 async def test_stream_writer_records_the_logprobs_of_sampled_tokens(model_dir):
     from transformers import AutoTokenizer
 
-    from services.decode.stream import stream_completion
     from shared.engines.base import SampledToken
+    from shared.engines.token_stream import stream_completion
     from tests.fakes import ListSink
 
     lp = [protocol.TokenLogprob(t, -float(t), ((t, -float(t)),)) for t in (11, 12)]

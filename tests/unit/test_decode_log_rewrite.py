@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from services.decode.stream import stream_completion
 from shared import protocol
+from shared.engines.token_stream import stream_completion
 from tests.fakes import ListSink, QueuedAppends
 from tests.unit.test_decode_lookahead import EOS, _Engine, _ids, _meta
 

@@ -1,4 +1,4 @@
-"""The decode writer's look-ahead (``services.decode.stream``): the engine's next step runs
+"""The decode writer's look-ahead (``shared.engines.token_stream``): the engine's next step runs
 while a token's append is in flight, at most ``lookahead_tokens`` ahead; the log is the same
 as in lock-step; a stop string closes the engine's iterator; an engine failure reaches the
 caller. With a sink that queues appends (Redis's), the writer takes the next token before the
@@ -11,8 +11,8 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from services.decode.stream import stream_completion
 from shared import protocol
+from shared.engines.token_stream import stream_completion
 from tests.fakes import ListSink, SoonSink
 
 EOS = 2

@@ -1,4 +1,4 @@
-"""Prefill writes a request's first delta (``services.decode.stream.write_first_delta``) and
+"""Prefill writes a request's first delta (``shared.engines.token_stream.write_first_delta``) and
 decode resumes after it: the log must be exactly the one decode alone would have written, for
 plain tokens, logprobs, a stop string held back or hit, and an end-of-sequence first token."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from services.decode.stream import read_log, stream_completion, write_first_delta
 from shared import protocol
 from shared.engines.base import SampledToken
+from shared.engines.token_stream import read_log, stream_completion, write_first_delta
 from tests.fakes import ListSink
 
 EOS = 2
