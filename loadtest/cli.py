@@ -66,13 +66,34 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     from loadtest import inproc_server, media_server
-    from loadtest.workloads import KINDS
-    from services.modes import MODES
 
     p = argparse.ArgumentParser(prog="loadtest", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     sub = p.add_subparsers(dest="command", required=True)
+
+    _add_run(sub)
+
+    _add_suites(sub)
+
+    from loadtest import split
+
+    split.add_arguments(sub.add_parser("split", help="encode / prefill / decode split of a Qwen2-VL, in one process"))
+    from loadtest import stepcost
+
+    stepcost.add_arguments(sub.add_parser("steps", help="a batched decode step's CPU cost by batch width"))
+    from loadtest import coldcost
+
+    coldcost.add_arguments(sub.add_parser("cold", help="a forward's CPU cost hot, after a sleep, after other work"))
+    media_server.add_arguments(sub.add_parser("media-server", help="serve deterministic test images"))
+    inproc_server.add_arguments(sub.add_parser("inproc", help="run the in-process OpenAI server"))
+    return p
+
+
+def _add_run(sub) -> None:
+    """``run``: one workload under load shapes against targets."""
+    from loadtest.workloads import KINDS
+    from services.modes import MODES
 
     run = sub.add_parser("run", help="one benchmark")
     run.add_argument("--target", action="append", default=[],
@@ -103,6 +124,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--duration-s", type=float, default=120, help="no new request after this, per load level")
     run.add_argument("--grace-s", type=float, default=60, help="then wait this long for requests in flight")
     _common(run)
+
+
+def _add_suites(sub) -> None:
+    """The suites: suite, engines, kv, step, reuse."""
+    from services.modes import MODES
 
     suite = sub.add_parser("suite", help="the standard suite (a few minutes)")
     suite.add_argument("--target", action="append", default=[], help="override the suite's targets (repeatable)")
@@ -155,19 +181,6 @@ def _parser() -> argparse.ArgumentParser:
     reuse.add_argument("--duration-s", type=float, default=120)
     _common(reuse)
 
-    from loadtest import split
-
-    split.add_arguments(sub.add_parser("split", help="encode / prefill / decode split of a Qwen2-VL, in one process"))
-    from loadtest import stepcost
-
-    stepcost.add_arguments(sub.add_parser("steps", help="a batched decode step's CPU cost by batch width"))
-    from loadtest import coldcost
-
-    coldcost.add_arguments(sub.add_parser("cold", help="a forward's CPU cost hot, after a sleep, after other work"))
-    media_server.add_arguments(sub.add_parser("media-server", help="serve deterministic test images"))
-    inproc_server.add_arguments(sub.add_parser("inproc", help="run the in-process OpenAI server"))
-    return p
-
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -213,30 +226,11 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"loadtest: {exc}", file=sys.stderr)
         return 2
     if args.command == "kv":
-        from loadtest import kvbench
-
-        opts = TargetOptions(model_dir=procs.model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
-                             extra_env=extra_env, ready_timeout_s=args.ready_timeout_s)
-        long = kvbench.Sessions("long", args.turns, args.window or args.turns, args.text_words)
-        result = kvbench.run_kv(out, opts, sessions=args.sessions, concurrency=args.concurrency,
-                                workloads=(long,) if args.no_short else (long, kvbench.SHORT),
-                                replicas=args.prefill_replicas, progress=not args.no_progress,
-                                engines=tuple(dict.fromkeys(args.engine)) or ("transformers",),
-                                repeats=max(1, args.repeats))
-        print(kvbench.write(result, out, plots=not args.no_plots).read_text())
-        print(f"results in {out}", file=sys.stderr)
-        return 1 if result.get("failed") or not result["runs"] else 0
+        return _kv(args, out, logs, extra_env)
     if args.command == "reuse":
         return _reuse(args, out, logs, slos, extra_env)
     if args.command == "step":
-        from loadtest import stepload
-
-        cfg = stepload.StepConfig(burst_rate=args.burst_rate, burst_s=args.burst_s, max_workers=args.max_workers,
-                                  ttft_slo_ms=args.ttft_slo_ms, mode=args.mode)
-        result = stepload.run_step(out, procs.model_dir(args.model_dir), cfg, ready_timeout_s=args.ready_timeout_s)
-        print(stepload.write(result, out, plots=not args.no_plots).read_text())
-        print(f"results in {out}", file=sys.stderr)
-        return 1 if any(f["failed"] for f in result["fleets"].values()) else 0
+        return _step(args, out)
     if args.command in ("suite", "engines"):
         targets = args.target or (suite.TARGETS if args.command == "suite" else vllmclient.TARGETS)
         workload = suite.suite_workload(max(args.low_requests, args.sat_requests))
@@ -288,6 +282,34 @@ def _bench(args: argparse.Namespace) -> int:
     print(summary.read_text())
     print(f"results in {out}", file=sys.stderr)
     return 1 if result["failed"] or not result["runs"] else 0
+
+
+def _kv(args: argparse.Namespace, out: Path, logs: Path, extra_env: dict) -> int:
+    from loadtest import kvbench
+    from loadtest.targets import TargetOptions
+
+    opts = TargetOptions(model_dir=procs.model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
+                         extra_env=extra_env, ready_timeout_s=args.ready_timeout_s)
+    long = kvbench.Sessions("long", args.turns, args.window or args.turns, args.text_words)
+    result = kvbench.run_kv(out, opts, sessions=args.sessions, concurrency=args.concurrency,
+                            workloads=(long,) if args.no_short else (long, kvbench.SHORT),
+                            replicas=args.prefill_replicas, progress=not args.no_progress,
+                            engines=tuple(dict.fromkeys(args.engine)) or ("transformers",),
+                            repeats=max(1, args.repeats))
+    print(kvbench.write(result, out, plots=not args.no_plots).read_text())
+    print(f"results in {out}", file=sys.stderr)
+    return 1 if result.get("failed") or not result["runs"] else 0
+
+
+def _step(args: argparse.Namespace, out: Path) -> int:
+    from loadtest import stepload
+
+    cfg = stepload.StepConfig(burst_rate=args.burst_rate, burst_s=args.burst_s, max_workers=args.max_workers,
+                              ttft_slo_ms=args.ttft_slo_ms, mode=args.mode)
+    result = stepload.run_step(out, procs.model_dir(args.model_dir), cfg, ready_timeout_s=args.ready_timeout_s)
+    print(stepload.write(result, out, plots=not args.no_plots).read_text())
+    print(f"results in {out}", file=sys.stderr)
+    return 1 if any(f["failed"] for f in result["fleets"].values()) else 0
 
 
 def _reuse(args: argparse.Namespace, out: Path, logs: Path, slos: dict, extra_env: dict) -> int:

@@ -59,6 +59,13 @@ def validate(record, stem: str) -> list[str]:
         errors.append("key 'date': YYYY-MM-DD")
     if "commit" in record and not (isinstance(record["commit"], str) and COMMIT_RE.fullmatch(record["commit"])):
         errors.append("key 'commit': a hex commit hash (7-40 digits) or 'unknown'")
+    errors += _machine_errors(record)
+    table_errors, columns = _table_errors(record)
+    return errors + table_errors + _plot_errors(record, columns)
+
+
+def _machine_errors(record: dict) -> list[str]:
+    errors: list[str] = []
     machine = record.get("machine")
     if "machine" in record:
         if not isinstance(machine, dict):
@@ -74,6 +81,12 @@ def validate(record, stem: str) -> list[str]:
             for k in ("cpu", "gpu"):
                 if machine.get(k) is not None and not isinstance(machine[k], str):
                     errors.append(f"key 'machine.{k}': a string or null")
+    return errors
+
+
+def _table_errors(record: dict) -> tuple[list[str], dict[str, list]]:
+    """The tables' errors, and the columns of each well-named table (for the plots' checks)."""
+    errors: list[str] = []
     tables = record.get("tables")
     columns: dict[str, list] = {}
     if "tables" in record:
@@ -109,9 +122,14 @@ def validate(record, stem: str) -> list[str]:
                     errors.append(f"{where}.rows[{j}]': {len(row)} cells for {len(cols)} columns")
             if "note" in table and not isinstance(table["note"], str):
                 errors.append(f"{where}.note': a string")
+    return errors, columns
+
+
+def _plot_errors(record: dict, columns: dict[str, list]) -> list[str]:
+    errors: list[str] = []
     plots = record.get("plots", [])
     if not isinstance(plots, list):
-        return errors + ["key 'plots': a list"]
+        return ["key 'plots': a list"]
     for i, plot in enumerate(plots):
         where = f"key 'plots[{i}]"
         if not isinstance(plot, dict):

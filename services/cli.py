@@ -49,28 +49,36 @@ def _parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_, description=help_, epilog=_EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
-    def config(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--config", type=Path, metavar="FILE",
-                        help="TOML file of settings (keys are setting names); env MMFLEET_CONFIG")
+    _fleet_commands(add)
+    _tool_commands(add, sub)
+    return p
 
-    def common(sp: argparse.ArgumentParser) -> None:
-        config(sp)
-        sp.add_argument("--kafka-bootstrap", help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP)")
-        sp.add_argument("--redis-url", help="Redis URL (env REDIS_URL)")
-        sp.add_argument("--model", metavar="FOLDER_OR_HUB_ID",
-                        help="a local model folder or a hub id in the local Hugging Face cache (env MMFLEET_MODEL); "
-                             "default: the tiny offline demo model")
-        sp.add_argument("--model-path", metavar="FOLDER_OR_HUB_ID",
-                        help="the old name of --model (the served model name then stays mmfleet-demo)")
-        sp.add_argument("--revision", help="with a hub id: branch, tag or commit (env MMFLEET_REVISION; default main)")
-        sp.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (env MMFLEET_LOG_LEVEL)")
-        sp.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON "
-                        "(env MMFLEET_LOG_FORMAT)")
-        sp.add_argument("--engine", choices=["transformers", "vllm"],
-                        help="language-model runtime (env MMFLEET_ENGINE; default transformers)")
 
+def _config_flag(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--config", type=Path, metavar="FILE",
+                    help="TOML file of settings (keys are setting names); env MMFLEET_CONFIG")
+
+def _common_flags(sp: argparse.ArgumentParser) -> None:
+    _config_flag(sp)
+    sp.add_argument("--kafka-bootstrap", help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP)")
+    sp.add_argument("--redis-url", help="Redis URL (env REDIS_URL)")
+    sp.add_argument("--model", metavar="FOLDER_OR_HUB_ID",
+                    help="a local model folder or a hub id in the local Hugging Face cache (env MMFLEET_MODEL); "
+                         "default: the tiny offline demo model")
+    sp.add_argument("--model-path", metavar="FOLDER_OR_HUB_ID",
+                    help="the old name of --model (the served model name then stays mmfleet-demo)")
+    sp.add_argument("--revision", help="with a hub id: branch, tag or commit (env MMFLEET_REVISION; default main)")
+    sp.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (env MMFLEET_LOG_LEVEL)")
+    sp.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON "
+                    "(env MMFLEET_LOG_FORMAT)")
+    sp.add_argument("--engine", choices=["transformers", "vllm"],
+                    help="language-model runtime (env MMFLEET_ENGINE; default transformers)")
+
+
+def _fleet_commands(add) -> None:
+    """The fleet's own processes: up, worker, gateway, and the topics and model they need."""
     up = add("up", "start the whole fleet and supervise it (Ctrl-C stops it)")
-    common(up)
+    _common_flags(up)
     from services.modes import MODES, STAGE_ORDER  # the stage registry (services/stages.py)
 
     up.add_argument("--mode", default="e-p-d", choices=list(MODES),
@@ -85,21 +93,24 @@ def _parser() -> argparse.ArgumentParser:
                     help="worker processes per stage, e.g. prefill=3,encode=2 (env MMFLEET_STAGE_REPLICAS)")
 
     worker = add("worker", "run one worker process")
-    common(worker)
+    _common_flags(worker)
     worker.add_argument("--stages", required=True,
                         help=f"comma-separated stages: {', '.join(STAGE_ORDER)}")
 
     gw = add("gateway", "run the HTTP gateway")
-    common(gw)
+    _common_flags(gw)
     gw.add_argument("--port", type=int, dest="gateway_port", help="gateway port (env MMFLEET_GATEWAY_PORT)")
 
-    common(add("topics", "create the fleet's topics if missing"))
-    common(add("model", "print the folder of the model served (--model: a folder or a hub id in the local HF cache; "
-                        "none: the tiny demo model, built once)"))
+    _common_flags(add("topics", "create the fleet's topics if missing"))
+    _common_flags(add("model", "print the folder of the model served (--model: a folder or a hub id in the local "
+                               "HF cache; none: the tiny demo model, built once)"))
 
+
+def _tool_commands(add, sub) -> None:
+    """The operator's tools: submit, top, keys, settings, doctor, bench."""
     submit = add("submit", "run a JSONL file of requests through the Kafka ingress; replies to a JSONL file "
                            "(resumable: ids already answered are skipped)")
-    common(submit)
+    _common_flags(submit)
     submit.add_argument("input", type=Path, help="requests, one per line: {custom_id, url?, body}")
     submit.add_argument("output", type=Path, help="replies are appended here, one per line")
     submit.add_argument("--reply-topic", help="topic to read replies from (default: mm.replies.<input stem>)")
@@ -110,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
 
     top = add("top", "the live fleet view in the terminal: stages, lag, latencies, caches, processes "
                      "(from Redis liveness records and each process's /metrics)")
-    config(top)
+    _config_flag(top)
     top.add_argument("--redis-url", help="Redis URL (env REDIS_URL)")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between frames (default 2)")
@@ -120,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     keys_sub.add_parser("hash", help="read one API key from stdin, print its sha256 (what settings hold)")
 
     st = add("settings", "list every setting with its environment variable, default and meaning")
-    config(st)
+    _config_flag(st)
     shape = st.add_mutually_exclusive_group()
     shape.add_argument("--effective", action="store_true",
                        help="print MMFLEET_<NAME>=value as in force here (defaults < file < environment; "
@@ -129,13 +140,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="print the table as Markdown (as in docs/guide/configuration.md)")
     doctor = add("doctor", "print the compute device, the tensor transfer paths this host offers, and a "
                            "1/16/256 MiB bandwidth probe of each (between two processes)")
-    config(doctor)
+    _config_flag(doctor)
     doctor.add_argument("--device", help="cpu, cuda or cuda:N (default: setting device)")
     doctor.add_argument("--sizes", default="1,16,256", help="probe sizes, MiB, comma-separated")
     sub.add_parser("bench", add_help=False,
                    help="benchmark the fleet against inproc and vllm serve (mmfleet bench --help; settings "
                         "from MMFLEET_CONFIG and MMFLEET_* variables)")
-    return p
 
 
 def load_settings(args: argparse.Namespace, env=None) -> settings_mod.Settings:
@@ -179,65 +189,76 @@ def main(argv: list[str] | None = None) -> int:
 
         gcpolicy.starting()
         keep_triton_out(settings.device)  # before anything imports torch._dynamo
-    if args.command == "up":
-        from services.supervisor import run_up
+    return _COMMANDS[args.command](args, settings)
 
-        return aio.run(run_up(settings, mode=args.mode, log_dir=args.log_dir, ready_file=args.ready_file,
-                              autoscale=args.autoscale), settings.event_loop)
-    if args.command == "worker":
-        from services.worker import run_worker
-        from shared.engines.registry import uses_decode_core
-        from shared.process import zygote
 
-        stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-        spawner = None
-        if zygote.preloaded and uses_decode_core(settings, tuple(stages)):
-            # forked by the zygote, so still one thread with everything imported: fork a zygote
-            # of our own here, for the decode core (and its restarts) to start without imports
-            from shared.process.zygote_main import fork_here
+def _up(args: argparse.Namespace, settings: settings_mod.Settings) -> int:
+    from services.supervisor import run_up
 
-            spawner = fork_here()
-        return aio.run(run_worker(settings, stages, spawner), settings.event_loop)
-    if args.command == "gateway":
-        from services.gateway.main import run_gateway
+    return aio.run(run_up(settings, mode=args.mode, log_dir=args.log_dir, ready_file=args.ready_file,
+                          autoscale=args.autoscale), settings.event_loop)
 
-        return aio.run(run_gateway(settings), settings.event_loop)
-    if args.command == "topics":
-        from services.stages import fleet_topics
-        from shared.transport.bus import ensure_topics
 
-        asyncio.run(ensure_topics(settings, fleet_topics(settings)))
-        print("\n".join(fleet_topics(settings)))
+def _worker(args: argparse.Namespace, settings: settings_mod.Settings) -> int:
+    from services.worker import run_worker
+    from shared.engines.registry import uses_decode_core
+    from shared.process import zygote
+
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    spawner = None
+    if zygote.preloaded and uses_decode_core(settings, tuple(stages)):
+        # forked by the zygote, so still one thread with everything imported: fork a zygote
+        # of our own here, for the decode core (and its restarts) to start without imports
+        from shared.process.zygote_main import fork_here
+
+        spawner = fork_here()
+    return aio.run(run_worker(settings, stages, spawner), settings.event_loop)
+
+
+def _gateway(args: argparse.Namespace, settings: settings_mod.Settings) -> int:
+    from services.gateway.main import run_gateway
+
+    return aio.run(run_gateway(settings), settings.event_loop)
+
+
+def _topics(args: argparse.Namespace, settings: settings_mod.Settings) -> int:
+    from services.stages import fleet_topics
+    from shared.transport.bus import ensure_topics
+
+    asyncio.run(ensure_topics(settings, fleet_topics(settings)))
+    print("\n".join(fleet_topics(settings)))
+    return 0
+
+
+def _top(args: argparse.Namespace, settings: settings_mod.Settings) -> int:
+    from services.fleetview.top import run_top
+
+    try:
+        return asyncio.run(run_top(settings, once=args.once, interval_s=args.interval))
+    except KeyboardInterrupt:
         return 0
-    if args.command == "submit":
-        return _submit(args, settings)
-    if args.command == "top":
-        from services.fleetview.top import run_top
 
-        try:
-            return asyncio.run(run_top(settings, once=args.once, interval_s=args.interval))
-        except KeyboardInterrupt:
-            return 0
-    if args.command == "doctor":
-        from shared.transfer.probe import doctor_report
 
-        try:
-            print(asyncio.run(doctor_report(args.device or settings.device,
-                                            tuple(int(s) for s in args.sizes.split(",")))))
-        except ValueError as exc:  # a device that is not there
-            print(f"mmfleet doctor: {exc}", file=sys.stderr)
-            return 1
-        return 0
-    if args.command == "model":
-        from shared.models.registry import resolve_model_path
+def _doctor(args: argparse.Namespace, settings: settings_mod.Settings) -> int:
+    from shared.transfer.probe import doctor_report
 
-        try:
-            print(resolve_model_path(settings))
-        except ValueError as exc:  # not a folder, not in the hub cache
-            print(f"mmfleet model: {exc}", file=sys.stderr)
-            return 1
-        return 0
-    raise AssertionError(args.command)
+    try:
+        print(asyncio.run(doctor_report(args.device or settings.device, tuple(int(s) for s in args.sizes.split(",")))))
+    except ValueError as exc:  # a device that is not there
+        print(f"mmfleet doctor: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _model(args: argparse.Namespace, settings: settings_mod.Settings) -> int:
+    from shared.models.registry import resolve_model_path
+
+    try:
+        print(resolve_model_path(settings))
+    except ValueError as exc:  # not a folder, not in the hub cache
+        print(f"mmfleet model: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _submit(args: argparse.Namespace, settings: settings_mod.Settings) -> int:
@@ -257,6 +278,10 @@ def _submit(args: argparse.Namespace, settings: settings_mod.Settings) -> int:
     print(f"sent {result.sent}, skipped {result.skipped} already answered, wrote {result.written} replies "
           f"({result.errors} errors) to {args.output}")
     return 0
+
+
+_COMMANDS = {"up": _up, "worker": _worker, "gateway": _gateway, "topics": _topics, "submit": _submit,
+             "top": _top, "doctor": _doctor, "model": _model}
 
 
 if __name__ == "__mp_main__":

@@ -54,27 +54,10 @@ async def run_worker(settings: Settings, stages_arg: list[str], spawner=None) ->
     """``spawner``: a ``shared.process.zygote.Zygote`` this worker forked (services/cli.py) for its
     decode core; stopped with the worker."""
     stages = normalise(stages_arg)
-    if {"prefill", "decode"} & set(stages):
-        check_engine(stages, settings.engine, engine_capabilities(settings.engine))
+    model_dir, placement = _preflight(settings, stages)
     torch.set_num_threads(settings.torch_threads)
     worker_id = f"{'+'.join(stages)}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     logs.set_process(worker_id)
-    try:  # a model not there, an engine that cannot serve its family, a GPU not there: fail here
-        model_dir = resolve_model_path(settings)
-        served_modalities(family_of(model_dir), settings.engine)
-        if settings.engine == "vllm":  # weights vLLM's loader cannot map (shared.engines.vllm_inputs)
-            from shared.engines.vllm_inputs import checkpoint_refusal
-
-            why = checkpoint_refusal(model_dir, family_of(model_dir).name)
-            if why:
-                raise ValueError(why)
-        placement = resolve_placement(settings.device, settings.dtype)
-        if settings.engine == "vllm":  # KV blocks asked on a GPU by a CPU worker: refuse here, not mid-start
-            from shared.engines.vllm_pd import kv_buffer_device
-
-            kv_buffer_device(settings.vllm_kv_buffer_device, str(placement.device))
-    except ValueError as exc:
-        raise SystemExit(f"cannot start worker: {exc}") from None
     async with AsyncExitStack() as stack:
         if spawner is not None:  # after the engines (the exit stack unwinds in reverse)
             stack.callback(spawner.stop)
@@ -142,18 +125,7 @@ async def run_worker(settings: Settings, stages_arg: list[str], spawner=None) ->
                                                                  metrics_server.port) + "/metrics")
         beat = asyncio.create_task(heartbeat(redis, RedisKeys(settings.redis_prefix), info,
                                              lambda: succeeded(boot) and all(r.assigned.is_set() for r in runners)))
-        done, _ = await asyncio.wait([*tasks, boot], return_when=asyncio.FIRST_COMPLETED)
-        if done == {boot} and succeeded(boot):
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        stopping_at = time.monotonic()
-        for r in runners:  # one ending (stop or fatal) ends the process
-            r.stop()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        if boot.done() and not boot.cancelled() and not succeeded(boot):  # an engine that never could serve
-            results.append(boot.exception())
-        for t in [beat, boot, *background]:
-            t.cancel()
-        await asyncio.gather(beat, boot, *background, return_exceptions=True)
+        results, stopping_at = await _until_a_runner_ends(runners, tasks, boot, [beat, *background])
         log.info("worker %s: runners stopped in %.1f s; releasing resources", worker_id,
                  time.monotonic() - stopping_at)
     log.info("worker %s stopped in %.1f s", worker_id, time.monotonic() - stopping_at)
@@ -161,6 +133,51 @@ async def run_worker(settings: Settings, stages_arg: list[str], spawner=None) ->
     for exc in failed:
         log.error("runner failed: %r", exc)
     return 1 if failed else 0
+
+
+def _preflight(settings: Settings, stages: tuple[str, ...]):
+    """The model folder and the placement, or ``SystemExit`` saying why this worker cannot start:
+    a layout its engine cannot serve, a model not there, an engine that cannot serve the model's
+    family or load its weights, a GPU not there."""
+    if {"prefill", "decode"} & set(stages):
+        check_engine(stages, settings.engine, engine_capabilities(settings.engine))
+    try:
+        model_dir = resolve_model_path(settings)
+        served_modalities(family_of(model_dir), settings.engine)
+        if settings.engine == "vllm":  # weights vLLM's loader cannot map (shared.engines.vllm_inputs)
+            from shared.engines.vllm_inputs import checkpoint_refusal
+
+            why = checkpoint_refusal(model_dir, family_of(model_dir).name)
+            if why:
+                raise ValueError(why)
+        placement = resolve_placement(settings.device, settings.dtype)
+        if settings.engine == "vllm":  # KV blocks asked on a GPU by a CPU worker: refuse here, not mid-start
+            from shared.engines.vllm_pd import kv_buffer_device
+
+            kv_buffer_device(settings.vllm_kv_buffer_device, str(placement.device))
+    except ValueError as exc:
+        raise SystemExit(f"cannot start worker: {exc}") from None
+    return model_dir, placement
+
+
+async def _until_a_runner_ends(runners: list[StageRunner], tasks: list[asyncio.Task], boot: asyncio.Task,
+                               beside: list[asyncio.Task]) -> tuple[list, float]:
+    """Serve until one runner ends (stopped or failed) or the engines fail to start; then stop
+    every runner and cancel what ran ``beside`` them. Their results (exceptions included) and
+    when stopping began."""
+    done, _ = await asyncio.wait([*tasks, boot], return_when=asyncio.FIRST_COMPLETED)
+    if done == {boot} and succeeded(boot):
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    stopping_at = time.monotonic()
+    for r in runners:  # one ending (stop or fatal) ends the process
+        r.stop()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    if boot.done() and not boot.cancelled() and not succeeded(boot):  # an engine that never could serve
+        results.append(boot.exception())
+    for t in [boot, *beside]:
+        t.cancel()
+    await asyncio.gather(boot, *beside, return_exceptions=True)
+    return results, stopping_at
 
 
 class _AfterStart:

@@ -116,37 +116,8 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopChecker(sampling.stop)
     generated, reason = 0, "length"
-    written: list[protocol.StreamEvent] = []  # the whole log, skipped deltas too: a lost log is written again
-
-    # A sink that can queue an append without waiting (Redis's) gets each delta's append queued
-    # and its outcome read when the next delta goes out: the writer waits for the next token only,
-    # not for the call as well (one wake per token instead of two), and the sequences of a
-    # decode step append in the same script call. One in flight at a time, so they stay in order.
-    soon = getattr(events, "append_delta_soon", None)
-    pending: list[tuple[asyncio.Future, int]] = []  # the append in flight: (future, position)
-
-    async def _settle() -> None:
-        """The outcome of the append in flight, as ``_append`` would have given it."""
-        if not pending:
-            return
-        fut, position = pending.pop()
-        res = await fut  # done by now as a rule: a decode step takes longer than the call
-        if res == 0 or (res == 2 and not await _append(meta.request_id, events, written[:position + 1], lost=True)):
-            raise _Superseded(position)
-
-    async def _send(seq: int, token_ids: tuple[int, ...], text: str) -> None:
-        written.append(_delta(seq, token_ids, text))
-        if len(written) > skip_deltas:  # the log already holds the first skip_deltas deltas
-            await _settle()
-            position = len(written) - 1
-            fut = soon(meta.request_id, written[-1], position) if soon is not None else None
-            if fut is not None:
-                pending.append((fut, position))
-            elif not await _append(meta.request_id, events, written):
-                raise _Superseded(position)
-            if position == 0:
-                await _settle()  # the first output's time is when it is in the log
-                tracing.mark_first_output()
+    writer = _LogWriter(events, meta.request_id, skip_deltas)
+    _settle, _send, written = writer.settle, writer.send, writer.written
 
     if lookahead_tokens > 0:
         tokens = _Ahead(tokens, lookahead_tokens)
@@ -191,8 +162,7 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
                  meta.request_id, sup.seq)
         return
     finally:
-        for fut, _ in pending:  # left by an error: its outcome no longer matters, nor its failure
-            fut.add_done_callback(_discard)
+        writer.abandon()
         await stream.aclose()
         await tokens.aclose()
     usage = protocol.Usage(prompt_tokens=prompt_len, completion_tokens=generated, cached_tokens=cached_tokens)
@@ -200,6 +170,50 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
     written.append(protocol.Finish(reason=reason, usage=usage, spans=path_so_far(meta)))
     if not await _append(meta.request_id, events, written):
         log.info("request %s: another decode already finished its token log", meta.request_id)
+
+
+class _LogWriter:
+    """Appends one request's deltas to its token log in order. A sink that can queue an append
+    without waiting (Redis's) gets each delta's append queued and its outcome read when the next
+    delta goes out: the writer waits for the next token only, not for the call as well (one wake
+    per token instead of two), and the sequences of a decode step append in the same script
+    call. One append in flight at a time, so they stay in order."""
+
+    def __init__(self, events: EventSink, request_id: str, skip_deltas: int) -> None:
+        self._events, self._request_id, self._skip = events, request_id, skip_deltas
+        self.written: list[protocol.StreamEvent] = []  # the whole log, skipped deltas too: a lost log is written again
+        self._soon = getattr(events, "append_delta_soon", None)
+        self._pending: list[tuple[asyncio.Future, int]] = []  # the append in flight: (future, position)
+
+    async def settle(self) -> None:
+        """The outcome of the append in flight, as ``_append`` would have given it."""
+        if not self._pending:
+            return
+        fut, position = self._pending.pop()
+        res = await fut  # done by now as a rule: a decode step takes longer than the call
+        if res == 0 or (res == 2 and not await _append(self._request_id, self._events,
+                                                       self.written[:position + 1], lost=True)):
+            raise _Superseded(position)
+
+    async def send(self, seq: int, token_ids: tuple[int, ...], text: str) -> None:
+        written = self.written
+        written.append(_delta(seq, token_ids, text))
+        if len(written) > self._skip:  # the log already holds the first skip_deltas deltas
+            await self.settle()
+            position = len(written) - 1
+            fut = self._soon(self._request_id, written[-1], position) if self._soon is not None else None
+            if fut is not None:
+                self._pending.append((fut, position))
+            elif not await _append(self._request_id, self._events, written):
+                raise _Superseded(position)
+            if position == 0:
+                await self.settle()  # the first output's time is when it is in the log
+                tracing.mark_first_output()
+
+    def abandon(self) -> None:
+        """Left by an error: the append in flight's outcome no longer matters, nor its failure."""
+        for fut, _ in self._pending:
+            fut.add_done_callback(_discard)
 
 
 _LOG_REWRITES = 3
