@@ -1,12 +1,10 @@
-"""Every message that crosses a process boundary: Kafka records and Redis stream entries.
-
-Each Kafka topic carries one tagged message type, msgpack-encoded and decoded with the topic's
-typed decoder (:func:`decoder_for`). No tensors ride in messages: they stay in the producer's
-NIXL-registered pool, and messages carry :class:`TensorRef` descriptors plus the owner's
-:class:`AgentRef`, a few KiB whatever the media. New fields always get defaults; fields are never
-renamed or re-typed. Token streams: one Redis stream per request, entries :class:`StreamEvent`.
-
-Design: docs/design/architecture.md.
+"""Every message on the fleet's wire: Kafka records and Redis stream entries. Each topic carries
+one tagged type, msgpack-encoded, decoded with its typed decoder (:func:`decoder_for`); token
+streams hold :class:`StreamEvent`. No tensors ride in messages: records carry :class:`TensorRef`
+descriptors and the owner's :class:`AgentRef`, a few KiB whatever the media. New fields get
+defaults; fields are never renamed or re-typed. The three private parent-child protocols over a
+socket pair (the zygote's, the decode core's, the transfer probe's) live beside the one parent
+and child that speak them and never cross a host. Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ HEAD = struct.Struct("<I")  # a frame: this length, then that many bytes of msgp
 READY_TIMEOUT_S = 600.0  # loading a real checkpoint can take minutes
 
 
-# Worker ↔ core frames (process-local, never on the fleet's wire). To the core: ``Start`` (the
+# The decode core's private protocol: worker ↔ core frames over a socket pair (process-local,
+# never on the fleet's wire, see shared.protocol). To the core: ``Start`` (the
 # packed KV's bytes inline), ``Abort``. From it: ``Ready`` once the model is loaded, then one
 # ``Step`` per forward: each stepped sequence's token, or its error. The core steps every active
 # sequence (``max_batch`` per forward, in turn) back to back and reads what arrived between two

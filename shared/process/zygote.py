@@ -35,6 +35,8 @@ READY_TIMEOUT_S = 180.0  # its imports; a loaded 2-core machine has taken ~15 s
 SPAWN_TIMEOUT_S = 30.0
 
 
+# The zygote's private protocol (supervisor ↔ zygote over a socket pair; not on the fleet's wire,
+# see shared.protocol): Spawn → Spawned | Failed, after the zygote's Ready.
 class Spawn(msgspec.Struct, tag=True):
     """Start ``python -m module *args`` with ``env``, stdout and stderr appended to ``log_path``
     (else the zygote's), in its own session unless ``new_session`` is false, with the file

@@ -29,6 +29,8 @@ __all__ = ["Row", "probe", "format_rows"]
 MIB = 1 << 20
 
 
+# The probe's private protocol (the prober ↔ its peer process over a pipe; never on the fleet's
+# wire, see shared.protocol): Hello, then PutReq → PutDone per size.
 class Hello(msgspec.Struct, frozen=True):
     agent: AgentRef
     refs: list[TensorRef]
