@@ -47,6 +47,13 @@ class CannotStart(Exception):
 ZYGOTE_PRELOAD = ("services.cli", "services.gateway.main", "services.worker")
 
 
+def zygote_preload(engine: str) -> tuple[str, ...]:
+    """What the zygote imports: the fleet's entry modules, and for the transformers engine its
+    model's modeling and processor code (vLLM's engine core is a process of its own)."""
+    family = ("shared.engines.transformers_engine:preload_family",) if engine == "transformers" else ()
+    return ZYGOTE_PRELOAD + family
+
+
 class Fleet:
     def __init__(self, settings: Settings, *, mode: str = "e-p-d", log_dir: Path | None = None,
                  stop_timeout_s: float = 15.0) -> None:
@@ -84,7 +91,7 @@ class Fleet:
             become_subreaper()
             self._subreaper = True
             self.zygote = Zygote.start(env, self.log_dir / "zygote.log" if self.log_dir else None,
-                                       model_dir=str(model_dir), engine=s.engine, preload=ZYGOTE_PRELOAD)
+                                       model_dir=str(model_dir), preload=zygote_preload(s.engine))
         khost, kport = _host_port(s.kafka_bootstrap, 9092)
         if not _answers(khost, kport):
             await self._start_infra(broker_child(khost, kport), khost, kport)

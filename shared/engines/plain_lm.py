@@ -29,14 +29,14 @@ class PlainLMCompute:
         ``parts`` of it, see :mod:`shared.models.loading`, when given)."""
         from transformers import AutoProcessor
 
-        from shared.models.loading import checkpoint_dtype
+        from shared.models.loading import ALL_PARTS, checkpoint_dtype, load_parts
         from shared.process.device import resolve_placement
 
         self.model_dir = Path(model_dir)
         self.placement = resolve_placement(device, dtype, checkpoint_dtype(self.model_dir))
         self.device, self.dtype = self.placement.device, self.placement.dtype
         self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
-        self.model = self.placement.load(model_cls, self.model_dir, parts)
+        self.model = load_parts(model_cls, self.model_dir, self.placement, ALL_PARTS if parts is None else parts)
 
     def _init_lm(self) -> None:
         text_cfg = self.model.config.text_config

@@ -137,7 +137,7 @@ class Qwen2VLCompute:
         import transformers
         from transformers import AutoProcessor
 
-        from shared.models.loading import checkpoint_dtype
+        from shared.models.loading import ALL_PARTS, checkpoint_dtype, load_parts
         from shared.process.device import resolve_placement
 
         self.model_dir = Path(model_dir)
@@ -145,7 +145,8 @@ class Qwen2VLCompute:
         self.device, self.dtype = self.placement.device, self.placement.dtype
         self.processor = AutoProcessor.from_pretrained(str(self.model_dir))
         # parts: the encoder and / or the LM (shared.models.loading); None: both
-        self.model = self.placement.load(getattr(transformers, self.model_class), self.model_dir, parts)
+        self.model = load_parts(getattr(transformers, self.model_class), self.model_dir, self.placement,
+                                ALL_PARTS if parts is None else parts)
         cfg = self.model.config
         cpu_attention.install(self.model, cfg.text_config)  # prefix hits without a mask, no K/V copies
         self.placeholder_token_id: int = int(cfg.image_token_id)

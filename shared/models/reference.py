@@ -25,10 +25,10 @@ def load_reference(model_dir: Path, *, device: str = "cpu", dtype: str = "auto")
 
     cls = getattr(transformers, _MODEL_CLASS[family_of(model_dir).name])
     processor = AutoProcessor.from_pretrained(str(model_dir))
-    from shared.models.loading import checkpoint_dtype
+    from shared.models.loading import checkpoint_dtype, load_parts
     from shared.process.device import resolve_placement
 
-    model = resolve_placement(device, dtype, checkpoint_dtype(model_dir)).load(cls, model_dir)
+    model = load_parts(cls, model_dir, resolve_placement(device, dtype, checkpoint_dtype(model_dir)))
     return processor, model
 
 

@@ -34,13 +34,6 @@ class Placement:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def load(self, model_cls, model_dir, parts=None):
-        """``model_cls.from_pretrained`` in this dtype, moved to this device, in eval mode; only
-        ``parts`` of it (:mod:`shared.models.loading`) when given."""
-        from shared.models.loading import ALL_PARTS, load_parts
-
-        return load_parts(model_cls, model_dir, self, ALL_PARTS if parts is None else parts)
-
 
 def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0

@@ -200,17 +200,17 @@ class Zygote:
         self._gone: str | None = None
 
     @classmethod
-    def start(cls, env: dict[str, str], log_path: Path | None, *, model_dir: str, engine: str,
+    def start(cls, env: dict[str, str], log_path: Path | None, *, model_dir: str,
               preload: tuple[str, ...] = ()) -> Zygote:
-        """Starts ``python -m shared.process.zygote_main``, which imports what a fleet process serving
-        ``model_dir`` with ``engine`` will, ``preload`` (module names) included; it runs under
-        ``env``, the environment its children get (less their own differences: a worker's
+        """Starts ``python -m shared.process.zygote_main``, which imports torch, transformers and
+        ``preload`` (module names; ``module:function`` also calls ``function(model_dir)``); it runs
+        under ``env``, the environment its children get (less their own differences: a worker's
         metrics port)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         out = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - closed below
         try:
             argv = [sys.executable, "-m", "shared.process.zygote_main", "--fd", str(theirs.fileno()), "--model-dir",
-                    model_dir, "--engine", engine, "--preload", ",".join(preload)]
+                    model_dir, "--preload", ",".join(preload)]
             proc = subprocess.Popen(argv, env=env, pass_fds=(theirs.fileno(),), stdout=out,
                                     stderr=subprocess.STDOUT if out else None, start_new_session=True,
                                     preexec_fn=die_with_parent)

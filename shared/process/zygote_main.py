@@ -1,4 +1,4 @@
-"""The zygote's process (``python -m shared.process.zygote_main --fd N --model-dir D --engine E``,
+"""The zygote's process (``python -m shared.process.zygote_main --fd N --model-dir D --preload ...``,
 started by :class:`shared.process.zygote.Zygote`): imports what a fleet process will (:func:`preload`),
 says ``Ready`` (with its thread count: it must fork single-threaded), then serves ``Spawn``
 requests on its socket until EOF. Each is forked twice so that the new process is reparented to
@@ -27,21 +27,18 @@ _PID = struct.Struct("<i")
 REPARENT_TIMEOUT_S = 5.0
 
 
-def preload(model_dir: str, engine: str, modules: list[str]) -> None:
+def preload(model_dir: str, modules: list[str]) -> None:
     """What every fleet process imports (~6 s of CPU on this 2-core machine): torch, transformers
-    and ``modules`` (named by the caller, :meth:`Zygote.start`'s ``preload``: this library does not
-    know the services above it); and what a transformers engine's start imports for this model
-    (~6 s more): the model's and processor's modules, no weights. vLLM is not imported here: its
-    engine core is a process of its own."""
+    and ``modules``, named by the caller (:meth:`Zygote.start`'s ``preload``: this library does not
+    know what runs above it). ``module:function`` also calls ``function(model_dir)``: how the
+    transformers engine imports its model's and processor's modules, no weights (~6 s more)."""
     import importlib
 
     for name in ("torch", "transformers", *modules):
-        importlib.import_module(name)
-
-    if engine == "transformers":
-        from shared.engines.transformers_engine import preload_family
-
-        preload_family(model_dir)
+        module, _, function = name.partition(":")
+        loaded = importlib.import_module(module)
+        if function:
+            getattr(loaded, function)(model_dir)
 
 
 def _threads() -> int:
@@ -143,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shared.process.zygote_main")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--engine", required=True)
     parser.add_argument("--preload", default="", help="comma-separated modules to import before serving")
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
@@ -154,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         from shared.settings import from_env
 
         keep_triton_out(from_env().device)  # the children's settings; before preload imports torch._dynamo
-        preload(args.model_dir, args.engine, [m for m in args.preload.split(",") if m])
+        preload(args.model_dir, [m for m in args.preload.split(",") if m])
     except Exception as exc:  # noqa: BLE001 - reported; the parent starts processes without us
         zygote.send(sock, zygote.Failed(f"preload: {type(exc).__name__}: {exc}"))
         return 1

@@ -19,7 +19,8 @@ if __name__ == "__main__":
     model_dir, work = sys.argv[1], Path(sys.argv[2])
     become_subreaper()
     env = {**os.environ, "ZYGOTE_TEST_A": "1"}
-    z = Zygote.start(env, work / "zygote.log", model_dir=model_dir, engine="transformers")
+    z = Zygote.start(env, work / "zygote.log", model_dir=model_dir,
+                     preload=("shared.engines.transformers_engine:preload_family",))
     seen: dict = {"ready": z.wait_ready()}
     child_env = {**env, "ZYGOTE_TEST_B": "2"}
     child_env.pop("ZYGOTE_TEST_A")
