@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
+import msgspec
 
 from loadtest import client, cpu, metrics, rediscount, spans, workloads
 from loadtest.loadgen import LoadShape, drive
@@ -195,7 +196,8 @@ async def _kv_audit(ep: Endpoint, ids: list[str]) -> tuple[dict, list[float]]:
     from shared.kv import audit
 
     try:
-        return (await audit.read_notes(ep.redis_url, ep.redis_prefix, ids),
+        notes = await audit.read_notes(ep.redis_url, ep.redis_prefix, ids)
+        return ({rid: msgspec.to_builtins(n) for rid, n in notes.items()},
                 await audit.read_lags(ep.redis_url, ep.redis_prefix))
     except Exception as exc:  # noqa: BLE001 - the run's own figures still count
         log.warning("%s: routing notes unreadable: %r", ep.name, exc)

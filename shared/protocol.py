@@ -280,6 +280,18 @@ class RouteNote(Struct, frozen=True, kw_only=True):
     t_ms: int = 0
 
 
+class RouteOutcome(Struct, frozen=True, kw_only=True):
+    """What a prefill worker saw of one routed record (``shared.kv.audit``), kept in Redis as JSON
+    under ``RedisKeys.kv_route``: the router's decision (None: the record carried none), the
+    worker it ran on, the prompt blocks its cache held, and why (``hit``, ``cold``, ``load``,
+    ``evicted``, ``moved``, ``unrouted``)."""
+
+    route: RouteNote | None = None
+    ran_on: str
+    hit: int
+    cause: str
+
+
 class PrefillRequest(Struct, frozen=True, tag="prefill.request"):
     """gateway / encode → prefill. ``owners`` holds every agent named in ``items``; ``route``:
     the router's decision, when it picked the partition."""

@@ -1,7 +1,8 @@
 """Why a routed request did or did not reuse KV: one note per prefill, written by the worker that
 ran it, and the lag of KV events into the routing table. The router's decision travels in the
 record (``PrefillRequest.route``, a ``RouteNote``); the prefill worker writes it to
-``kv_route(request_id)`` with ``ran_on``, ``hit`` and ``cause`` (:func:`classify`), and
+``kv_route(request_id)`` as a ``RouteOutcome`` with ``ran_on``, ``hit`` and ``cause``
+(:func:`classify`), and
 ``TableWriter`` pushes each cache change's lag to the bounded list ``kv_event_lags``. Notes are
 advisory: their writes run beside the request, in the table writer's pipeline, and failures are
 logged, not raised.
@@ -15,7 +16,6 @@ import logging
 from typing import Protocol
 
 import msgspec
-import orjson
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Histogram
 
@@ -28,6 +28,9 @@ NOTE_TTL_S = 600
 LAG_SAMPLES = 2000
 MAX_PENDING = 256  # notes waiting for a write per process; beyond it notes are dropped
 CAUSES = ("hit", "cold", "load", "evicted", "moved", "unrouted")
+
+_ENCODE = msgspec.json.Encoder().encode
+_DECODE = msgspec.json.Decoder(protocol.RouteOutcome).decode
 
 PREFIX_OUTCOMES = Counter("mmfleet_prefix_outcomes_total",
                           "Routed prefills by what their prefix reuse met: " + ", ".join(CAUSES), ["cause"])
@@ -56,7 +59,7 @@ def classify(note: protocol.RouteNote | None, ran_on: str, hit: int) -> str:
 class NoteWriter(Protocol):
     """Where notes go: the worker's :class:`~shared.kv.table.TableWriter` (which imports this module)."""
 
-    def note(self, key: str, fields: dict[str, str]) -> bool: ...
+    def note(self, key: str, value: bytes) -> bool: ...
 
     async def flush(self, timeout_s: float = 5.0) -> bool: ...
 
@@ -64,9 +67,8 @@ class NoteWriter(Protocol):
 class RouteAudit:
     """Writes the notes of one prefill worker, through its :class:`~shared.kv.table.TableWriter`
     (one pipeline with the worker's table changes, not a round trip a note). A note is one JSON
-    value of strings (``NOTE_TTL_S``), not a hash: ~24 arguments fewer to pack a request. Its
-    fields: the ``RouteNote``'s (``policy``, ``worker``, ``overlap``, ``best``, ``cost`` / ``load``
-    in blocks, ``candidates``, ``blocks``, ``t_ms``), ``ran_on``, ``hit`` and ``cause``."""
+    value, a ``protocol.RouteOutcome`` (``NOTE_TTL_S``), not a hash: ~24 arguments fewer to pack
+    a request."""
 
     def __init__(self, writer: NoteWriter, keys: RedisKeys) -> None:
         self._writer = writer
@@ -76,9 +78,8 @@ class RouteAudit:
         note, request_id = msg.route, msg.meta.request_id
         cause = classify(note, ran_on, hit_blocks)
         PREFIX_OUTCOMES.labels(cause).inc()
-        fields = {} if note is None else {k: str(v) for k, v in msgspec.structs.asdict(note).items()}
-        if not self._writer.note(self._keys.kv_route(request_id),
-                                 {**fields, "ran_on": ran_on, "hit": str(hit_blocks), "cause": cause}):
+        outcome = protocol.RouteOutcome(route=note, ran_on=ran_on, hit=hit_blocks, cause=cause)
+        if not self._writer.note(self._keys.kv_route(request_id), _ENCODE(outcome)):
             log.debug("kv audit: note for %s dropped (%d waiting)", request_id, MAX_PENDING)
 
     async def drain(self) -> None:
@@ -96,7 +97,7 @@ def lag_ops(keys: RedisKeys, lags_ms: list[float]) -> list[tuple]:
             ("LTRIM", keys.kv_event_lags(), 0, LAG_SAMPLES - 1)]
 
 
-async def read_notes(redis_url: str, prefix: str, request_ids: list[str]) -> dict[str, dict[str, str]]:
+async def read_notes(redis_url: str, prefix: str, request_ids: list[str]) -> dict[str, protocol.RouteOutcome]:
     """The notes of ``request_ids`` (missing ones omitted), for benchmarks."""
     r = aioredis.Redis.from_url(redis_url)
     keys = RedisKeys(prefix)
@@ -107,7 +108,7 @@ async def read_notes(redis_url: str, prefix: str, request_ids: list[str]) -> dic
         replies = await pipe.execute()
     finally:
         await r.aclose()
-    return {rid: orjson.loads(raw) for rid, raw in zip(request_ids, replies, strict=True) if raw}
+    return {rid: _DECODE(raw) for rid, raw in zip(request_ids, replies, strict=True) if raw}
 
 
 async def read_lags(redis_url: str, prefix: str) -> list[float]:

@@ -16,7 +16,6 @@ import logging
 import time
 from contextlib import contextmanager
 
-import orjson
 import redis.asyncio as aioredis
 from aiokafka import ConsumerRebalanceListener
 
@@ -184,7 +183,7 @@ class TableWriter:
         self._removed: set[int] = set()
         self._rewrite = True  # the first write replaces whatever a previous life of this id left
         self._changed_ms: list[float] = []  # when each pending change was made (lag samples)
-        self._notes: list[tuple[str, dict[str, str]]] = []
+        self._notes: list[tuple[str, bytes]] = []
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -212,12 +211,12 @@ class TableWriter:
             self._changed_ms.append(time.time() * 1000)
         self._kick()
 
-    def note(self, key: str, fields: dict[str, str]) -> bool:
+    def note(self, key: str, value: bytes) -> bool:
         """Queue a route note (written as one JSON value with a TTL); False when ``MAX_PENDING``
         notes are already waiting (the note is dropped: notes are advisory)."""
         if len(self._notes) >= MAX_PENDING:
             return False
-        self._notes.append((key, fields))
+        self._notes.append((key, value))
         self._kick()
         return True
 
@@ -260,8 +259,8 @@ class TableWriter:
             cmds.append(("SREM", key, *removed))
         if rewrite or stored or removed:
             cmds.append(("PEXPIRE", key, self._ttl_ms))
-        for note_key, fields in notes:
-            cmds.append(("SET", note_key, orjson.dumps(fields), "EX", NOTE_TTL_S))
+        for note_key, value in notes:
+            cmds.append(("SET", note_key, value, "EX", NOTE_TTL_S))
         now_ms = time.time() * 1000
         cmds += lag_ops(self._keys, [max(0.0, now_ms - t) for t in changed_ms])
         try:

@@ -227,15 +227,15 @@ async def test_routing_notes_say_why_a_prefill_missed_and_event_lag_is_sampled(t
     await notes.drain()
     note = await audit.read_notes(table["settings"].redis_url, table["settings"].redis_prefix, [msg.meta.request_id])
     n = note[msg.meta.request_id]
-    assert (n["policy"], n["worker"], n["overlap"], n["best"], n["blocks"], n["candidates"]) == \
-        ("kv", "w2", "2", "2", "4", "2")
-    assert (n["ran_on"], n["cause"], n["hit"]) == ("w2", "evicted", "1")
+    assert (n.route.policy, n.route.worker, n.route.overlap, n.route.best, n.route.blocks, n.route.candidates) == \
+        ("kv", "w2", 2, 2, 4, 2)
+    assert (n.ran_on, n.cause, n.hit) == ("w2", "evicted", 1)
     unrouted = request(prompt)  # no decision in the record: the note says so
     notes.prefilled(unrouted, "w1", 0)
     await notes.drain()
     note = await audit.read_notes(table["settings"].redis_url, table["settings"].redis_prefix,
                                   [unrouted.meta.request_id])
-    assert note[unrouted.meta.request_id] == {"ran_on": "w1", "hit": "0", "cause": "unrouted"}
+    assert note[unrouted.meta.request_id] == protocol.RouteOutcome(route=None, ran_on="w1", hit=0, cause="unrouted")
 
     lags = await audit.read_lags(table["settings"].redis_url, table["settings"].redis_prefix)
     assert len(lags) == 1 and 0 <= lags[0] < 60_000  # w2's change above, into the table
