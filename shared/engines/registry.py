@@ -1,6 +1,7 @@
 """The one engine registry: which class an ``engine`` setting names, what it can do
 (:func:`engine_capabilities`, read without starting it), and how a worker running a set of
-stages builds it (:func:`make_engine`): the role each stage gives it (a transformers decode core
+stages builds it (:func:`make_engine`): the model parts its stages load (:func:`parts_for`), the
+role each stage gives it (a transformers decode core
 for a decode-only worker; a vLLM KV producer for prefill apart from decode, a consumer for decode
 apart). Stages, modes and the supervisor ask here, never by engine name themselves.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import socket
 
 from shared.engines.base import Engine
+from shared.models.loading import ALL_PARTS, ENCODER, LM
 from shared.process.device import resolve_placement
 from shared.settings import Settings
 
@@ -37,6 +39,20 @@ def uses_decode_core(settings: Settings, stages: tuple[str, ...]) -> bool:
     return settings.engine == "transformers" and settings.decode_core and decode_only
 
 
+def parts_for(stages: tuple[str, ...], engine: str = "transformers") -> frozenset[str]:
+    """What a worker's transformers engine needs: ``ENCODER`` for the encode stage, ``LM`` for
+    prefill / decode when the LM engine is transformers, both for a worker with no stages named
+    (an in-process server, a reference)."""
+    if not stages:
+        return ALL_PARTS
+    parts = set()
+    if "encode" in stages:
+        parts.add(ENCODER)
+    if engine == "transformers" and {"prefill", "decode"} & set(stages):
+        parts.add(LM)
+    return frozenset(parts) or ALL_PARTS
+
+
 def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...] = (), spawner=None) -> Engine:
     """The engine for a worker running ``stages``: a vLLM engine running prefill apart from
     decode is built as KV producer, one running decode apart as KV consumer (vllm_pd). A
@@ -49,8 +65,6 @@ def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...
                                 max_batch=settings.decode_max_batch, torch_threads=settings.torch_threads,
                                 spawner=spawner)
     if name == "transformers":
-        from shared.models.loading import parts_for
-
         return cls(model_dir, encode_max_batch_items=settings.encode_max_batch_items,
                    encode_batch_wait_ms=settings.encode_batch_wait_ms, device=settings.device, dtype=settings.dtype,
                    decode_max_batch=settings.decode_max_batch,

@@ -1,6 +1,6 @@
 """Loading only the part of a checkpoint a worker runs, in the checkpoint's dtype. Every family
 served is a transformers ``*ForConditionalGeneration`` with the LM (``model.language_model`` +
-``lm_head``) beside its media encoder under ``model``. :func:`parts_for` says what a worker's
+``lm_head``) beside its media encoder under ``model``. :func:`shared.engines.registry.parts_for` says what a worker's
 transformers engine needs (the encoder for encode, the LM for prefill / decode, both with no
 stages named); :func:`load_parts` loads those with the other part's modules replaced by empty
 ones before any weight is read (neither read nor allocated); :func:`weight_bytes` counts what is
@@ -23,20 +23,6 @@ ALL_PARTS = frozenset({ENCODER, LM})
 _LM_MODULES = ("model.language_model", "lm_head")
 
 log = logging.getLogger(__name__)
-
-
-def parts_for(stages: tuple[str, ...], engine: str = "transformers") -> frozenset[str]:
-    """What a worker's transformers engine needs: ``ENCODER`` for the encode stage, ``LM`` for
-    prefill / decode when the LM engine is transformers, both for a worker with no stages named
-    (an in-process server, a reference)."""
-    if not stages:
-        return ALL_PARTS
-    parts = set()
-    if "encode" in stages:
-        parts.add(ENCODER)
-    if engine == "transformers" and {"prefill", "decode"} & set(stages):
-        parts.add(LM)
-    return frozenset(parts) or ALL_PARTS
 
 
 def checkpoint_dtype(model_dir: str | Path) -> torch.dtype | None:

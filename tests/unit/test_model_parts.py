@@ -12,8 +12,8 @@ from PIL import Image
 
 from shared.engines.base import MediaEmbeds
 from shared.engines.qwen2_vl import Qwen2VLCompute
-from shared.engines.registry import make_engine
-from shared.models.loading import ALL_PARTS, ENCODER, LM, parts_for, weight_bytes
+from shared.engines.registry import make_engine, parts_for
+from shared.models.loading import ALL_PARTS, ENCODER, LM, weight_bytes
 from shared.models.reference import load_reference, reference_generate
 from shared.process.device import resolve_placement
 from shared.settings import Settings
