@@ -11,6 +11,7 @@ as given (vLLM's rule)."""
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -257,7 +258,14 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     ingress_enabled: Annotated[bool, _d("consume mm.requests in the gateway")] = True
     ingress_concurrency: Annotated[int, _d("requests in flight from Kafka per gateway; beyond it fetching waits")] = 64
     ingress_fallback_reply_topic: Annotated[str, _d(
-        "where error replies go when a Kafka request names no reply_to; empty: mm.replies.errors")] = ""
+        "where error replies go when a Kafka request names no usable reply_to or fails authentication; "
+        "empty: mm.replies.errors")] = ""
+    ingress_reply_topic_pattern: Annotated[str, _d(
+        "regular expression a Kafka request's reply_to must match whole; the topic must also exist (the "
+        "ingress never creates one) and never be one of the fleet's own topics"
+    )] = r"mm\.replies\.[A-Za-z0-9._-]{1,200}"
+    ingress_max_request_id_bytes: Annotated[int, _d(
+        "longest request_id (record key) a Kafka request may carry, bytes (400 beyond)")] = 128
     ingress_dedupe_ttl_s: Annotated[int, _d("how long a request_id is remembered as answered")] = 86_400
 
     # --- transport security (every aiokafka client and every Redis client)
@@ -337,6 +345,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
                                         "choice")] = ""
 
     def __post_init__(self) -> None:
+        try:
+            re.compile(self.ingress_reply_topic_pattern)
+        except re.error as exc:
+            raise ValueError(f"ingress_reply_topic_pattern is not a regular expression: {exc}") from None
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, not {self.log_format!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -1,16 +1,18 @@
 """The Kafka way in: OpenAI request bodies on ``mm.requests``, answers on the caller's topic.
 
 Record format (key = request_id, value = the HTTP body, headers ``reply_to``, ``authorization``,
-``endpoint``) and reply format: docs/guide/kafka-ingress.md. Every refusal is answered; load
-waits in Kafka; a request_id is answered once (claimed in Redis); offsets are committed after
-the replies are acked. Batch producers ring no doorbell: an idle gateway looks every
-``idle_fetch_interval_ms`` (100 ms), not every 10 ms. Design: docs/design/ingress.md.
+``endpoint``) and reply format: docs/guide/kafka-ingress.md. A record is authenticated first:
+one that fails is answered on the fixed errors topic only, and claims nothing. Replies go only to
+an existing topic that matches ``ingress_reply_topic_pattern`` and is not the fleet's own; a
+request_id is bounded and answered once per key (claimed in Redis under the key's identity).
+Offsets are committed after the replies are acked. Design: docs/design/ingress.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 import orjson
@@ -19,6 +21,7 @@ from prometheus_client import Counter
 
 from services.gateway.frontend import Frontend
 from services.gateway.responses import Rejected, Reply, error_reply
+from services.stages import fleet_topics
 from shared.keys import INGRESS_STAGE, TOPIC_REPLY_ERRORS, TOPIC_REQUESTS, consumer_group
 from shared.transport.consume import ConsumeLoop
 from shared.transport.ledger import CLAIMED, EpochWatch, StageLedger
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 INGRESS_REQUESTS = Counter("mmfleet_ingress_requests_total", "Kafka ingress records by outcome", ["outcome"])
 _RETRYABLE = ("overloaded", "queue_unavailable")
 _CLAIM = 0  # StageLedger attempt number: an ingress claim is per request_id, never restarted
+_TOPICS_REFRESH_S = 0.1  # the broker's topic list is read at most this often (unknown names wait for it)
 
 
 def _headers(record) -> dict[str, str]:
@@ -50,6 +54,9 @@ class Ingress:
                                  concurrency=s.ingress_concurrency, poll_timeout_ms=200, process=self._record,
                                  epoch=EpochWatch(claims.broker_epoch), doorbell=front.doorbell)
         self._fallback_topic = s.ingress_fallback_reply_topic or TOPIC_REPLY_ERRORS
+        self._reply_topics = ReplyTopics(front.producer, s.ingress_reply_topic_pattern,
+                                          own=lambda: fleet_topics(s))
+        self._max_id_bytes = s.ingress_max_request_id_bytes
 
     def stop(self) -> None:
         self._loop.stop()
@@ -69,31 +76,47 @@ class Ingress:
     async def _one(self, record) -> None:
         headers = _headers(record)
         request_id = (record.key or b"").decode("utf-8", "replace") or headers.get("request_id", "")
-        reply_to = headers.get("reply_to", "")
-        answer = _Answer(self._front.producer, reply_to or self._fallback_topic,
-                         request_id)
-        if not reply_to:
-            INGRESS_REQUESTS.labels("no_reply_to").inc()
-            await answer.reject(Rejected.of(400, "the request has no reply_to header: nowhere to answer",
-                                            param="reply_to", code="missing_reply_to"))
+        if len(request_id.encode()) > self._max_id_bytes:
+            request_id = ""  # never echoed, never claimed: answered as missing, below
+            too_long = True
+        else:
+            too_long = False
+        errors = _Answer(self._front.producer, self._fallback_topic, request_id)
+        try:  # first: an unauthenticated record claims nothing and writes only to the errors topic
+            key_id = self._front.auth.identify(headers.get("authorization"), via="kafka")
+        except Rejected as rejected:
+            INGRESS_REQUESTS.labels("unauthenticated").inc()
+            await errors.reject(rejected)
             return
+        reply_to = headers.get("reply_to", "")
+        why = "the request has no reply_to header: nowhere to answer" if not reply_to else \
+            await self._reply_topics.refusal(reply_to)
+        if why:
+            INGRESS_REQUESTS.labels("no_reply_to" if not reply_to else "bad_reply_to").inc()
+            await errors.reject(Rejected.of(400, why, param="reply_to",
+                                            code="missing_reply_to" if not reply_to else "invalid_reply_to"))
+            return
+        answer = _Answer(self._front.producer, reply_to, request_id)
         if not request_id:
             INGRESS_REQUESTS.labels("no_request_id").inc()
-            await answer.reject(Rejected.of(400, "the request has no request_id: set the record key",
-                                            param="request_id", code="missing_request_id"))
+            await answer.reject(Rejected.of(
+                400, f"the request_id is longer than {self._max_id_bytes} bytes" if too_long else
+                "the request has no request_id: set the record key", param="request_id",
+                code="invalid_request_id" if too_long else "missing_request_id"))
             return
-        if not await self._claim(request_id):
+        claim_id = request_id if key_id is None else f"{key_id}/{request_id}"  # ids are the key's own
+        if not await self._claim(claim_id):
             INGRESS_REQUESTS.labels("duplicate").inc()
             log.info("ingress: request_id %r already answered or being answered; skipped", request_id)
             return
-        keeper = self._claims.keeper(request_id, INGRESS_STAGE, _CLAIM, self._owner)
+        keeper = self._claims.keeper(claim_id, INGRESS_STAGE, _CLAIM, self._owner)
         try:
             outcome = await self._serve(record.value or b"", headers, answer)
-            await self._claims.mark_done(request_id, INGRESS_STAGE, _CLAIM)
+            await self._claims.mark_done(claim_id, INGRESS_STAGE, _CLAIM)
             INGRESS_REQUESTS.labels(outcome).inc()
         finally:
             await keeper.stop()
-            await self._claims.release(request_id, INGRESS_STAGE, _CLAIM, self._owner)
+            await self._claims.release(claim_id, INGRESS_STAGE, _CLAIM, self._owner)
 
     async def _serve(self, body: bytes, headers: dict[str, str], answer: _Answer) -> str:
         front = self._front
@@ -125,6 +148,39 @@ class Ingress:
                                                  give_up_unix_ms=give_up_ms,
                                                  poll_s=min(1.0, s.stage_lease_ms / 3000))
         return state == CLAIMED
+
+
+class ReplyTopics:
+    """Which topics a Kafka request may be answered on: a whole match of ``pattern``, none of the
+    fleet's own topics (``own()``: every stage's, the infrastructure's and the errors topic), and one the broker
+    already has: the ingress never creates a topic (producing to an unknown one could). A name not
+    known yet is looked up in a read of the topic list made after it arrived (at most one read
+    every ``_TOPICS_REFRESH_S``, shared by every name waiting), so a topic created just before
+    its request was sent is found."""
+
+    def __init__(self, producer, pattern: str, *, own) -> None:
+        self._producer = producer
+        self._pattern = re.compile(pattern)
+        self._own = own
+        self._known: set[str] = set()
+        self._read_at = -_TOPICS_REFRESH_S
+        self._reading = asyncio.Lock()  # records arriving together wait for one read of the topic list
+
+    async def refusal(self, topic: str) -> str | None:
+        """None when replies may go to ``topic``, else why not (for the error reply)."""
+        if not self._pattern.fullmatch(topic) or topic in self._own():
+            return (f"reply_to {topic[:80]!r} is not a topic this fleet answers on (it must match "
+                    f"{self._pattern.pattern!r} and not be one of the fleet's own topics)")
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        async with self._reading:  # one read after a name's arrival answers it, and every name waiting with it
+            if topic not in self._known and self._read_at < arrived:
+                await asyncio.sleep(max(0.0, self._read_at + _TOPICS_REFRESH_S - loop.time()))
+                self._read_at = loop.time()
+                self._known = set((await self._producer.client.fetch_all_metadata()).topics())
+        if topic not in self._known:
+            return f"reply_to {topic!r} does not exist: create it before sending requests (replies never create topics)"
+        return None
 
 
 class _Answer:

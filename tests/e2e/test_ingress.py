@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from services.gateway.auth import hash_key
@@ -32,10 +32,11 @@ from tests import procs
 from tests.e2e.test_skeleton import noise_image, png_data_url
 
 KEY = "sk-ingress-right-key-4242"
+OTHER_KEY = "sk-ingress-other-tenant-5151"
 LIMITED_KEY = "sk-ingress-limited-key-7373"
 REDIS_PASSWORD = "redis-e2e-Pa55-9090"
 SASL_PASSWORD = "sasl-e2e-Pa55-6060"
-SECRETS = (KEY, LIMITED_KEY, REDIS_PASSWORD, SASL_PASSWORD)
+SECRETS = (KEY, OTHER_KEY, LIMITED_KEY, REDIS_PASSWORD, SASL_PASSWORD)
 SEEN_TEXT: list[str] = []  # every CLI output and error body, grepped at the end
 
 
@@ -50,7 +51,7 @@ def fleet(kafka_bootstrap, model_dir, fleet_logs, tmp_path_factory):
         env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
                "MMFLEET_REDIS_PASSWORD": REDIS_PASSWORD, "MMFLEET_KAFKA_SASL_PASSWORD": SASL_PASSWORD,
                "MMFLEET_KAFKA_SASL_USERNAME": "unused", "MMFLEET_REDIS_PREFIX": "ing",
-               "MMFLEET_API_KEY_HASHES": f"{hash_key(KEY)},{hash_key(LIMITED_KEY)}:2",
+               "MMFLEET_API_KEY_HASHES": f"{hash_key(KEY)},{hash_key(OTHER_KEY)},{hash_key(LIMITED_KEY)}:2",
                "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024)}
         with procs.fleet(env, fleet_logs, mode="epd") as (base, _proc):
             yield {"base": base, "bootstrap": kafka_bootstrap, "env": env}
@@ -145,7 +146,7 @@ def comparable(reply: dict) -> dict:
 
 # ------------------------------------------------------------------------- tests
 def test_kafka_answer_equals_http_answer(fleet):
-    topic = "replies.equal"
+    topic = "mm.replies.equal"
     cases = {"k-text": body("Tell me about the sea."),
              "k-image": body(image_content(png_data_url(noise_image(5))))}
     got = ask_kafka(fleet, topic, [(rid, json.dumps(b).encode(), std(topic=topic)) for rid, b in cases.items()],
@@ -161,7 +162,7 @@ def test_kafka_answer_equals_http_answer(fleet):
 
 
 def test_streamed_kafka_replies_arrive_in_order_and_end_with_a_terminal_one(fleet):
-    topic = "replies.stream"
+    topic = "mm.replies.stream"
     b = body(image_content(png_data_url(noise_image(6))), stream=True, stream_options={"include_usage": True})
     got = ask_kafka(fleet, topic, [("k-stream", json.dumps(b).encode(), std(topic=topic))], {"k-stream"})["k-stream"]
     assert [h["mmfleet-seq"] for h, _ in got] == [str(i) for i in range(len(got))]
@@ -175,7 +176,7 @@ def test_streamed_kafka_replies_arrive_in_order_and_end_with_a_terminal_one(flee
 
 
 def test_bad_requests_each_get_an_error_reply(fleet):
-    topic = "replies.bad"
+    topic = "mm.replies.bad"
     bad_image = body(image_content("data:image/png;base64," + base64.b64encode(b"not a png").decode()))
     ok = json.dumps(body("hi")).encode()
     records = [("b-json", b"{not json", std(topic=topic)),
@@ -183,11 +184,14 @@ def test_bad_requests_each_get_an_error_reply(fleet):
                ("b-nokey", ok, {"reply_to": topic}),
                ("b-wrongkey", ok, {"reply_to": topic, "authorization": "Bearer sk-wrong"}),
                ("b-noreply", ok, {"authorization": f"Bearer {KEY}"})]
-    got = ask_kafka(fleet, topic, records, {"b-json", "b-image", "b-nokey", "b-wrongkey"})
-    expected = {"b-json": (400, None), "b-image": (400, None), "b-nokey": (401, "missing_api_key"),
-                "b-wrongkey": (401, "invalid_api_key")}
-    for rid, (status, code) in expected.items():
-        [(headers, reply)] = got[rid]
+    got = ask_kafka(fleet, topic, records, {"b-json", "b-image"})
+    errors = asyncio.run(_replies(fleet["bootstrap"], "mm.replies.errors", {"b-nokey", "b-wrongkey", "b-noreply"}))
+    # a record without a valid key is answered on the errors topic only, never on its reply_to
+    assert not {"b-nokey", "b-wrongkey"} & set(got)
+    expected = {"b-json": (got, 400, None), "b-image": (got, 400, None), "b-nokey": (errors, 401, "missing_api_key"),
+                "b-wrongkey": (errors, 401, "invalid_api_key"), "b-noreply": (errors, 400, "missing_reply_to")}
+    for rid, (where, status, code) in expected.items():
+        [(headers, reply)] = where[rid]
         assert (headers["mmfleet-kind"], headers["mmfleet-status"], headers["mmfleet-last"]) == \
             ("error", str(status), "1")
         assert reply["error"]["message"]
@@ -198,14 +202,70 @@ def test_bad_requests_each_get_an_error_reply(fleet):
     assert "messages[0].content[0]" in got["b-image"][0][1]["error"]["message"]
     # the same texts as HTTP gives for the same bodies
     assert json.loads(http(fleet["base"], b"{not json")[1]) == got["b-json"][0][1]
-    assert json.loads(http(fleet["base"], ok, key=None)[1]) == got["b-nokey"][0][1]
-    # no reply_to: the error goes to the documented fallback topic
-    fallback = asyncio.run(_replies(fleet["bootstrap"], "mm.replies.errors", {"b-noreply"}))["b-noreply"]
-    assert fallback[0][1]["error"]["code"] == "missing_reply_to"
+    assert json.loads(http(fleet["base"], ok, key=None)[1]) == errors["b-nokey"][0][1]
+
+
+async def _end_offsets(bootstrap: str, topic: str) -> dict:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
+    await consumer.start()
+    try:
+        await consumer.topics()  # the cluster's metadata, so that the topic's partitions are known
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        return {tp.partition: off for tp, off in (await consumer.end_offsets(tps)).items()}
+    finally:
+        await consumer.stop()
+
+
+async def _topics(bootstrap: str) -> list[str]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return await admin.list_topics()
+    finally:
+        await admin.close()
+
+
+def test_replies_go_only_to_existing_reply_topics_never_to_the_fleets_own(fleet):
+    ok = json.dumps(body("hi")).encode()
+    before = asyncio.run(_end_offsets(fleet["bootstrap"], "mm.decode"))
+    records = [("t-stage", ok, std(topic="mm.decode")), ("t-requests", ok, std(topic="mm.requests")),
+               ("t-new", ok, std(topic="mm.replies.never-created")), ("t-odd", ok, std(topic="elsewhere"))]
+    asyncio.run(_produce(fleet["bootstrap"], [(rid.encode(), v, [(k, x.encode()) for k, x in h.items()])
+                                              for rid, v, h in records]))
+    errors = asyncio.run(_replies(fleet["bootstrap"], "mm.replies.errors", {r[0] for r in records}))
+    for rid, *_ in records:
+        [(headers, reply)] = errors[rid]
+        assert (headers["mmfleet-status"], reply["error"]["code"], reply["error"]["param"]) == \
+            ("400", "invalid_reply_to", "reply_to")
+    assert asyncio.run(_end_offsets(fleet["bootstrap"], "mm.decode")) == before  # nothing written there
+    topics = asyncio.run(_topics(fleet["bootstrap"]))
+    assert "mm.replies.never-created" not in topics and "elsewhere" not in topics  # no topic created
+
+
+def test_ids_are_bounded_claimed_only_after_authentication_and_scoped_per_key(fleet):
+    topic = "mm.replies.ids"
+    ok = json.dumps(body("Say something.")).encode()
+    wrong = {"reply_to": topic, "authorization": "Bearer sk-wrong"}
+    # an unauthenticated record first: it must not take the id away from its owner
+    asyncio.run(_produce(fleet["bootstrap"], [(b"i-shared", ok, [(k, v.encode()) for k, v in wrong.items()])]))
+    asyncio.run(_replies(fleet["bootstrap"], "mm.replies.errors", {"i-shared"}))
+    other = {"reply_to": topic, "authorization": f"Bearer {OTHER_KEY}"}
+    long_id = "i-" + "x" * 300
+    got = ask_kafka(fleet, topic, [("i-shared", ok, std(topic=topic)), ("i-shared", ok, other),
+                                   (long_id, ok, std(topic=topic))], {"i-shared", ""})
+    for _ in range(120):  # the second key's answer to the same id may come after the first's
+        if len(got["i-shared"]) >= 2:
+            break
+        time.sleep(1)
+        got = asyncio.run(_replies(fleet["bootstrap"], topic, {"i-shared", ""}))
+    replies = [reply for _headers, reply in got["i-shared"]]
+    assert len(replies) == 2 and all(r["object"] == "chat.completion" for r in replies)  # one per key
+    [(headers, reply)] = got[""]  # the long id is neither echoed nor claimed
+    assert (headers["mmfleet-status"], reply["error"]["code"]) == ("400", "invalid_request_id")
 
 
 def test_a_duplicate_request_id_is_answered_once(fleet):
-    topic = "replies.dup"
+    topic = "mm.replies.dup"
     value = json.dumps(body("Say something.")).encode()
 
     async def go():
