@@ -32,7 +32,7 @@ from shared import metrics, protocol
 from shared.settings import Settings
 from shared.stage import RequestFailed, entry_message
 from shared.transfer import PoolFullError, TransferAgent
-from shared.transport.bus import produce_entry
+from shared.transport.bus import TOO_LARGE, produce_entry
 from shared.transport.ledger import StageLedger
 from shared.transport.streams import TokenStreams
 
@@ -74,6 +74,9 @@ class Frontend:
         """Validate ``body`` and build its prompt: (prepared, model); raises ``Rejected``."""
         try:
             req = schema.parse_chat(body) if chat else schema.parse_completion(body)
+            if schema.too_deep(req):
+                raise Rejected.of(400, f"invalid request body: values nest deeper than {schema.MAX_JSON_DEPTH} "
+                                       "levels")
             unknown = [] if self.settings.allow_extra_request_fields else schema.unknown_fields(body, chat=chat)
             if unknown:
                 raise Rejected.of(400, f"unknown parameter {unknown[0]!r} (this server refuses fields it does not "
@@ -85,6 +88,9 @@ class Frontend:
             raise Rejected.of(400, f"invalid request body: {exc}", param=schema.error_param(exc)) from None
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise Rejected.of(400, f"invalid request body: {exc}") from None
+        except RecursionError:  # nesting past what the JSON decoder itself takes
+            raise Rejected.of(400, f"invalid request body: values nest deeper than {schema.MAX_JSON_DEPTH} "
+                                   "levels") from None
         except RequestFailed as failed:
             raise Rejected(failed.event) from None
         return prepared, req.model
@@ -116,6 +122,9 @@ class Frontend:
                 await produce_entry(self.producer, first, router=self.router, doorbell=self.doorbell,
                                     carry=s.early_start,
                                     deadline_unix_ms=min(first.value.meta.deadline_unix_ms, now_ms + s.queue_retry_ms))
+            except TOO_LARGE:  # its prompt, stop strings or schema past what one record may carry
+                raise Rejected.of(413, "the request is too large to queue (its prompt, stop strings, tools or "
+                                       "schema together); shorten it", code="request_too_large") from None
             except KafkaError as exc:  # broker down longer than queue_retry_ms: say so, never an unshaped 500
                 log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)
                 raise Rejected.of(503, f"the request queue is unavailable right now ({type(exc).__name__}); "

@@ -97,8 +97,10 @@ def check_fields(req, *, chat: bool) -> None:
                 raise _refuse(f"messages[{i}].{name}", why)
 
 
-def sampling(req, settings: Settings, max_tokens: int | None, vocab_size: int) -> protocol.Sampling:
-    """The request's sampling controls, range-checked (400 naming the field)."""
+def sampling(req, settings: Settings, max_tokens: int | None, vocab_size: int,
+             max_tokens_param: str = "max_tokens") -> protocol.Sampling:
+    """The request's sampling controls, range-checked (400 naming the field; ``max_tokens_param``:
+    the field ``max_tokens`` came from)."""
     def bad(param: str, message: str) -> RequestFailed:
         return RequestFailed.bad_request(f"{param} {message}", param=param)
 
@@ -110,7 +112,7 @@ def sampling(req, settings: Settings, max_tokens: int | None, vocab_size: int) -
         raise bad("top_p", "must be in (0, 1]")
     max_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
     if not 1 <= max_tokens <= settings.max_tokens_limit:
-        raise bad("max_tokens", f"must be between 1 and {settings.max_tokens_limit}")
+        raise bad(max_tokens_param, f"must be between 1 and {settings.max_tokens_limit}")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > 4 or any(not s for s in stop):
         raise bad("stop", "takes up to 4 non-empty strings")
@@ -238,7 +240,7 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[i
                                         param="logit_bias")
     out = []
     for key, value in bias.items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:  # ("²".isdigit(), int() fails)
             raise RequestFailed.bad_request(f"logit_bias key {key!r} is not a token id of this model "
                                             f"(0..{vocab_size - 1})", param="logit_bias")
         if not -100.0 <= value <= 100.0:

@@ -149,7 +149,10 @@ class PromptBuilder:
             raise RequestFailed.bad_request(
                 f"text may not contain the reserved tokens {', '.join(self._placeholder_ids.values())}",
                 param="messages")
-        sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens)
+        if req.max_completion_tokens is None:  # (0 is a value, refused as such, not a missing one)
+            sampling = self._sampling(req, req.max_tokens)
+        else:
+            sampling = self._sampling(req, req.max_completion_tokens, "max_completion_tokens")
         if tool_plan.structured is not None:  # a forced call: the grammar of the allowed calls
             if sampling.structured is not None:
                 raise RequestFailed.bad_request("tool_choice forcing a call cannot be combined with "
@@ -328,5 +331,5 @@ class PromptBuilder:
                                             code="context_length_exceeded")
         return ids
 
-    def _sampling(self, req, max_tokens: int | None) -> protocol.Sampling:
-        return params.sampling(req, self._s, max_tokens, len(self._tok))
+    def _sampling(self, req, max_tokens: int | None, param: str = "max_tokens") -> protocol.Sampling:
+        return params.sampling(req, self._s, max_tokens, len(self._tok), param)

@@ -198,6 +198,29 @@ _message_keys_decoder = msgspec.json.Decoder(_MessageKeys)
 _MESSAGE_FIELDS = frozenset(Message.__struct_fields__)
 
 
+MAX_JSON_DEPTH = 64  # nesting of a request's free-form values (tools, schemas, kwargs): deeper is a 400
+
+
+def too_deep(value, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` (a decoded request, or any part of it) nests containers deeper than
+    ``limit``; iterative, so a hostile nesting costs no recursion here or later."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        elif isinstance(item, msgspec.Struct):
+            children = (getattr(item, f) for f in item.__struct_fields__)
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def unknown_fields(body: bytes, *, chat: bool) -> list[str]:
     """Keys of a (valid) body that this schema does not declare, as request paths in body
     order: top-level ones, then (chat) those of each message."""

@@ -11,15 +11,16 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
 
 from shared.stage import RequestFailed
 
-# apply_chat_template's own parameters: not template variables (a request may not set them)
-_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                              "add_generation_prompt", "continue_final_message", "padding", "truncation",
-                              "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                              "tokenizer_kwargs"})
+# apply_chat_template's own parameters (read from its signature, ``self`` and ``kwargs`` included:
+# either would collide with the call), and ``messages``: not template variables, a request may not set them
+_RESERVED_KWARGS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {"messages"}
 
 
 def load_template_setting(value: str) -> str:
@@ -67,3 +68,6 @@ def render_chat(tokenizer, template: str | None, messages: list[dict], request, 
                                              **kwargs)
     except jinja2.TemplateError as exc:
         raise RequestFailed.bad_request(f"the chat template failed to render: {exc}", param=param) from None
+    except TypeError as exc:  # a template variable the rendering call takes as an argument of its own
+        raise RequestFailed.bad_request(f"chat_template_kwargs cannot be passed to the template: {exc}",
+                                        param="chat_template_kwargs") from None
