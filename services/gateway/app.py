@@ -208,6 +208,8 @@ async def _admit(request: web.Request, request_id: str, t0: float, *, chat: bool
     except web.HTTPRequestEntityTooLarge:
         return error_response(413, f"request body is larger than {front.settings.max_request_bytes} bytes",
                               code="request_too_large")
+    except ConnectionResetError:  # the client left mid-upload: nothing was admitted, nothing to log as an error
+        raise ClientGone(error_response(400, "the request body was not complete", code="incomplete_body")) from None
     try:
         async with front.admit(body, chat=chat, authorization=request.headers.get("Authorization"),
                                via="http", request_id=request_id, t0=t0) as adm:

@@ -15,7 +15,13 @@ import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+    TopicAlreadyExistsError,
+)
 from aiokafka.helpers import create_ssl_context
 
 from shared import protocol
@@ -119,12 +125,16 @@ async def ensure_topics(settings: Settings, topics: tuple[str, ...], *, timeout_
             await admin.close()
 
 
+TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError)  # the request's size, not the broker's state
+
+
 async def send_retrying(producer: AIOKafkaProducer, topic: str, value: bytes, key: bytes, *,
                         deadline_unix_ms: int, first_try=None, partition: int | None = None) -> None:
     """Produce one record and wait for the broker's ack, retrying broker errors (a broker that
     is restarting refuses connections, and one that came back empty answers "unknown topic"
     or an unknown error until the topics are created again) with backoff until
-    ``deadline_unix_ms``; then the last error is raised. ``first_try``: an already-sent
+    ``deadline_unix_ms``; then the last error is raised. A record too large for the broker is
+    raised at once (:data:`TOO_LARGE`): no retry makes it fit. ``first_try``: an already-sent
     record's future to wait on before retrying. Returns the broker's ``RecordMetadata``."""
     delay_s = 0.1
     while True:
@@ -135,7 +145,7 @@ async def send_retrying(producer: AIOKafkaProducer, topic: str, value: bytes, ke
             return await producer.send_and_wait(topic, value, key=key, partition=partition)
         except KafkaError as exc:
             left_s = deadline_unix_ms / 1000 - time.time()
-            if left_s <= delay_s:
+            if left_s <= delay_s or isinstance(exc, TOO_LARGE):
                 raise
             log.warning("produce to %s failed (%r); retrying in %.1f s", topic, exc, delay_s)
             await asyncio.sleep(delay_s)

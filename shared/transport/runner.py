@@ -25,7 +25,7 @@ from shared.keys import TOPIC_DEAD_LETTER, consumer_group
 from shared.settings import Settings
 from shared.stage import Context, Handler, Outcome, Produce, RequestFailed, entry_message
 from shared.transfer import OwnerGoneError
-from shared.transport.bus import produce_all
+from shared.transport.bus import TOO_LARGE, produce_all
 from shared.transport.consume import ConsumeLoop
 from shared.transport.delivery import Delivered, Delivery, Unconfirmed
 from shared.transport.early import EarlyRun, EarlyStarts
@@ -186,6 +186,11 @@ class StageRunner:
             await delivery.confirmed()
             try:
                 await self._deliver(outcome, meta.deadline_unix_ms)
+            except TOO_LARGE:  # an output no retry makes fit: the request's size, answered as such
+                await self._fail(delivery, meta, RequestFailed(
+                    413, f"stage {self.stage}'s output for this request is too large to queue",
+                    code="request_too_large"))
+                return
             except KafkaError as exc:  # the broker stayed unreachable until the deadline
                 await self._fail(delivery, meta, RequestFailed(
                     503, f"stage {self.stage} could not queue its output before the deadline "

@@ -14,6 +14,8 @@ import base64
 import io
 import json
 import os
+import socket
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -437,6 +439,22 @@ def test_allowed_sources_are_served(fleet):
         status, resp = post(fleet.base, chat(vid(url, num_frames=4)))
         assert status == 200, (url, resp)
         assert resp["choices"][0]["message"]["content"] is not None
+
+
+def test_an_abandoned_upload_is_no_server_error(fleet, logs_dir):
+    """A client that leaves mid-body is not an error of the server: no traceback in the log."""
+    host, port = fleet.base.removeprefix("http://").rsplit(":", 1)
+    log = logs_dir / "gateway.log"
+    before = log.read_text(errors="replace") if log.exists() else ""
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n" + b'{"model": "mmfleet-demo", "messages": [')
+            time.sleep(0.2)
+    time.sleep(1.0)
+    assert post(fleet.base, chat())[0] == 200  # and the gateway serves on
+    added = log.read_text(errors="replace")[len(before):]
+    assert "Traceback" not in added and "Error handling request" not in added, added[-2000:]
 
 
 def test_fleet_survived_the_corpus(fleet, capsys):
