@@ -203,13 +203,17 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
 
 async def _admit(request: web.Request, request_id: str, t0: float, *, chat: bool) -> web.StreamResponse:
     front = request.app[STATE].front
-    try:
-        body = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(413, f"request body is larger than {front.settings.max_request_bytes} bytes",
-                              code="request_too_large")
-    except ConnectionResetError:  # the client left mid-upload: nothing was admitted, nothing to log as an error
-        raise ClientGone(error_response(400, "the request body was not complete", code="incomplete_body")) from None
+
+    async def body() -> bytes:  # read once the key and the admission let the request in
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise Rejected.of(413, f"request body is larger than {front.settings.max_request_bytes} bytes",
+                              code="request_too_large") from None
+        except ConnectionResetError:  # the client left mid-upload: no server error, nothing to log as one
+            raise ClientGone(error_response(400, "the request body was not complete",
+                                            code="incomplete_body")) from None
+
     try:
         async with front.admit(body, chat=chat, authorization=request.headers.get("Authorization"),
                                via="http", request_id=request_id, t0=t0) as adm:

@@ -1,10 +1,11 @@
 """The one code path by which a request enters the fleet: HTTP (``app.py``) and the Kafka
 ingress (``ingress.py``) both call :meth:`Frontend.admit` and :meth:`Frontend.replies`, so they
-check, refuse and answer alike. In order: the API key (401, before the body is parsed); the
-body and prompt (400/404/413 naming the field, see ``params``); admission, the in-flight bound
-(429 ``overloaded``) before the key's rate (429 ``rate_limit_exceeded``: a request refused for
-load uses no quota); inline ``data:`` media into the NIXL pool (429 when full) and the entry
-message (503 when the broker refuses). These raise :class:`Rejected`. Then the answer: the
+check, refuse and answer alike. In order, each before anything after it costs: the API key
+(401); admission, the in-flight bound (429 ``overloaded``) before the key's rate (429
+``rate_limit_exceeded``: a request refused for load uses no quota); only then the body is read
+(HTTP) and parsed with its prompt (400/404/413 naming the field, see ``params``); inline
+``data:`` media into the NIXL pool (429 when full) and the entry message (413 too large to
+queue, 503 when the broker refuses). These raise :class:`Rejected`. Then the answer: the
 token stream shaped by ``responses.shape_replies``; from there every outcome is a reply.
 Design: docs/guide/api.md.
 """
@@ -15,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -96,25 +97,26 @@ class Frontend:
         return prepared, req.model
 
     @asynccontextmanager
-    async def admit(self, body: bytes, *, chat: bool, authorization: str | None,
+    async def admit(self, body: bytes | Callable[[], Awaitable[bytes]], *, chat: bool, authorization: str | None,
                     via: str, request_id: str | None = None, t0: float | None = None) -> AsyncIterator[Admitted]:
-        """Steps 1-4 (see the module docstring); raises ``Rejected``. Inside the block the
-        request runs; leaving it frees the request's inline media and its in-flight slot. A
-        cancelled block (the client went away) tells the stages to abort the request."""
+        """Steps 1-4 (see the module docstring); raises ``Rejected``. ``body``: the bytes, or how
+        to read them (HTTP), called only once the key and the admission let the request in.
+        Inside the block the request runs; leaving it frees the request's inline media and its
+        in-flight slot. A cancelled block (the client went away) tells the stages to abort it."""
         s = self.settings
-        key_id = self.auth.identify(authorization, via=via)
-        prepared, model = self.prepare(body, chat=chat)
         t0 = time.perf_counter() if t0 is None else t0
+        key_id = self.auth.identify(authorization, via=via)
         if self.inflight >= s.max_inflight_requests:
             metrics.ADMISSION_REJECTIONS.labels("inflight_limit").inc()
             raise Rejected.of(429, f"server is at its limit of {s.max_inflight_requests} in-flight requests; "
                                    "retry shortly", code="overloaded", retry_after_s=1)
-        await self.auth.charge(key_id, via=via)
-        self.inflight += 1
+        self.inflight += 1  # taken with the check (no await between them), given back below
         metrics.INFLIGHT.inc()
         leases: list[int] = []
         request_id = request_id or new_request_id(chat)
         try:
+            await self.auth.charge(key_id, via=via)
+            prepared, model = self.prepare(body if isinstance(body, bytes) else await body(), chat=chat)
             first = await self._entry(request_id, model, prepared, leases)
             self.redriver.track(first.value.meta)
             try:

@@ -138,3 +138,29 @@ async def test_a_request_too_large_for_one_record_is_a_413_at_once_not_a_queue_o
     assert (info.value.event.status, info.value.event.code) == (413, "request_too_large")
     assert producer.tries == 2  # the send, and one wait on it: never retried until the deadline
     assert front.inflight == 0
+
+
+class _OverItsRate(_AnyKey):
+    async def charge(self, key_id, *, via):
+        raise Rejected.of(429, "over the rate", code="rate_limit_exceeded", retry_after_s=1)
+
+
+class _NoKey(_AnyKey):
+    def identify(self, authorization, *, via):
+        raise Rejected.of(401, "missing API key", code="missing_api_key")
+
+
+@pytest.mark.parametrize(("auth", "status"), [(_NoKey(), 401), (_OverItsRate(), 429)])
+async def test_a_bad_key_or_one_over_its_rate_is_refused_before_its_body_is_read(model_dir, auth, status):
+    s = Settings()
+    front = Frontend(s, PromptBuilder.for_model(model_dir, s), _RecordTooLarge(), None, None, auth, None)
+    reads = []
+
+    async def body() -> bytes:
+        reads.append(1)
+        return chat()
+
+    with pytest.raises(Rejected) as info:
+        async with front.admit(body, chat=True, authorization=None, via="http"):
+            pass
+    assert info.value.event.status == status and reads == []  # nothing read, nothing parsed
