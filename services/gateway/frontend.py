@@ -76,8 +76,7 @@ class Frontend:
         try:
             req = schema.parse_chat(body) if chat else schema.parse_completion(body)
             if schema.too_deep(req):
-                raise Rejected.of(400, f"invalid request body: values nest deeper than {schema.MAX_JSON_DEPTH} "
-                                       "levels")
+                raise _too_deep()
             unknown = [] if self.settings.allow_extra_request_fields else schema.unknown_fields(body, chat=chat)
             if unknown:
                 raise Rejected.of(400, f"unknown parameter {unknown[0]!r} (this server refuses fields it does not "
@@ -90,8 +89,7 @@ class Frontend:
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise Rejected.of(400, f"invalid request body: {exc}") from None
         except RecursionError:  # nesting past what the JSON decoder itself takes
-            raise Rejected.of(400, f"invalid request body: values nest deeper than {schema.MAX_JSON_DEPTH} "
-                                   "levels") from None
+            raise _too_deep() from None
         except RequestFailed as failed:
             raise Rejected(failed.event) from None
         return prepared, req.model
@@ -194,6 +192,10 @@ class Frontend:
                                     prompt_token_ids=tuple(prepared.prompt_token_ids), sampling=prepared.sampling,
                                     sources=tuple(items), source_owner=owner)
         return entry_message(meta)
+
+
+def _too_deep() -> Rejected:
+    return Rejected.of(400, f"invalid request body: values nest deeper than {schema.MAX_JSON_DEPTH} levels")
 
 
 def new_request_id(chat: bool) -> str:

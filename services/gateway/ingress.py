@@ -55,7 +55,7 @@ class Ingress:
                                  epoch=EpochWatch(claims.broker_epoch), doorbell=front.doorbell)
         self._fallback_topic = s.ingress_fallback_reply_topic or TOPIC_REPLY_ERRORS
         self._reply_topics = ReplyTopics(front.producer, s.ingress_reply_topic_pattern,
-                                          own=lambda: fleet_topics(s))
+                                          own=frozenset(fleet_topics(s)))
         self._max_id_bytes = s.ingress_max_request_id_bytes
 
     def stop(self) -> None:
@@ -76,11 +76,9 @@ class Ingress:
     async def _one(self, record) -> None:
         headers = _headers(record)
         request_id = (record.key or b"").decode("utf-8", "replace") or headers.get("request_id", "")
-        if len(request_id.encode()) > self._max_id_bytes:
-            request_id = ""  # never echoed, never claimed: answered as missing, below
-            too_long = True
-        else:
-            too_long = False
+        too_long = len(request_id.encode()) > self._max_id_bytes
+        if too_long:
+            request_id = ""  # never echoed, never claimed: answered as invalid, below
         errors = _Answer(self._front.producer, self._fallback_topic, request_id)
         try:  # first: an unauthenticated record claims nothing and writes only to the errors topic
             key_id = self._front.auth.identify(headers.get("authorization"), via="kafka")
@@ -152,13 +150,13 @@ class Ingress:
 
 class ReplyTopics:
     """Which topics a Kafka request may be answered on: a whole match of ``pattern``, none of the
-    fleet's own topics (``own()``: every stage's, the infrastructure's and the errors topic), and one the broker
+    fleet's own topics (``own``: every stage's, the infrastructure's and the errors topic), and one the broker
     already has: the ingress never creates a topic (producing to an unknown one could). A name not
     known yet is looked up in a read of the topic list made after it arrived (at most one read
     every ``_TOPICS_REFRESH_S``, shared by every name waiting), so a topic created just before
     its request was sent is found."""
 
-    def __init__(self, producer, pattern: str, *, own) -> None:
+    def __init__(self, producer, pattern: str, *, own: frozenset[str]) -> None:
         self._producer = producer
         self._pattern = re.compile(pattern)
         self._own = own
@@ -168,7 +166,7 @@ class ReplyTopics:
 
     async def refusal(self, topic: str) -> str | None:
         """None when replies may go to ``topic``, else why not (for the error reply)."""
-        if not self._pattern.fullmatch(topic) or topic in self._own():
+        if not self._pattern.fullmatch(topic) or topic in self._own:
             return (f"reply_to {topic[:80]!r} is not a topic this fleet answers on (it must match "
                     f"{self._pattern.pattern!r} and not be one of the fleet's own topics)")
         loop = asyncio.get_running_loop()

@@ -117,7 +117,6 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
     stops = StopChecker(sampling.stop)
     generated, reason = 0, "length"
     writer = _LogWriter(events, meta.request_id, skip_deltas)
-    _settle, _send, written = writer.settle, writer.send, writer.written
 
     if lookahead_tokens > 0:
         tokens = _Ahead(tokens, lookahead_tokens)
@@ -138,14 +137,14 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
             res = stops.feed(detok.push(token))
             # one delta per token even without printable text yet: the log records every
             # token id, which is what a resumed decode continues from
-            await _send(generated - 1, (token,), res.emit)
+            await writer.send(generated - 1, (token,), res.emit)
             if res.stopped:
                 reason = "stop"
                 break
             if generated >= sampling.max_tokens:
                 break
             if aborted is not None and generated % abort_check_every == 0 and await aborted():
-                await _settle()
+                await writer.settle()
                 await events.append(meta.request_id, protocol.ErrorEvent(
                     status=499, type="invalid_request_error", message="the client closed the request",
                     code="client_closed_request"))
@@ -155,8 +154,8 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
             tail = res.emit + ("" if res.stopped else stops.flush())
             reason = "stop" if res.stopped else reason
             if tail:
-                await _send(generated, (), tail)
-        await _settle()
+                await writer.send(generated, (), tail)
+        await writer.settle()
     except _Superseded as sup:
         log.info("request %s: another decode already wrote delta %d of its token log; this one stops",
                  meta.request_id, sup.seq)
@@ -167,8 +166,8 @@ async def stream_completion(events: EventSink, meta: protocol.RequestMeta, token
         await tokens.aclose()
     usage = protocol.Usage(prompt_tokens=prompt_len, completion_tokens=generated, cached_tokens=cached_tokens)
     # at the log's next position too: a log flushed after the last delta is written again first
-    written.append(protocol.Finish(reason=reason, usage=usage, spans=path_so_far(meta)))
-    if not await _append(meta.request_id, events, written):
+    writer.written.append(protocol.Finish(reason=reason, usage=usage, spans=path_so_far(meta)))
+    if not await _append(meta.request_id, events, writer.written):
         log.info("request %s: another decode already finished its token log", meta.request_id)
 
 

@@ -31,8 +31,8 @@ class _Producer:
 
 
 def replies(producer) -> ReplyTopics:
-    return ReplyTopics(producer, Settings().ingress_reply_topic_pattern, own=lambda: ("mm.decode", "mm.requests",
-                                                                                        "mm.replies.errors"))
+    return ReplyTopics(producer, Settings().ingress_reply_topic_pattern,
+                       own=frozenset({"mm.decode", "mm.requests", "mm.replies.errors"}))
 
 
 async def test_only_existing_topics_that_match_and_are_not_the_fleets_own():
