@@ -5,8 +5,9 @@ stage with the generic runner.
 Shared per process: one Kafka producer, one Redis client, one NIXL agent, one engine per kind,
 checked against the layout before anything is consumed. SIGTERM/SIGINT stop every runner, which
 drain within ``drain_timeout_ms``; a runner's fatal error stops the process (non-zero exit) so
-its supervisor restarts it. ``/metrics`` is served on ``metrics_host:metrics_port`` from start-up
-(0: an ephemeral port, named in ``WorkerInfo.metrics_port``). Design: docs/design/architecture.md.
+its supervisor restarts it. Redis must answer at start (a Redis stall later is ridden out).
+``/metrics`` is served on ``metrics_host:metrics_port`` from start-up (0: an ephemeral port,
+named in ``WorkerInfo.metrics_port``). Design: docs/design/architecture.md.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from contextlib import AsyncExitStack
 
 import torch
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from services.modes import check_engine, entry_stages, normalise
 from services.stages import BY_NAME, SPECS
@@ -35,7 +37,7 @@ from shared.models.registry import family_of, placeholder_token_id, resolve_mode
 from shared.process import gcpolicy, hostaddr
 from shared.process.aio import succeeded
 from shared.process.device import resolve_placement
-from shared.settings import Settings
+from shared.settings import Settings, redact_url
 from shared.stage import Context, StageParts
 from shared.transfer import TransferAgent
 from shared.transport.bus import make_producer
@@ -66,6 +68,7 @@ async def run_worker(settings: Settings, stages_arg: list[str], spawner=None) ->
         redis = make_redis(settings)
         stack.push_async_callback(redis.aclose)
         stack.push_async_callback(lean_of(redis).close)
+        await _redis_answers(redis, settings)
         producer = make_producer(settings)
         await producer.start()
         stack.push_async_callback(producer.stop)
@@ -158,6 +161,17 @@ def _preflight(settings: Settings, stages: tuple[str, ...]):
     except ValueError as exc:
         raise SystemExit(f"cannot start worker: {exc}") from None
     return model_dir, placement
+
+
+async def _redis_answers(redis: Redis, settings: Settings) -> None:
+    """``SystemExit`` naming the URL (never a password) unless Redis answers a PING within
+    ``redis_timeout_ms``: a wrong URL or password stops the worker here, loudly, rather than
+    being retried as an outage."""
+    try:
+        await redis.ping()
+    except RedisError as exc:
+        raise SystemExit(f"cannot start worker: Redis at {redact_url(settings.redis_url)} did not answer: "
+                         f"{type(exc).__name__}: {exc}") from None
 
 
 async def _until_a_runner_ends(runners: list[StageRunner], tasks: list[asyncio.Task], boot: asyncio.Task,

@@ -45,6 +45,11 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     redis_url: Annotated[str, _d("Redis for token streams, claims, indexes and liveness")] = \
         "redis://127.0.0.1:6379/0"
     redis_prefix: Annotated[str, _d("prefix of every Redis key (several fleets can share one Redis)")] = "mm"
+    # Redis answers in well under a millisecond here: a reply 2 s late is a stalled server, and
+    # every client waiting on it should know within a bound it can plan around
+    redis_timeout_ms: Annotated[int, _d(
+        "longest wait for one Redis reply or connect (a blocking read: its block on top); past it the call "
+        "fails: the gateway answers 503 with Retry-After, workers retry the record with backoff")] = 2_000
     model: Annotated[str, _d("the model: a local folder (config.json, weights, processor files) or a Hugging Face "
                              "hub id resolved offline in the local hub cache (HF_HUB_CACHE, else HF_HOME/hub); "
                              "empty: the tiny offline demo model, built once under cache_dir (old name: "
@@ -205,6 +210,28 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     allow_extra_request_fields: Annotated[bool, _d(
         "accept (and ignore) request fields the OpenAI schema does not define; off: a 400 names the "
         "field")] = False
+    # bounds checked before the template renders, the tokenizer runs or a grammar is built: each of
+    # those costs gateway CPU in proportion to what the request brings
+    max_request_json_values: Annotated[int, _d(
+        "JSON values one request body may hold, counted by its commas before it is decoded (400 beyond): "
+        "decoding builds an object per value while the gateway's other requests wait; 0: the model's context "
+        "in tokens + 65,536")] = 0
+    max_prompt_bytes: Annotated[int, _d(
+        "text one request may bring to its prompt (message contents and names, tool-call arguments, a "
+        "completions prompt), UTF-8 bytes, checked before rendering and tokenizing (400 beyond); 0: 32 bytes "
+        "per token of the model's context")] = 0
+    max_request_messages: Annotated[int, _d("messages per chat request (400 beyond); 0: the model's context in "
+                                            "tokens (each message renders to one token at least)")] = 0
+    max_stop_string_bytes: Annotated[int, _d("longest stop string, UTF-8 bytes (400 beyond)")] = 1024
+    max_schema_bytes: Annotated[int, _d(
+        "largest JSON Schema, bytes (400 beyond): response_format as sent, one tool's parameters as compact "
+        "JSON; decoding it and building its grammar take time in proportion")] = 128 * 1024
+    max_tools: Annotated[int, _d("tools per request (400 beyond)")] = 128
+    max_tools_bytes: Annotated[int, _d("a request's tools together, bytes as sent (400 beyond)")] \
+        = 256 * 1024
+    request_body_timeout_ms: Annotated[int, _d("longest an HTTP request body may take to arrive once the request "
+                                               "is admitted (it holds an in-flight slot meanwhile): 408 beyond")] \
+        = 30_000
     max_inflight_requests: Annotated[int, _d("gateway admission bound: requests in flight (429 beyond)")] = 256
     queue_retry_ms: Annotated[int, _d(
         "how long the gateway keeps trying to queue a request while the broker is unreachable (a "
@@ -215,6 +242,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     # --- media
     max_image_bytes: Annotated[int, _d("largest image, bytes (413 beyond)")] = 16 * _MiB
     max_image_pixels: Annotated[int, _d("largest image, pixels (decompression-bomb guard)")] = 40_000_000
+    # Qwen2-VL's own default cap (max_pixels 12_845_056 = 16_384 tokens of 28x28 pixels)
+    max_image_tokens: Annotated[int, _d("vision tokens one image may become by the mm_processor_kwargs "
+                                        "min_pixels / max_pixels a request names (400 beyond; the model's "
+                                        "context bounds them too)")] = 16_384
     media_fetch_timeout_ms: Annotated[int, _d("a whole media fetch, redirects included")] = 10_000
     # Matched on the name as written in the URL, never on what it resolves to.
     media_allow_hosts: Annotated[tuple[str, ...], _d(
@@ -235,6 +266,10 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     max_video_frames: Annotated[int, _d("frames one video may give the model (num_frames / fps beyond it: "
                                         "400)")] = 32
     max_video_side: Annotated[int, _d("longest side of a video frame, pixels (413 beyond)")] = 4096
+    # qwen-vl-utils' VIDEO_TOTAL_PIXELS (24_576 tokens of 28x28 pixels): 32 frames at its 768-token frame
+    # cap, so a Qwen2-VL processor is handed no fewer pixels than it keeps
+    max_video_pixels: Annotated[int, _d("pixels of one video's sampled frames together: frames are scaled "
+                                        "down (aspect kept) while decoding to fit")] = 19_267_584
     video_num_frames: Annotated[int, _d("frames sampled uniformly over a video when the request names "
                                         "none")] = 8
     video_fps: Annotated[float, _d("> 0: sample this many frames per second when the request names no "

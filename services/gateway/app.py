@@ -72,7 +72,8 @@ async def _lifecycle(app: web.Application):
     streams = TokenStreams(redis, keys, maxlen=settings.stream_maxlen, ttl_s=settings.stream_ttl_s)
     ledger = StageLedger(redis, keys, lease_ms=settings.stage_lease_ms, done_ttl_s=settings.done_ttl_s)
     # text-only requests enter at mm.prefill: KV-aware routing picks the partition
-    router = Router(redis, keys, settings, placeholder_token_id(resolve_model_path(settings)))
+    # an unavailable Redis fails the request (a 503) rather than routing by key: its stream lives there
+    router = Router(redis, keys, settings, placeholder_token_id(resolve_model_path(settings)), redis_required=True)
     doorbell = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=settings.idle_fetch_interval_ms) \
         if settings.doorbell else None
     front = Frontend(settings, builder, producer, streams, transfer, auth, ledger, router, doorbell)
@@ -93,6 +94,7 @@ async def _lifecycle(app: web.Application):
         if ingress_task is not None:
             ingress.stop()
             await asyncio.gather(ingress_task, return_exceptions=True)
+        front.close()
         if doorbell is not None:
             await doorbell.close()
         await streams.close()
@@ -205,8 +207,14 @@ async def _admit(request: web.Request, request_id: str, t0: float, *, chat: bool
     front = request.app[STATE].front
 
     async def body() -> bytes:  # read once the key and the admission let the request in
+        timeout_ms = front.settings.request_body_timeout_ms
         try:
-            return await request.read()
+            # bounded: the request holds an in-flight slot from here, and a slow sender must not keep it
+            async with asyncio.timeout(timeout_ms / 1000):
+                return await request.read()
+        except TimeoutError:
+            raise Rejected.of(408, f"the request body did not arrive within {timeout_ms} ms",
+                              code="request_timeout") from None
         except web.HTTPRequestEntityTooLarge:
             raise Rejected.of(413, f"request body is larger than {front.settings.max_request_bytes} bytes",
                               code="request_too_large") from None

@@ -6,7 +6,8 @@ keys configured, :meth:`Authenticator.check` wants ``Bearer <key>`` (the HTTP
 is configured, and raises :class:`Rejected` (401) otherwise. The key itself is never stored,
 logged, labelled or echoed: it is identified by the first 12 hex digits of its hash.
 Rate limits are fixed one-minute windows counted in Redis (shared by every gateway); a
-request over the limit is a 429 with ``Retry-After`` until the window ends. Design: docs/guide/security.md.
+request over the limit is a 429 with ``Retry-After`` until the window ends; a Redis that cannot
+count it (stalled, gone) is a 503 with ``Retry-After``. Design: docs/guide/security.md.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import time
 
 from prometheus_client import Counter
 
-from services.gateway.responses import Rejected
+from services.gateway.responses import STORE_RETRY_AFTER_S, Rejected, store_unavailable
 from shared.keys import RedisKeys
 from shared.settings import Settings
+from shared.transport.redis_conn import unavailable
 
 AUTH_REJECTIONS = Counter("mmfleet_auth_rejections_total", "Requests refused by API-key checks or rate limits",
                           ["via", "reason"])
@@ -76,7 +78,8 @@ class Authenticator:
         return digest[:12]
 
     async def charge(self, key_id: str | None, *, via: str) -> None:
-        """Count one request against the key's limit; raises 429 ``Rejected`` when over it."""
+        """Count one request against the key's limit; raises 429 ``Rejected`` when over it, 503
+        when Redis is unavailable (within ``redis_timeout_ms``)."""
         if key_id is None:
             return
         limit = self._limit_by_id[key_id]
@@ -85,10 +88,16 @@ class Authenticator:
         now = time.time()
         window = int(now // _WINDOW_S)
         key = self._keys.rate(key_id, window)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.incr(key)
-            pipe.expire(key, _WINDOW_S + 1)
-            count, _ = await pipe.execute()
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.incr(key)
+                pipe.expire(key, _WINDOW_S + 1)
+                count, _ = await pipe.execute()
+        except Exception as exc:
+            if not unavailable(exc):
+                raise
+            AUTH_REJECTIONS.labels(via, "store_unavailable").inc()
+            raise Rejected(store_unavailable(exc), STORE_RETRY_AFTER_S) from None
         if count > limit:
             AUTH_REJECTIONS.labels(via, "rate_limited").inc()
             retry_s = max(1, int((window + 1) * _WINDOW_S - now) + 1)

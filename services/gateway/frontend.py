@@ -5,18 +5,20 @@ check, refuse and answer alike. In order, each before anything after it costs: t
 ``rate_limit_exceeded``: a request refused for load uses no quota); only then the body is read
 (HTTP) and parsed with its prompt (400/404/413 naming the field, see ``params``); inline
 ``data:`` media into the NIXL pool (429 when full) and the entry message (413 too large to
-queue, 503 when the broker refuses). These raise :class:`Rejected`. Then the answer: the
-token stream shaped by ``responses.shape_replies``; from there every outcome is a reply.
+queue, 503 when the broker or Redis is unavailable). These raise :class:`Rejected`. Then the
+answer: the token stream shaped by ``responses.shape_replies``; from there every outcome is a reply.
 Design: docs/guide/api.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -28,16 +30,28 @@ from services.gateway import params, schema
 from services.gateway.auth import Authenticator
 from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.redrive import Redriver
-from services.gateway.responses import Rejected, Reply, Shaper, error_reply, shape_replies
+from services.gateway.responses import (
+    STORE_RETRY_AFTER_S,
+    Rejected,
+    Reply,
+    Shaper,
+    error_reply,
+    shape_replies,
+    store_unavailable,
+)
 from shared import metrics, protocol
 from shared.settings import Settings
 from shared.stage import RequestFailed, entry_message
 from shared.transfer import PoolFullError, TransferAgent
 from shared.transport.bus import TOO_LARGE, produce_entry
 from shared.transport.ledger import StageLedger
+from shared.transport.redis_conn import unavailable
 from shared.transport.streams import TokenStreams
 
 log = logging.getLogger(__name__)
+# threads that prepare requests (parse, render, tokenize): two, so one costly request does not hold
+# up every other; more gain nothing while the GIL serialises the Python half of the work
+PREPARE_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -70,14 +84,21 @@ class Frontend:
         self.doorbell = doorbell  # shared.transport.doorbell.Doorbell: rung once an entry record is acked
         # its run() is started by the gateway app
         self.redriver = Redriver(ledger, producer, router=router, doorbell=doorbell)
+        self._aborting: set[asyncio.Task] = set()  # abort marks on their way (one per request at most)
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="gateway-prepare")
+
+    def close(self) -> None:
+        """Idempotent; the app's cleanup calls it once the server takes no more requests."""
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     def prepare(self, body: bytes, *, chat: bool) -> tuple[Prepared, str]:
         """Validate ``body`` and build its prompt: (prepared, model); raises ``Rejected``."""
+        s = self.settings
         try:
-            req = schema.parse_chat(body) if chat else schema.parse_completion(body)
-            if schema.too_deep(req):
+            req, sent = params.decode_bounded(body, s, chat=chat, context_tokens=self.builder.context_tokens)
+            if schema.too_deep(schema.free_form(req, chat=chat)):
                 raise _too_deep()
-            unknown = [] if self.settings.allow_extra_request_fields else schema.unknown_fields(body, chat=chat)
+            unknown = [] if s.allow_extra_request_fields else schema.unknown_fields(sent, chat=chat)
             if unknown:
                 raise Rejected.of(400, f"unknown parameter {unknown[0]!r} (this server refuses fields it does not "
                                        "know rather than ignore them)", param=unknown[0],
@@ -114,25 +135,39 @@ class Frontend:
         request_id = request_id or new_request_id(chat)
         try:
             await self.auth.charge(key_id, via=via)
-            prepared, model = self.prepare(body if isinstance(body, bytes) else await body(), chat=chat)
+            raw = body if isinstance(body, bytes) else await body()
+            # parsing, rendering, tokenizing and grammar checks cost CPU in proportion to the body
+            # (bounded by params.check_bounds): never on the loop that answers /health and streams
+            prepared, model = await asyncio.get_running_loop().run_in_executor(
+                self._prepare_pool, functools.partial(self.prepare, raw, chat=chat))
             first = await self._entry(request_id, model, prepared, leases)
             self.redriver.track(first.value.meta)
             try:
                 now_ms = int(time.time() * 1000)
-                await produce_entry(self.producer, first, router=self.router, doorbell=self.doorbell,
-                                    carry=s.early_start,
-                                    deadline_unix_ms=min(first.value.meta.deadline_unix_ms, now_ms + s.queue_retry_ms))
+                # queue_retry_ms bounds the whole produce: metadata waits, routing, a broker that
+                # stalls without answering (aiokafka alone would wait its request_timeout_ms)
+                async with asyncio.timeout(s.queue_retry_ms / 1000):
+                    await produce_entry(self.producer, first, router=self.router, doorbell=self.doorbell,
+                                        carry=s.early_start,
+                                        deadline_unix_ms=min(first.value.meta.deadline_unix_ms,
+                                                             now_ms + s.queue_retry_ms))
             except TOO_LARGE:  # its prompt, stop strings or schema past what one record may carry
                 raise Rejected.of(413, "the request is too large to queue (its prompt, stop strings, tools or "
                                        "schema together); shorten it", code="request_too_large") from None
-            except KafkaError as exc:  # broker down longer than queue_retry_ms: say so, never an unshaped 500
+            except (KafkaError, TimeoutError) as exc:  # broker away past queue_retry_ms: a 503, never a 500
                 log.warning("could not queue %s on %s: %r", request_id, first.topic, exc)
+                self._abort_soon(request_id)  # the record may still reach a broker that comes back
                 raise Rejected.of(503, f"the request queue is unavailable right now ({type(exc).__name__}); "
                                        "retry shortly", code="queue_unavailable", retry_after_s=1) from None
+            except Exception as exc:  # the gateway's router reads Redis (shared.kv.router, redis_required)
+                if not unavailable(exc):
+                    raise
+                log.warning("could not queue %s: Redis unavailable (%r)", request_id, exc)
+                raise Rejected(store_unavailable(exc), STORE_RETRY_AFTER_S) from None
             try:
                 yield Admitted(request_id, model, chat, prepared, key_id, t0)
             except (asyncio.CancelledError, ConnectionResetError):
-                await asyncio.shield(self.ledger.abort(request_id, ttl_s=s.stream_ttl_s))
+                await asyncio.shield(self._abort(request_id))
                 raise
         finally:
             self.redriver.forget(request_id)
@@ -141,9 +176,25 @@ class Frontend:
             self.inflight -= 1
             metrics.INFLIGHT.dec()
 
+    def _abort_soon(self, request_id: str) -> None:
+        """:meth:`_abort` without waiting for it: the client's answer does not wait on Redis."""
+        task = asyncio.create_task(self._abort(request_id), name="abort")
+        self._aborting.add(task)
+        task.add_done_callback(self._aborting.discard)
+
+    async def _abort(self, request_id: str) -> None:
+        """Tell the stages to drop the request (best effort: an unavailable Redis is logged)."""
+        try:
+            await self.ledger.abort(request_id, ttl_s=self.settings.stream_ttl_s)
+        except Exception as exc:
+            if not unavailable(exc):
+                raise
+            log.warning("could not mark %s aborted: Redis unavailable (%r)", request_id, exc)
+
     async def replies(self, adm: Admitted) -> AsyncIterator[Reply]:
         """Step 5: the request's replies, the last one with ``last`` set (a 504 error reply when
-        the request's deadline passes first)."""
+        the request's deadline passes first, a 503 when Redis, where its token stream is, is
+        unavailable)."""
         s = self.settings
         deadline_s = asyncio.get_running_loop().time() + s.request_timeout_ms / 1000
         events = _token_timing(self.streams.follow(adm.request_id, deadline_s=deadline_s,
@@ -161,6 +212,11 @@ class Frontend:
             yield error_reply(protocol.ErrorEvent(
                 status=504, type="timeout_error", code="deadline_exceeded",
                 message=f"request {adm.request_id} did not finish within {s.request_timeout_ms} ms"))
+        except Exception as exc:  # the token stream's read: within redis_timeout_ms past its block
+            if not unavailable(exc):
+                raise
+            log.warning("could not read the token stream of %s: Redis unavailable (%r)", adm.request_id, exc)
+            yield error_reply(store_unavailable(exc), STORE_RETRY_AFTER_S)
         finally:
             await events.aclose()
 

@@ -25,11 +25,12 @@ from services.stages import fleet_topics
 from shared.keys import INGRESS_STAGE, TOPIC_REPLY_ERRORS, TOPIC_REQUESTS, consumer_group
 from shared.transport.consume import ConsumeLoop
 from shared.transport.ledger import CLAIMED, EpochWatch, StageLedger
+from shared.transport.redis_conn import ride_out
 
 log = logging.getLogger(__name__)
 
 INGRESS_REQUESTS = Counter("mmfleet_ingress_requests_total", "Kafka ingress records by outcome", ["outcome"])
-_RETRYABLE = ("overloaded", "queue_unavailable")
+_RETRYABLE = ("overloaded", "queue_unavailable", "store_unavailable")
 _CLAIM = 0  # StageLedger attempt number: an ingress claim is per request_id, never restarted
 _TOPICS_REFRESH_S = 0.1  # the broker's topic list is read at most this often (unknown names wait for it)
 
@@ -142,9 +143,10 @@ class Ingress:
         still being answered by a live holder past the request's deadline."""
         s = self._front.settings
         give_up_ms = time.time() * 1000 + s.request_timeout_ms + 2 * s.stage_lease_ms
-        state = await self._claims.enter_waiting(request_id, INGRESS_STAGE, _CLAIM, self._owner, check_abort=False,
-                                                 give_up_unix_ms=give_up_ms,
-                                                 poll_s=min(1.0, s.stage_lease_ms / 3000))
+        # an unavailable Redis is waited out like a live holder: the record stays uncommitted meanwhile
+        state = await ride_out(lambda: self._claims.enter_waiting(
+            request_id, INGRESS_STAGE, _CLAIM, self._owner, check_abort=False, give_up_unix_ms=give_up_ms,
+            poll_s=min(1.0, s.stage_lease_ms / 3000)), until_unix_ms=give_up_ms, what=f"ingress claim {request_id!r}")
         return state == CLAIMED
 
 

@@ -69,7 +69,8 @@ class PromptBuilder:
 
     def __init__(self, tokenizer, *, placeholder_token: str = "", max_model_len: int, settings: Settings,
                  placeholders: dict[str, str] | None = None, embeds_hidden_size: int = 0,
-                 embeds_merge_size: int = 0, chat_template: str | None = None, pixel_budget: bool = False) -> None:
+                 embeds_merge_size: int = 0, chat_template: str | None = None, pixel_budget: bool = False,
+                 image_token_pixels: int = 0) -> None:
         self._tok = tokenizer
         # the model's template (see templates.py: setting, processor's, tokenizer's)
         self._template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
@@ -81,6 +82,9 @@ class PromptBuilder:
         self._embeds_hidden = embeds_hidden_size
         self._embeds_merge = embeds_merge_size
         self._pixel_budget = pixel_budget  # the image processor takes min/max pixels per request (Qwen2-VL)
+        # the bound on those pixels (image_token_pixels: pixels one image token covers)
+        self._max_request_pixels = params.max_request_pixels(settings, token_pixels=image_token_pixels,
+                                                             context_tokens=max_model_len)
         self._s = settings
         self._allow = as_allowlist(settings.media_allow_hosts)
         self._max_bytes = {"image": settings.max_image_bytes, "video": settings.max_video_bytes,
@@ -89,6 +93,10 @@ class PromptBuilder:
     def token_text(self, token_id: int) -> str:
         """One token's text, as logprobs show it."""
         return self._tok.decode([token_id])
+
+    @property
+    def context_tokens(self) -> int:
+        return self._max_model_len
 
     @property
     def modalities(self) -> frozenset[str]:
@@ -116,6 +124,7 @@ class PromptBuilder:
         return cls(tokenizer, max_model_len=max_len, settings=settings,
                    placeholders=placeholders, embeds_hidden_size=hidden if only is None else 0,
                    embeds_merge_size=merge, pixel_budget=family.name == "qwen2_vl",
+                   image_token_pixels=_token_pixels(processor),
                    chat_template=model_chat_template(settings.chat_template, processor, tokenizer))
 
     # ------------------------------------------------------------------ chat
@@ -126,7 +135,8 @@ class PromptBuilder:
         media: list[MediaInput] = []
         rendered: list[dict] = []
         tool_plan = tools.plan(req.tools, req.tool_choice)
-        pixels = params.pixel_budget(req.mm_processor_kwargs, supported=self._pixel_budget, settings=self._s)
+        pixels = params.pixel_budget(req.mm_processor_kwargs, supported=self._pixel_budget,
+                                     max_pixels=self._max_request_pixels)
         for i, msg in enumerate(req.messages):
             tools.check_message(i, msg)
             rendered.append({"role": msg.role, "content": self._content(msg, i, media)})
@@ -184,7 +194,7 @@ class PromptBuilder:
                     self._check_modality("image", "image_url", param)
                     media.append(self._media("image", image_url.url, param))
                     if image_url.detail == "low":  # a pixel budget, see params.DETAIL_LOW_MAX_PIXELS
-                        media[-1].max_pixels = params.DETAIL_LOW_MAX_PIXELS
+                        media[-1].max_pixels = min(params.DETAIL_LOW_MAX_PIXELS, self._max_request_pixels)
                     parts.append({"type": "image"})
                 case schema.VideoPart(video_url=video_url):
                     self._check_modality("video", "video_url", param)
@@ -333,3 +343,11 @@ class PromptBuilder:
 
     def _sampling(self, req, max_tokens: int | None, param: str = "max_tokens") -> protocol.Sampling:
         return params.sampling(req, self._s, max_tokens, len(self._tok), param)
+
+
+def _token_pixels(processor) -> int:
+    """Pixels one image token covers, (patch · merge)², for image processors that have both
+    (Qwen2-VL: 28²); 0 for the others."""
+    image_processor = getattr(processor, "image_processor", None)
+    patch, merge = getattr(image_processor, "patch_size", None), getattr(image_processor, "merge_size", None)
+    return (patch * merge) ** 2 if isinstance(patch, int) and isinstance(merge, int) else 0

@@ -67,6 +67,17 @@ class Rejected(Exception):
         return error_response(ev.status, ev.message, type_=ev.type, param=ev.param, code=ev.code, headers=headers)
 
 
+STORE_RETRY_AFTER_S = 1
+
+
+def store_unavailable(exc: BaseException) -> protocol.ErrorEvent:
+    """The 503 for a Redis that stalled or went away (``shared.transport.redis_conn.unavailable``):
+    the request's claims and token stream live there. Sent with ``STORE_RETRY_AFTER_S``."""
+    return protocol.ErrorEvent(status=503, type="server_error", code="store_unavailable",
+                               message=f"the request state store is unavailable right now ({type(exc).__name__}); "
+                                       "retry shortly")
+
+
 def usage_dict(usage: protocol.Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
@@ -77,16 +88,17 @@ def usage_dict(usage: protocol.Usage) -> dict:
 class Reply:
     """One JSON body for the client. ``kind``: "completion" (a whole answer), "chunk" (one
     stream chunk) or "error" (an OpenAI error body; ``status`` its HTTP status). ``last``: the
-    request's terminal reply."""
+    request's terminal reply. ``retry_after_s``: an error's ``Retry-After``."""
 
     kind: str
     body: dict
     status: int = 200
     last: bool = False
+    retry_after_s: int | None = None
 
 
-def error_reply(ev: protocol.ErrorEvent) -> Reply:
-    return Reply("error", event_error_body(ev), ev.status, last=True)
+def error_reply(ev: protocol.ErrorEvent, retry_after_s: int | None = None) -> Reply:
+    return Reply("error", event_error_body(ev), ev.status, last=True, retry_after_s=retry_after_s)
 
 
 class Shaper:
@@ -245,7 +257,9 @@ async def http_reply(request: web.Request, replies: AsyncIterator[Reply], *, str
     its connection mid-stream raises :class:`ClientGone`."""
     first = await anext(replies)
     if first.kind == "error":
-        return web.Response(status=first.status, body=orjson.dumps(first.body), content_type="application/json")
+        headers = {"Retry-After": str(first.retry_after_s)} if first.retry_after_s else None
+        return web.Response(status=first.status, body=orjson.dumps(first.body), content_type="application/json",
+                            headers=headers)
     if not stream:
         return web.Response(body=orjson.dumps(first.body), content_type="application/json")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -11,6 +11,7 @@ endpoints is declared here, so none is dropped unseen (what is done with each:
 from __future__ import annotations
 
 import re
+import typing
 from typing import Any, Literal, Union
 
 import msgspec
@@ -191,7 +192,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
 
 
 class _MessageKeys(Struct):
-    messages: list[dict[str, msgspec.Raw]] = []
+    messages: list[dict[str, msgspec.Raw]] = []  # (a non-list is refused by the typed decode after)
 
 
 _message_keys_decoder = msgspec.json.Decoder(_MessageKeys)
@@ -221,14 +222,57 @@ def too_deep(value, limit: int = MAX_JSON_DEPTH) -> bool:
     return False
 
 
-def unknown_fields(body: bytes, *, chat: bool) -> list[str]:
-    """Keys of a (valid) body that this schema does not declare, as request paths in body
-    order: top-level ones, then (chat) those of each message."""
-    known = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
-    out = [k for k in _keys_decoder.decode(body) if k not in known]
+def json_values_at_most(body: bytes) -> int:
+    """An upper bound, read before decoding, on the JSON values a body's containers hold: every
+    value after a container's first follows a comma (commas inside strings count too, so a long
+    text over-counts: the bound errs towards refusing, never towards decoding more)."""
+    return body.count(b",") + 1
+
+
+def _free_form_names(struct: type[Struct]) -> tuple[str, ...]:
+    """Fields whose values are arbitrary JSON (``Any``, ``dict[str, Any]``): the only places a
+    decoded request can nest without a bound its types set."""
+    hints = typing.get_type_hints(struct)
+    return tuple(name for name in struct.__struct_fields__ if "Any" in str(hints[name]))
+
+
+_FREE_FORM = {True: _free_form_names(ChatCompletionRequest), False: _free_form_names(CompletionRequest)}
+MESSAGE_FREE_FORM = _free_form_names(Message)
+
+
+def free_form_fields(*, chat: bool) -> tuple[str, ...]:
+    return _FREE_FORM[chat]
+
+
+def free_form(req, *, chat: bool) -> list:
+    """The request's arbitrary-JSON values (its messages' too), to be walked by :func:`too_deep`."""
+    out = [v for name in _FREE_FORM[chat] if (v := getattr(req, name)) is not None]
     if chat:
-        out += [f"messages[{i}].{k}" for i, m in enumerate(_message_keys_decoder.decode(body).messages)
-                for k in m if k not in _MESSAGE_FIELDS]
+        out += [v for m in req.messages for name in MESSAGE_FREE_FORM if (v := getattr(m, name)) is not None]
+    return out
+
+
+class AsSent(Struct, frozen=True):
+    """A body's fields as the JSON text they were sent as (:func:`as_sent`): the top level's and
+    (chat) each message's, so sizes and unknown keys can be checked before any value is decoded."""
+
+    top: dict[str, msgspec.Raw]
+    messages: list[dict[str, msgspec.Raw]] = []
+
+
+def as_sent(body: bytes, *, chat: bool) -> AsSent:
+    """One pass (two for chat) that builds nothing below the fields it names. Raises
+    ``msgspec.DecodeError`` / ``ValidationError`` for a body that is not a JSON object."""
+    top = _keys_decoder.decode(body)
+    return AsSent(top, _message_keys_decoder.decode(body).messages if chat else [])
+
+
+def unknown_fields(sent: AsSent, *, chat: bool) -> list[str]:
+    """Keys of a body (:func:`as_sent`) that this schema does not declare, as request paths in
+    body order: top-level ones, then those of each message."""
+    known = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+    out = [k for k in sent.top if k not in known]
+    out += [f"messages[{i}].{k}" for i, m in enumerate(sent.messages) for k in m if k not in _MESSAGE_FIELDS]
     return out
 
 

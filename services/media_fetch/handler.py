@@ -66,7 +66,12 @@ class MediaFetchHandler:
         self.cache = FetchCache(settings.media_cache_bytes, ttl_s=settings.media_cache_ttl_s)
         self._video_limits = VideoLimits(max_duration_s=settings.max_video_duration_s,
                                          max_frames=settings.max_video_frames, max_side=settings.max_video_side,
-                                         max_decoded_frames=settings.max_video_decoded_frames)
+                                         max_decoded_frames=settings.max_video_decoded_frames,
+                                         max_pixels=settings.max_video_pixels)
+        # the gateway's bound on a request's min/max_pixels, checked again for records that did not
+        # pass it; a preprocessor without ``token_pixels`` takes no pixel budget at all (bound 0)
+        token_pixels = int(getattr(preprocess, "token_pixels", 0))
+        self._max_request_pixels = min(settings.max_image_pixels, settings.max_image_tokens * token_pixels)
         # kind -> (byte cap, decoder run on the compute lane: (raw, source) -> preprocessed)
         self._kinds: dict[str, tuple[int, Callable[[bytes, protocol.MediaSource], object]]] = {}
         if preprocess is not None:
@@ -81,6 +86,8 @@ class MediaFetchHandler:
 
     async def handle(self, msg: protocol.MediaFetchRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
+        for src in msg.items:
+            self._check_pixel_budget(src)
         try:
             raws = []
             for src in msg.items:
@@ -106,6 +113,7 @@ class MediaFetchHandler:
                     continue
                 _, decode = self._kind(src)
                 px = await self._lane.run(decode, raw, src, size=len(raw))
+                self._check_fits_pool(px, src)
                 with timed_transfer():
                     ref = await ctx.transfer.put_wait(px.pixel_values, timeout_ms=5_000,
                                                       keep_source=self._encode_here)
@@ -162,6 +170,25 @@ class MediaFetchHandler:
                   e: protocol.EmbeddingIndexEntry) -> protocol.EmbeddingItem:
         return protocol.EmbeddingItem(index=index, mm_hash=mm_hash, grid_thw=e.grid_thw, n_tokens=e.n_tokens,
                                       embeds=e.embeds, cache_key=key, cache_gen=e.gen, kind=src.kind)
+
+    def _check_pixel_budget(self, src: protocol.MediaSource) -> None:
+        """A min/max_pixels beyond ``max_image_tokens`` worth of pixels is a 400 before any fetch:
+        min_pixels scales even a 1x1 image up to it."""
+        limit = self._max_request_pixels
+        for name, value in (("min_pixels", src.min_pixels), ("max_pixels", src.max_pixels)):
+            if not 0 <= value <= limit:
+                why = (f"must be from 0 to {limit} pixels (at most {self._s.max_image_tokens} image tokens)" if limit
+                       else "is not taken by this model's image processor")
+                raise RequestFailed.bad_request(f"{src.param}: mm_processor_kwargs.{name} {why}; got {value}",
+                                                param=f"mm_processor_kwargs.{name}")
+
+    def _check_fits_pool(self, px, src: protocol.MediaSource) -> None:
+        """A tensor larger than the whole pool can never be placed: a 413, not a fault to retry."""
+        nbytes = px.pixel_values.numel() * px.pixel_values.element_size()
+        if nbytes > self._s.pool_bytes:
+            raise MediaError(f"{src.param}: the {src.kind} becomes {nbytes} bytes of model input, above the "
+                             f"{self._s.pool_bytes} byte tensor pool; send a smaller {src.kind}", status=413,
+                             code="media_too_large")
 
     def _kind(self, src: protocol.MediaSource) -> tuple[int, Callable[[bytes, str], object]]:
         entry = self._kinds.get(src.kind)

@@ -79,6 +79,11 @@ class ImagePreprocessor:
         size = self._image_processor.size
         return int(size["shortest_edge"]), int(size["longest_edge"])
 
+    @property
+    def token_pixels(self) -> int:
+        """Pixels one image token covers, (patch · merge)² (Qwen2-VL: 28²)."""
+        return (int(self._image_processor.patch_size) * self._merge) ** 2
+
     @torch.inference_mode()
     def __call__(self, img: Image.Image, min_pixels: int = 0, max_pixels: int = 0) -> MediaPixels:
         """``min_pixels`` / ``max_pixels`` (0: the processor's own): the request's pixel budget."""

@@ -3,8 +3,9 @@ gateway for text-only requests, the runner for any stage's output, restarts incl
 process's :class:`Router` at the produce point. Policies: ``kv`` (the live prefill worker whose
 prefix cache holds most of the prompt's leading blocks, weighed against its load) or
 ``round_robin``. No table (Redis empty or unreachable, no live worker yet): ``None``, Kafka's own
-key hashing. Routing never fails a request: after a rebalance the partition's new owner serves
-the record; only the cache hit is lost.
+key hashing. Routing never fails a request (after a rebalance the partition's new owner serves
+the record; only the cache hit is lost), but for a ``redis_required`` router (the gateway's):
+there an unavailable Redis raises, as the request's token stream could not be read either.
 
 Design: docs/design/kv-routing.md.
 """
@@ -28,6 +29,7 @@ from shared import protocol
 from shared.keys import TOPIC_PREFILL, RedisKeys
 from shared.kv.blocks import block_hashes
 from shared.settings import Settings
+from shared.transport.redis_conn import unavailable
 from shared.transport.redis_lean import as_dict, lean_of
 
 log = logging.getLogger(__name__)
@@ -76,10 +78,11 @@ class Router:
 
     def __init__(self, redis: aioredis.Redis, keys: RedisKeys, settings: Settings,
                  placeholder_id: "int | frozenset[int]", *,
-                 topic: str = TOPIC_PREFILL, rng: random.Random | None = None) -> None:
+                 topic: str = TOPIC_PREFILL, rng: random.Random | None = None, redis_required: bool = False) -> None:
         if settings.routing_policy not in POLICIES:
             raise ValueError(f"routing_policy {settings.routing_policy!r}: choose one of {', '.join(POLICIES)}")
         self._redis = redis
+        self._redis_required = redis_required
         # the table read runs for every record routed: the lean client's (None: a router that only hashes, in tests)
         self._lean = lean_of(redis) if redis is not None else None
         self._keys = keys
@@ -96,10 +99,13 @@ class Router:
 
     async def route(self, msg: protocol.PrefillRequest) -> tuple[int | None, protocol.PrefillRequest]:
         """The partition to produce ``msg`` to (None: key hashing) and ``msg`` carrying the
-        decision (``route``) when a worker was picked, for the prefill's routing note. Never raises."""
+        decision (``route``) when a worker was picked, for the prefill's routing note. Never raises,
+        but for an unavailable Redis when ``redis_required``."""
         try:
             decision = await self.decide(msg)
         except (aioredis.RedisError, OSError, ValueError) as exc:
+            if self._redis_required and unavailable(exc):
+                raise
             log.warning("routing table unreadable (%r); %s goes by key", exc, msg.meta.request_id)
             decision = Decision(None, None, "error")
         ROUTING_DECISIONS.labels(self.policy, decision.reason).inc()

@@ -1,8 +1,9 @@
 """Video decoding under the media policy (PyAV), run on media-fetch's compute lane:
 :func:`decode_video` turns raw container bytes into ``uint8 [frames, height, width, 3]`` RGB
 frames sampled from the first video stream (MP4/MOV, WebM/Matroska only), or a ``MediaError``.
-Duration and frame side are capped from the header before any frame is decoded, and
-``max_decoded_frames`` bounds the frames decoded while looking for the sampled ones. Every
+Duration and frame side are capped from the header before any frame is decoded,
+``max_decoded_frames`` bounds the frames decoded while looking for the sampled ones, and each
+kept frame is scaled while converted so frames x pixels stays within ``max_pixels``. Every
 exception PyAV raises on untrusted bytes is a ``MediaError``, never a worker fault.
 
 Design: docs/guide/media.md.
@@ -30,6 +31,7 @@ class VideoLimits:
     max_frames: int
     max_side: int
     max_decoded_frames: int
+    max_pixels: int = 19_267_584  # all sampled frames together (settings.max_video_pixels' default)
 
 
 def sample_times(duration_s: float, *, num_frames: int, fps: float, max_frames: int, param: str) -> list[float]:
@@ -53,7 +55,8 @@ def decode_video(raw: bytes, *, num_frames: int, fps: float, limits: VideoLimits
     files, images, garbage) is a 400. Caps from the header: ``max_duration_s`` and ``max_side``
     (413). For each sample time the frame on screen at that time is kept (the last frame whose
     timestamp is at or before it; the last frame when the video ends first), so the result is
-    deterministic for the same bytes and parameters. Corrupt or truncated streams are a 400."""
+    deterministic for the same bytes and parameters. Frames larger than ``max_pixels`` / frames
+    allow are scaled down, aspect kept (:func:`fit_frame`). Corrupt or truncated streams are a 400."""
     import av
 
     try:
@@ -90,8 +93,9 @@ def _decode(container, *, num_frames: int, fps: float, limits: VideoLimits, para
         raise MediaError(f"{param}: video is {duration_s:.1f} s long, above the limit of {limits.max_duration_s:g} s; "
                          "send a shorter clip", status=413, code="media_too_large")
     times = sample_times(duration_s, num_frames=num_frames, fps=fps, max_frames=limits.max_frames, param=param)
-    picked: list[np.ndarray] = []
-    shown = None  # (frame, its rgb array or None) on screen before the frame being looked at
+    kept = _Kept(len(times), limits.max_pixels, param)
+    shown = None  # the frame on screen before the frame being looked at
+    shown_kept = False  # shown is the last frame in kept
     decoded = 0
     for frame in container.decode(stream):
         decoded += 1
@@ -102,25 +106,64 @@ def _decode(container, *, num_frames: int, fps: float, limits: VideoLimits, para
             raise MediaError(f"{param}: a video frame is {frame.width}x{frame.height}, above the limit of "
                              f"{limits.max_side} pixels per side", status=413, code="media_too_large")
         t = _frame_time_s(frame, stream, decoded)
-        while len(picked) < len(times) and times[len(picked)] < t - 1e-6:
+        while kept.count < len(times) and times[kept.count] < t - 1e-6:
             # the sample time falls before this frame: what was on screen then is the previous one
-            shown = shown if shown is not None else [frame, None]
-            if shown[1] is None:
-                shown[1] = shown[0].to_ndarray(format="rgb24")
-            picked.append(shown[1])
-        if len(picked) == len(times):
+            if shown is None:
+                shown = frame
+            kept.add(shown, again=shown_kept)
+            shown_kept = True
+        if kept.count == len(times):
             break
-        shown = [frame, None]
-    if len(picked) < len(times):  # the last frame stays on screen to the end
+        if shown is not frame:
+            shown, shown_kept = frame, False
+    if kept.count < len(times):  # the last frame stays on screen to the end
         if shown is None:
             raise MediaError(f"{param}: the video stream has no decodable frames (corrupt or truncated)")
-        last = shown[1] if shown[1] is not None else shown[0].to_ndarray(format="rgb24")
-        picked.extend([last] * (len(times) - len(picked)))
-    shapes = {p.shape for p in picked}
-    if len(shapes) != 1:
-        raise MediaError(f"{param}: the video changes frame size mid-stream ({sorted(shapes)[:2]}); "
-                         "send a video with one frame size")
-    return np.stack(picked)
+        while kept.count < len(times):
+            kept.add(shown, again=shown_kept)
+            shown_kept = True
+    return kept.frames
+
+
+def fit_frame(width: int, height: int, max_pixels: int) -> tuple[int, int]:
+    """(width, height) scaled down, aspect kept, so that width x height <= ``max_pixels``
+    (unchanged when it fits already); each side at least 1."""
+    if width * height <= max_pixels:
+        return width, height
+    scale = math.sqrt(max_pixels / (width * height))
+    w, h = max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+    return (max(1, max_pixels // h), h) if w * h > max_pixels else (w, h)
+
+
+class _Kept:
+    """The sampled frames in one ``uint8 [n, h, w, 3]`` array, allocated at the first kept
+    frame: its size fitted to ``max_pixels / n`` so the array never holds more than the budget,
+    and each frame scaled by swscale as it is converted, so no full-size RGB copy is made."""
+
+    def __init__(self, n: int, max_pixels: int, param: str) -> None:
+        self._n, self._frame_pixels, self._param = n, max(1, max_pixels // n), param
+        self._source: tuple[int, int] = (0, 0)  # the decoded size every kept frame must have
+        self.frames = np.empty((0, 0, 0, 3), np.uint8)
+        self.count = 0
+
+    def add(self, frame, *, again: bool = False) -> None:
+        """Keep ``frame`` next; ``again``: it is the frame kept last (it stays on screen)."""
+        if again:
+            self.frames[self.count] = self.frames[self.count - 1]
+            self.count += 1
+            return
+        size = (frame.width, frame.height)
+        if self.count == 0:
+            self._source = size
+            w, h = fit_frame(*size, self._frame_pixels)
+            self.frames = np.empty((self._n, h, w, 3), np.uint8)
+        elif size != self._source:
+            raise MediaError(f"{self._param}: the video changes frame size mid-stream ({self._source[0]}x"
+                             f"{self._source[1]} to {size[0]}x{size[1]}); send a video with one frame size")
+        h, w = self.frames.shape[1:3]
+        scaled = {} if (w, h) == size else {"width": w, "height": h, "interpolation": "AREA"}
+        self.frames[self.count] = frame.to_ndarray(format="rgb24", **scaled)
+        self.count += 1
 
 
 def _duration_s(container, stream, param: str = "") -> float:

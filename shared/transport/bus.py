@@ -18,6 +18,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
     KafkaConnectionError,
     KafkaError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     RecordTooLargeError,
     TopicAlreadyExistsError,
@@ -133,16 +134,22 @@ async def send_retrying(producer: AIOKafkaProducer, topic: str, value: bytes, ke
     """Produce one record and wait for the broker's ack, retrying broker errors (a broker that
     is restarting refuses connections, and one that came back empty answers "unknown topic"
     or an unknown error until the topics are created again) with backoff until
-    ``deadline_unix_ms``; then the last error is raised. A record too large for the broker is
-    raised at once (:data:`TOO_LARGE`): no retry makes it fit. ``first_try``: an already-sent
-    record's future to wait on before retrying. Returns the broker's ``RecordMetadata``."""
+    ``deadline_unix_ms``; then the last error is raised. Each wait ends at the deadline too
+    (``KafkaTimeoutError``): a broker that stalls without an answer holds a request no longer than
+    one that refuses it (aiokafka's own bound is its ``request_timeout_ms``). A record too large for
+    the broker is raised at once (:data:`TOO_LARGE`): no retry makes it fit. ``first_try``: an
+    already-sent record's future to wait on before retrying. Returns the broker's ``RecordMetadata``."""
     delay_s = 0.1
     while True:
         try:
-            if first_try is not None:
-                fut, first_try = first_try, None
-                return await fut
-            return await producer.send_and_wait(topic, value, key=key, partition=partition)
+            fut, first_try = first_try, None
+            try:  # a timer, not a task, per record: this is every stage output's path
+                async with asyncio.timeout(max(deadline_unix_ms / 1000 - time.time(), 0.001)):
+                    if fut is None:
+                        fut = await producer.send(topic, value, key=key, partition=partition)
+                    return await asyncio.shield(fut)  # a wait given up on leaves the record with the producer
+            except TimeoutError:
+                raise KafkaTimeoutError("no answer from the broker before the deadline") from None
         except KafkaError as exc:
             left_s = deadline_unix_ms / 1000 - time.time()
             if left_s <= delay_s or isinstance(exc, TOO_LARGE):

@@ -79,8 +79,9 @@ class ConsumeLoop:
 
     ``process(tp, record)``: one record, run as its own task; an exception escaping it is a
     fault of the consumer itself (e.g. the broker is gone): logged, and the loop stops (the
-    record stays uncommitted). ``process_batch(records)`` instead: each fetched batch is
-    processed in order, inline. ``lag_label``: publish ``mmfleet_consumer_lag_records`` under it.
+    record stays uncommitted) and ``run()`` raises it once drained. ``process_batch(records)``
+    instead: each fetched batch is processed in order, inline. ``lag_label``: publish
+    ``mmfleet_consumer_lag_records`` under it.
     """
 
     def __init__(self, settings: Settings, topic: str, group: str, *, name: str, concurrency: int,
@@ -107,6 +108,7 @@ class ConsumeLoop:
         self._lag_next = 0.0
         self._lag_partitions: set[int] = set()
         self.processed = 0  # records finished, for stats and tests
+        self._fatal: BaseException | None = None  # the first record error that stopped the loop
         self.assigned = asyncio.Event()  # set while the group gives this consumer partitions
         self.on_revoked: Callable[[set[int]], None] | None = None  # partitions taken away (before they go)
 
@@ -122,7 +124,7 @@ class ConsumeLoop:
         self._stopping.set()
 
     async def run(self) -> None:
-        """Consume until ``stop()``; then drain, commit and close."""
+        """Consume until ``stop()``; then drain, commit and close; raises a fatal record error."""
         await self._consumer.start()
         if self._doorbell is not None:
             self._doorbell.attach(self._consumer, self.topic)
@@ -157,6 +159,8 @@ class ConsumeLoop:
             for partition in self._lag_partitions:
                 metrics.CONSUMER_LAG.remove(self._lag_label, str(partition))
             self._lag_partitions.clear()
+        if self._fatal is not None:  # the process exits non-zero: its supervisor restarts it
+            raise self._fatal
 
     async def _one(self, tp: TopicPartition, tracker: OffsetTracker, rec) -> None:
         """``tracker``: the partition's tracker when the record was fetched; a rebalance since
@@ -165,8 +169,9 @@ class ConsumeLoop:
             await self._process_one(tp, rec)
         except asyncio.CancelledError:
             raise  # shutdown: leave the offset uncommitted
-        except Exception:
+        except Exception as exc:
             log.exception("%s: fatal error at %s:%d", self.name, tp.partition, rec.offset)
+            self._fatal = self._fatal or exc
             self.stop()
             return
         tracker.done(rec.offset)

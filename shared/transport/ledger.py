@@ -20,6 +20,7 @@ from typing import NamedTuple
 import redis.asyncio as aioredis
 
 from shared.keys import RedisKeys
+from shared.transport.redis_conn import unavailable
 from shared.transport.redis_lean import lean_of
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,12 @@ class ClaimKeeper:
 
     async def _run(self) -> None:
         while True:
-            await self._refresh()
+            try:
+                await self._refresh()
+            except Exception as exc:
+                if not unavailable(exc):
+                    raise
+                log.warning("claim not refreshed (%r); the work goes on, the claim may lapse", exc)
             await asyncio.sleep(self._every_s)
 
     @property

@@ -1,17 +1,30 @@
 """The one way a process opens Redis: URL plus ACL user/password and TLS from settings.
 
 Credentials come from ``redis_username`` / ``redis_password`` (or the URL's userinfo), TLS from
-a ``rediss://`` URL plus the ``redis_ssl_*`` files; nothing here logs a secret.
+a ``rediss://`` URL plus the ``redis_ssl_*`` files; nothing here logs a secret. Every reply and
+connect is bounded by ``redis_timeout_ms``; :func:`unavailable` tells a stalled or unreachable
+Redis (a 503 for a client, a retry for a worker: :func:`ride_out`) from a fault no retry cures.
 
-Design: docs/guide/security.md.
+Design: docs/guide/security.md, docs/guide/operations.md.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 import redis.asyncio as aioredis
-from redis.exceptions import MaxConnectionsError
+from redis.exceptions import AuthenticationError, AuthorizationError, ExternalAuthProviderError, MaxConnectionsError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def redis_kwargs(settings: Settings) -> dict:
@@ -35,9 +48,8 @@ def redis_kwargs(settings: Settings) -> dict:
 # the router, doorbell rings: at most 64 in flight), bounded by max_inflight_requests; the
 # gateway's token streams share one blocking read (shared.transport.stream_mux). redis-py's own default
 # is 100 and raises past it (40 concurrent streams, each with its own XREAD then, reached it). A
-# burst past the bound waits for a free connection instead of failing the request.
+# burst past the bound waits for a free connection (up to redis_timeout_ms) instead of failing the request.
 _POOL_HEADROOM = 128
-_POOL_WAIT_S = 10.0
 
 
 class WaitingPool(aioredis.BlockingConnectionPool):
@@ -103,8 +115,39 @@ def _direct_send(cls: type) -> type:
 
 
 def make_redis(settings: Settings) -> aioredis.Redis:
+    """The process's Redis client: replies, connects and the wait for a pooled connection each
+    bounded by ``redis_timeout_ms`` (redis-py's own default is 5 s a reply); no retries inside
+    redis-py, so a stall costs one bound per call and the caller decides what follows."""
+    timeout_s = settings.redis_timeout_ms / 1000
     pool = WaitingPool.from_url(
-        settings.redis_url, max_connections=settings.max_inflight_requests + _POOL_HEADROOM, timeout=_POOL_WAIT_S,
-        **redis_kwargs(settings))
+        settings.redis_url, max_connections=settings.max_inflight_requests + _POOL_HEADROOM, timeout=timeout_s,
+        socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **redis_kwargs(settings))
     pool.connection_class = _direct_send(pool.connection_class)
     return aioredis.Redis.from_pool(pool)
+
+
+_REFUSED = (AuthenticationError, AuthorizationError, ExternalAuthProviderError)  # configuration: no retry cures it
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 2.0  # the most a Redis that came back waits to be used again
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Redis stalled, restarting or unreachable (a timeout, a lost or refused connection, a
+    server still loading): worth a retry. A refused login or ACL is a configuration fault."""
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError)) and not isinstance(exc, _REFUSED)
+
+
+async def ride_out(call: Callable[[], Awaitable[T]], *, until_unix_ms: float, what: str) -> T:
+    """``await call()``, again with backoff (``RETRY_FIRST_S`` doubling to ``RETRY_MAX_S``)
+    while it fails with Redis :func:`unavailable`; past ``until_unix_ms`` that error is raised.
+    Any other error is raised at once. ``what``: for the log."""
+    delay_s = RETRY_FIRST_S
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            if not unavailable(exc) or time.time() * 1000 + delay_s * 1000 > until_unix_ms:
+                raise
+            log.warning("%s: Redis unavailable (%r); again in %.1f s", what, exc, delay_s)
+        await asyncio.sleep(delay_s)
+        delay_s = min(delay_s * 2, RETRY_MAX_S)

@@ -4,7 +4,9 @@ Every stage gets the same semantics: at-least-once (commit after the outputs are
 (``concurrency`` in flight, partitions paused beyond), deadlines (504 without work), idempotent
 under a ``StageLedger`` claim, restarts from the source on a lost tensor owner, retries then
 dead-letter on faults, a bounded drain on ``stop()``, and (with a doorbell) client-side idle
-waits that an upstream produce cuts short and early starts on the record a ring carries.
+waits that an upstream produce cuts short and early starts on the record a ring carries. A Redis
+that stalls or goes away is no fault of the record: it is handled again, with backoff, until
+Redis answers (the record uncommitted meanwhile) or its deadline passes.
 
 Design: docs/design/runner.md.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 
@@ -30,6 +33,7 @@ from shared.transport.consume import ConsumeLoop
 from shared.transport.delivery import Delivered, Delivery, Unconfirmed
 from shared.transport.early import EarlyRun, EarlyStarts
 from shared.transport.ledger import ABORTED, DONE, EpochWatch
+from shared.transport.redis_conn import ride_out, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,7 @@ class StageRunner:
                                  epoch=EpochWatch(ctx.ledger.broker_epoch) if ctx.ledger is not None else None)
         self.assigned = self._loop.assigned  # set once the group gave this runner partitions
         self.early: EarlyStarts | None = None
+        self._deliveries = itertools.count()  # numbers each delivered record's claim token
         if doorbell is not None and settings.early_start and ctx.ledger is not None:  # the claim makes it safe
             self.early = EarlyStarts(decoder=self._decoder, start=self._early_run, owns=self._loop.owns,
                                      free=self._loop.free, confirm_ms=settings.early_start_confirm_ms,
@@ -101,17 +106,46 @@ class StageRunner:
             await self._dead_letter(tp, rec, f"undecodable record: {exc}", attempts=1)
             self._count("dead_letter")
             return
-        with logs.bind(request_id=msg.meta.request_id, stage=self.stage):
-            await self._handle_decoded(Delivered(tp, rec), msg)
+        meta: protocol.RequestMeta = msg.meta
+        delivery = Delivered(tp, rec)
+        # this delivery's own claim token: a try cut short by Redis may leave its claim behind (an
+        # enter whose reply timed out still runs once Redis resumes), released before the next try
+        owner, tries = f"{self._ctx.worker_id}/{next(self._deliveries)}", itertools.count()
+
+        async def handle() -> None:
+            if next(tries) and self._ctx.ledger is not None:
+                await self._ctx.ledger.release(meta.request_id, self.stage, meta.attempt, owner)
+            await self._handle_decoded(delivery, msg, owner)
+
+        with logs.bind(request_id=meta.request_id, stage=self.stage):
+            try:
+                await ride_out(handle, until_unix_ms=meta.deadline_unix_ms, what=f"{self.stage}: {meta.request_id}")
+            except Exception as exc:
+                if not unavailable(exc):
+                    raise
+                # past its deadline nothing can be written for it (not even the 504): its reader gives up
+                log.error("%s: Redis still unavailable past the deadline of %s (%r); the record is dropped",
+                          self.stage, meta.request_id, exc)
+                self._count("redis_unavailable")
 
     def _count(self, outcome: str) -> None:
         metrics.STAGE_RECORDS.labels(self.stage, outcome).inc()
 
     async def _early_run(self, run: EarlyRun) -> None:
         with logs.bind(request_id=run.msg.meta.request_id, stage=self.stage):
-            await self._handle_decoded(run, run.msg)
+            try:
+                await self._handle_decoded(run, run.msg, self._ctx.worker_id)
+            except Exception as exc:
+                if not unavailable(exc):
+                    raise
+                log.warning("%s: early start of %s met an unavailable Redis (%r); the record's own delivery "
+                            "handles it", self.stage, run.msg.meta.request_id, exc)
+                run.drop()
+                run.handled = False  # it did not: the delivered record is handled (and rides the outage out)
 
-    async def _handle_decoded(self, delivery: Delivery, msg) -> None:
+    async def _handle_decoded(self, delivery: Delivery, msg, owner: str) -> None:
+        """``owner``: the claim's token (this worker's id for an early run, whose stream writes Redis
+        checks against it)."""
         meta: protocol.RequestMeta = msg.meta
         queue_ms = now_ms() - delivery.sent_unix_ms  # produced → picked up here
         ledger = self._ctx.ledger
@@ -119,7 +153,7 @@ class StageRunner:
             await self._attempts(delivery, msg, queue_ms)
             return
         t_claim = time.perf_counter()
-        state = await delivery.enter(ledger, self.stage, meta, self._ctx.worker_id, self.topic)
+        state = await delivery.enter(ledger, self.stage, meta, owner, self.topic)
         if state == ABORTED:
             await self._fail(delivery, meta, RequestFailed(499, "the client closed the request",
                                                            type_="invalid_request_error",
@@ -130,18 +164,26 @@ class StageRunner:
             self._count("duplicate")
             return  # done already (or by the live worker that held the claim)
         claim_ms = (time.perf_counter() - t_claim) * 1000  # Redis round trips before the work
-        keeper = ledger.keeper(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
+        keeper = ledger.keeper(meta.request_id, self.stage, meta.attempt, owner)
         finished = False
         try:
             await self._attempts(delivery, msg, queue_ms, claim_ms)
             await delivery.confirmed()  # never a done-mark without the claim (every effect waited for it)
             await keeper.stop()
-            await ledger.finish(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
+            # the outputs are in Kafka: only the done-mark waits for Redis, not the work again
+            await ride_out(lambda: ledger.finish(meta.request_id, self.stage, meta.attempt, owner),
+                           until_unix_ms=meta.deadline_unix_ms, what=f"{self.stage}: done-mark of {meta.request_id}")
             finished = True
         finally:
             await keeper.stop()
             if not finished and await delivery.holds_claim():
-                await ledger.release(meta.request_id, self.stage, meta.attempt, self._ctx.worker_id)
+                try:
+                    await ledger.release(meta.request_id, self.stage, meta.attempt, owner)
+                except Exception as exc:
+                    if not unavailable(exc):
+                        raise
+                    # the error on its way out says why; the next try releases it first, else it lapses
+                    log.debug("%s: claim of %s not released: %r", self.stage, meta.request_id, exc)
 
     async def _attempts(self, delivery: Delivery, msg, queue_ms: float, claim_ms: float = 0.0) -> None:
         """Nothing leaves this worker before ``delivery.confirmed()``; stream writes are gated."""
@@ -171,6 +213,8 @@ class StageRunner:
             except (asyncio.CancelledError, Unconfirmed):  # an early start's record did not come: drop it
                 raise
             except Exception as exc:
+                if unavailable(exc):  # Redis, not the record: no attempt spent (the record is handled again)
+                    raise
                 await delivery.claimed()  # an early start without the claim drops here rather than retry
                 log.exception("%s: handler failed for %s (attempt %d)", self.stage, meta.request_id, attempts)
                 if attempts >= self._settings.max_attempts:
@@ -246,7 +290,8 @@ class StageRunner:
         (default: deadline for a 504, else failed)."""
         await delivery.confirmed()
         log.info("%s: request %s failed: %s", self.stage, meta.request_id, failed.event.message)
-        await self._ctx.events.append(meta.request_id, failed.event)
+        await ride_out(lambda: self._ctx.events.append(meta.request_id, failed.event),
+                       until_unix_ms=meta.deadline_unix_ms, what=f"{self.stage}: terminal error of {meta.request_id}")
         self._count(outcome or ("deadline" if failed.event.status == 504 else "failed"))
 
     async def _dead_letter(self, tp: TopicPartition, rec, error: str, attempts: int) -> None:

@@ -35,6 +35,7 @@ MAX_VIDEO_BYTES = 2 * MiB
 MAX_VIDEO_DURATION_S = 5
 MAX_VIDEO_SIDE = 512
 MAX_VIDEO_DECODED_FRAMES = 150
+BODY_TIMEOUT_MS = 2_000
 P0 = "messages[0].content[0]"
 MP4 = samples.video(samples.video_frames(12, size=(64, 48)), fps=6)  # 2 s, a good video
 FILES = {
@@ -100,7 +101,8 @@ def fleet(kafka_bootstrap, redis_url, model_dir, logs_dir, media_server, media_r
            "MMFLEET_MEDIA_FETCH_TIMEOUT_MS": "3000", "MMFLEET_MEDIA_READ_TIMEOUT_MS": "1000",
            "MMFLEET_MEDIA_MAX_REDIRECTS": "3", "MMFLEET_MAX_VIDEO_BYTES": str(MAX_VIDEO_BYTES),
            "MMFLEET_MAX_VIDEO_DURATION_S": str(MAX_VIDEO_DURATION_S), "MMFLEET_MAX_VIDEO_SIDE": str(MAX_VIDEO_SIDE),
-           "MMFLEET_MAX_VIDEO_DECODED_FRAMES": str(MAX_VIDEO_DECODED_FRAMES)}
+           "MMFLEET_MAX_VIDEO_DECODED_FRAMES": str(MAX_VIDEO_DECODED_FRAMES),
+           "MMFLEET_REQUEST_BODY_TIMEOUT_MS": str(BODY_TIMEOUT_MS)}
     with procs.fleet(env, logs_dir) as (base, proc):
         kids = sorted(procs.children_of(proc.pid))
         mf = [k for k in kids if "media-fetch" in _cmdline(k)]
@@ -455,6 +457,87 @@ def test_an_abandoned_upload_is_no_server_error(fleet, logs_dir):
     assert post(fleet.base, chat())[0] == 200  # and the gateway serves on
     added = log.read_text(errors="replace")[len(before):]
     assert "Traceback" not in added and "Error handling request" not in added, added[-2000:]
+
+
+def _deep_schema(levels: int) -> dict:
+    """A JSON Schema whose compact JSON doubles with each level (5.5 MB at 16): its grammar takes
+    seconds to build, so it must be refused by its size before any is built."""
+    node: dict = {"type": "string"}
+    for _ in range(levels):
+        node = {"type": "object", "properties": {"a": node, "b": node}, "required": ["a"]}
+    return node
+
+
+COSTLY = {  # name: (body, what its 400 names); each within MAX_REQUEST_BYTES, each seconds of gateway CPU
+    # (and, before the bounds ran first, as long with the event loop held) had it been decoded,
+    # rendered, tokenized or built into a grammar
+    "200k messages": (json.dumps({"model": "mmfleet-demo", "messages": [{"role": "user", "content": ""}] * 200_000}),
+                      "request_too_complex"),
+    "50k messages": (json.dumps({"model": "mmfleet-demo", "messages": [{"role": "user"}] * 50_000}), "messages"),
+    "1.5M stop strings": (json.dumps({"model": "mmfleet-demo", "messages": [{"role": "user", "content": "hi"}],
+                                      "stop": ["a"] * 1_500_000}), "request_too_complex"),
+    "7 MB prompt": (json.dumps({"model": "mmfleet-demo", "prompt": "hello world " * 580_000}), "prompt"),
+    "5.5 MB schema": (json.dumps({"model": "mmfleet-demo", "messages": [{"role": "user", "content": "hi"}],
+                                  "response_format": {"type": "json_schema",
+                                                      "json_schema": {"name": "x", "schema": _deep_schema(16)}}}),
+                      "request_too_complex"),
+    "350 kB schema": (json.dumps({"model": "mmfleet-demo", "messages": [{"role": "user", "content": "hi"}],
+                                  "response_format": {"type": "json_schema",
+                                                      "json_schema": {"name": "x", "schema": _deep_schema(12)}}}),
+                      "response_format.json_schema.schema"),
+}
+
+
+def test_health_answers_while_costly_requests_are_refused(fleet, capsys):
+    """Costly bodies are refused by their bounds (400 naming the field, or the body's size in
+    JSON values) off the gateway's event loop: /health keeps answering meanwhile (the bound here
+    is generous against a loaded CI machine; before, such requests held the loop for seconds)."""
+    import threading
+
+    worst: list[float] = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(fleet.base + "/health", timeout=30) as resp:
+                assert resp.status == 200
+            worst.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        answers = {}
+        for _round in range(3):
+            for name, (body, _) in COSTLY.items():
+                path = "/v1/completions" if "prompt" in name else "/v1/chat/completions"
+                status, resp = post(fleet.base, body.encode(), path=path)
+                answers[name] = (status, resp.get("error", {}).get("param") or resp.get("error", {}).get("code"))
+    finally:
+        done.set()
+        watcher.join()
+    assert answers == {name: (400, named) for name, (_, named) in COSTLY.items()}
+    with capsys.disabled():
+        print(f"\n/health while costly requests were refused: {len(worst)} answers, slowest "
+              f"{max(worst) * 1000:.1f} ms")
+    assert max(worst) < 0.5
+
+
+def test_a_body_that_stops_arriving_is_a_408_and_frees_its_slot(fleet):
+    """An admitted request holds an in-flight slot while its body arrives: a sender that stalls
+    gets a 408 once ``request_body_timeout_ms`` passes, not a slot held for as long as it likes."""
+    host, port = fleet.base.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n" + b'{"model": "mmfleet-demo", "messages": [')
+        t0 = time.perf_counter()
+        head = sock.recv(4096)
+        waited_s = time.perf_counter() - t0
+    assert head.startswith(b"HTTP/1.1 408"), head[:200]
+    assert b"request_timeout" in head
+    assert BODY_TIMEOUT_MS / 1000 - 0.5 < waited_s < 20  # the bound, not a speed
+    assert post(fleet.base, chat())[0] == 200
 
 
 def test_fleet_survived_the_corpus(fleet, capsys):

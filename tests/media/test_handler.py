@@ -341,3 +341,59 @@ async def test_with_encode_here_the_lookup_takes_each_misses_encode_lease(world)
     with pytest.raises(RequestFailed):
         await failing.handle(_request("r2", [base + "/a.png", base + "/b.png"]), w["ctx"])
     assert index.leases == {} and sorted(index.released) == sorted([a.cache_key, b.cache_key])
+
+
+def _with(msg: protocol.MediaFetchRequest, **fields) -> protocol.MediaFetchRequest:
+    items = tuple(msgspec.structs.replace(it, **fields) for it in msg.items)
+    return protocol.MediaFetchRequest(meta=msg.meta, items=items)
+
+
+async def test_a_record_naming_pixels_beyond_the_token_bound_is_a_400_before_any_fetch(world, model_dir):
+    """A record produced straight onto mm.media-fetch, past the gateway's check: a min_pixels above
+    ``max_image_tokens`` of 28x28 pixels would scale even a 1x1 image up to it. Refused by name,
+    terminal, nothing fetched; at the bound it is served (the processor rounds each side up to
+    whole tokens: a row and a column of tokens above it at most)."""
+    from shared.engines.qwen2_vl import ImagePreprocessor
+
+    w, srv = world, world["server"]
+    settings = Settings(media_allow_hosts=(f"127.0.0.1:{srv.port}",), max_image_bytes=1 << 20,
+                        max_image_pixels=1_000_000, max_image_tokens=64)
+    handler = MediaFetchHandler(settings, w["handler"]._fetcher, ImagePreprocessor(model_dir), w["handler"]._lane)
+    before = srv.hits("/a.png")
+    for name in ("min_pixels", "max_pixels"):
+        with pytest.raises(RequestFailed) as info:
+            await handler.handle(_with(_request("px", [srv.base + "/a.png"]), **{name: 64 * 28 * 28 + 1}), w["ctx"])
+        ev = info.value.event
+        assert (ev.status, ev.param) == (400, f"mm_processor_kwargs.{name}") and "64 image tokens" in ev.message
+    assert srv.hits("/a.png") == before
+    out = await handler.handle(_with(_request("ok", [srv.base + "/a.png"]), min_pixels=64 * 28 * 28), w["ctx"])
+    assert out.produce[0].value.items[0].n_tokens <= 64 + 8 + 9 + 1  # 48x40 scaled up: 7.3 x 8.8 tokens
+
+
+async def test_a_tensor_larger_than_the_whole_pool_is_a_413_not_a_fault_to_retry(world):
+    """It could never be placed: retried it would fail max_attempts times and end as a 500."""
+    w = world
+    settings = Settings(media_allow_hosts=(f"127.0.0.1:{w['server'].port}",), max_image_bytes=1 << 20,
+                        max_image_pixels=1_000_000, pool_bytes=64)  # Pixels' tensor: 128 bytes
+    handler = MediaFetchHandler(settings, w["handler"]._fetcher, Pixels, w["handler"]._lane)
+    with pytest.raises(RequestFailed) as info:
+        await handler.handle(_request("big", [w["server"].base + "/a.png"]), w["ctx"])
+    ev = info.value.event
+    assert (ev.status, ev.code, ev.param) == (413, "media_too_large", "messages[0].content[0]")
+    assert "above the 64 byte tensor pool" in ev.message and w["ctx"].transfer.slots == {}
+
+
+async def test_video_frames_reach_the_processor_within_max_video_pixels(world):
+    w = world
+    seen = []
+
+    def frames_in(frames):
+        seen.append(frames.shape)
+        return Pixels(type("Img", (), {"size": frames.shape})())
+
+    settings = Settings(media_file_root=str(w["root"]), video_num_frames=4, max_video_pixels=4 * 32 * 24)
+    handler = MediaFetchHandler(settings, w["handler"]._fetcher, Pixels, w["handler"]._lane,
+                                preprocess_video=frames_in)
+    (w["root"] / "v.mp4").write_bytes(samples.video(samples.video_frames(12), fps=6))  # 64x48
+    await handler.handle(_request("v", [f"file://{w['root']}/v.mp4"], kind="video"), w["ctx"])
+    assert seen == [(4, 24, 32, 3)]

@@ -1,14 +1,20 @@
 """Video decoding under the media policy (PyAV): sampling by num_frames or fps, the caps on
-duration, side and decoded frames, container allowlist, and every bad input a MediaError (a
-4xx), never a crash. Videos are encoded in the test from numpy frames."""
+duration, side and decoded frames, the frames x pixels budget frames are scaled into while
+decoding, container allowlist, and every bad input a MediaError (a 4xx), never a crash. Videos
+are encoded in the test from numpy frames."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from shared.media.sources import MediaError
-from shared.media.video import VideoLimits, decode_video, sample_times
+from shared.media.video import VideoLimits, decode_video, fit_frame, sample_times
 from tests.media import samples
 
 LIMITS = VideoLimits(max_duration_s=60, max_frames=16, max_side=256, max_decoded_frames=2_000)
@@ -108,3 +114,71 @@ def test_audio_only_webm_has_no_video_stream():
             out.mux(packet)
     err = fails(buf.getvalue())
     assert "has no video stream" in str(err)
+
+
+def test_fit_frame_keeps_the_aspect_and_the_budget():
+    assert fit_frame(640, 480, 640 * 480) == (640, 480)
+    assert fit_frame(4096, 4096, 600_000) == (774, 774)
+    assert fit_frame(1920, 1080, 100_000) == (421, 237)  # 16:9 still
+    assert fit_frame(4096, 1, 100) == (100, 1)  # a side never below 1, the budget still kept
+    for w, h, budget in ((4096, 4096, 1), (3000, 7, 50), (1281, 719, 307_200)):
+        fw, fh = fit_frame(w, h, budget)
+        assert fw * fh <= max(1, budget) and fw >= 1 and fh >= 1
+
+
+BIG = VideoLimits(max_duration_s=60, max_frames=32, max_side=4096, max_decoded_frames=2_000)
+
+
+def test_frames_are_scaled_into_the_pixel_budget_while_decoding():
+    """16 frames of 1280x720 against a budget of 16 x 320x180: one array of the budget's size,
+    aspect kept, the same frames sampled; numpy never holds full-size frames (tracemalloc sees
+    numpy's allocations, not FFmpeg's: the RSS test below covers those)."""
+    raw = samples.video(graded(16, size=(1280, 720)), fps=8)
+    budget_pixels = 16 * 320 * 180
+    limits = VideoLimits(60, 32, 4096, 2_000, max_pixels=budget_pixels)
+    tracemalloc.start()
+    try:
+        out = decode_video(raw, num_frames=16, fps=0, limits=limits, param="p")
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (16, 180, 320, 3) and out.nbytes <= 3 * budget_pixels
+    assert indices(out) == list(range(16))
+    assert peak_bytes < 1.5 * out.nbytes, peak_bytes  # the stack of 16 full frames would be 44 MB
+    small = decode_video(samples.video(graded(4), fps=8), num_frames=4, fps=0, limits=limits, param="p")
+    assert small.shape == (4, 48, 64, 3)  # within the budget: untouched
+
+
+def test_repeated_frames_stay_within_the_budget():
+    raw = samples.video(graded(3, size=(640, 480)), fps=10)
+    out = decode_video(raw, num_frames=6, fps=0, limits=VideoLimits(60, 32, 4096, 2_000, max_pixels=6 * 160 * 120),
+                       param="p")
+    assert out.shape == (6, 120, 160, 3) and indices(out) == [0, 0, 1, 1, 2, 2]
+
+
+_PEAK = """
+import resource, sys
+import av  # loaded before the measure: its libraries are not the decode's cost
+from shared.media.video import VideoLimits, decode_video
+raw = open(sys.argv[1], "rb").read()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = decode_video(raw, num_frames=16, fps=0, param="p",
+                   limits=VideoLimits(60, 32, 4096, 2_000, max_pixels=int(sys.argv[2])))
+print(out.nbytes, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in KiB is Linux's")
+def test_a_high_resolution_video_costs_about_its_budget_not_its_frames(tmp_path):
+    """16 frames of 2048x2048 (192 MiB as RGB, twice that while listed and stacked) decoded into
+    16 x 256x256: the process's peak grows by far less than one stack of full frames."""
+    path = tmp_path / "big.mp4"
+    path.write_bytes(samples.video(graded(16, size=(2048, 2048)), fps=8))
+    budget_pixels = 16 * 256 * 256
+    run = subprocess.run([sys.executable, "-c", _PEAK, str(path), str(budget_pixels)], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
+    nbytes, grown_bytes = map(int, run.stdout.split())
+    assert nbytes <= 3 * budget_pixels
+    assert grown_bytes < 96 * 2**20, grown_bytes  # decoder buffers of a few 2048x2048 frames; no full stack

@@ -19,6 +19,7 @@ from services.gateway.frontend import Frontend
 from services.gateway.prompt import PromptBuilder
 from services.gateway.responses import Rejected
 from shared.settings import Settings
+from tests.media import samples
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -41,6 +42,27 @@ def chat(**fields) -> bytes:
 
 def nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
+
+
+def image_chat(**fields) -> bytes:
+    image = {"type": "image_url", "image_url": {"url": samples.data_url(samples.png((1, 1)))}}
+    return json.dumps({"model": "mmfleet-demo", "messages": [{"role": "user", "content": [
+        image, {"type": "text", "text": "hi"}]}], **fields}).encode()
+
+
+@pytest.mark.parametrize("name", ["min_pixels", "max_pixels"])
+def test_pixels_beyond_the_image_token_bound_are_a_400_naming_them(model_dir, name):
+    """min_pixels scales even a 1x1 PNG up to it: 40M pixels (within max_image_pixels) made a
+    ~900 MiB tensor in media-fetch. The bound is max_image_tokens, or the model's context (the
+    demo model's: 4096 tokens) when smaller, of 28x28 pixels each."""
+    for max_tokens, limit in ((16_384, 4096 * 28 * 28), (64, 64 * 28 * 28)):
+        s = Settings(max_image_tokens=max_tokens)
+        front = Frontend(s, PromptBuilder.for_model(model_dir, s), None, None, None, None, None)
+        for value in (40_000_000, limit + 1):
+            ev = refusal(front, image_chat(mm_processor_kwargs={name: value}))
+            assert (ev.status, ev.param) == (400, f"mm_processor_kwargs.{name}") and str(limit) in ev.message
+        prepared, _ = front.prepare(image_chat(mm_processor_kwargs={name: limit}), chat=True)
+        assert getattr(prepared.media[0], name) == limit
 
 
 def test_max_completion_tokens_zero_is_refused_by_name(front):
