@@ -15,6 +15,7 @@ import functools
 import sys
 from pathlib import Path
 
+from services import cli_vllm
 from shared import logs, settings_doc
 from shared import settings as settings_mod
 from shared.process import aio
@@ -91,11 +92,13 @@ def _fleet_commands(add) -> None:
                     help="add/remove workers per stage from consumer lag and the TTFT SLO (MMFLEET_AUTOSCALE_*)")
     up.add_argument("--replicas", dest="stage_replicas",
                     help="worker processes per stage, e.g. prefill=3,encode=2 (env MMFLEET_STAGE_REPLICAS)")
+    cli_vllm.add_flags(up)
 
     worker = add("worker", "run one worker process")
     _common_flags(worker)
     worker.add_argument("--stages", required=True,
                         help=f"comma-separated stages: {', '.join(STAGE_ORDER)}")
+    cli_vllm.add_flags(worker)
 
     gw = add("gateway", "run the HTTP gateway")
     _common_flags(gw)
@@ -151,6 +154,7 @@ def _tool_commands(add, sub) -> None:
 def load_settings(args: argparse.Namespace, env=None) -> settings_mod.Settings:
     """The process's settings: defaults < ``--config`` (or MMFLEET_CONFIG) < environment < flags."""
     overrides = {k: getattr(args, k, None) for k in _FLAGS}
+    overrides.update(cli_vllm.overrides(args))
     return settings_mod.from_env(env, config_file=getattr(args, "config", None), **overrides)
 
 

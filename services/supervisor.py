@@ -83,6 +83,10 @@ class Fleet:
         # same snapshot even if the cache's refs/<revision> moves while the fleet runs.
         try:
             model_dir = await asyncio.to_thread(resolve_model_path, self.settings)
+            if self.settings.engine == "vllm":  # vLLM settings the device or model cannot take
+                from shared.engines.vllm_config import check
+
+                await asyncio.to_thread(check, self.settings, model_dir)
         except ValueError as exc:
             raise CannotStart(str(exc)) from None
         self.settings = s = self.settings.with_overrides(model=str(model_dir))

@@ -141,7 +141,7 @@ async def run_worker(settings: Settings, stages_arg: list[str], spawner=None) ->
 def _preflight(settings: Settings, stages: tuple[str, ...]):
     """The model folder and the placement, or ``SystemExit`` saying why this worker cannot start:
     a layout its engine cannot serve, a model not there, an engine that cannot serve the model's
-    family or load its weights, a GPU not there."""
+    family or load its weights, a GPU not there, vLLM settings that clash."""
     if {"prefill", "decode"} & set(stages):
         check_engine(stages, settings.engine, engine_capabilities(settings.engine))
     try:
@@ -158,6 +158,10 @@ def _preflight(settings: Settings, stages: tuple[str, ...]):
             from shared.engines.vllm_pd import kv_buffer_device
 
             kv_buffer_device(settings.vllm_kv_buffer_device, str(placement.device))
+            if {"prefill", "decode"} & set(stages):  # serving knobs this device or model cannot take
+                from shared.engines.vllm_config import check
+
+                check(settings, model_dir)
     except ValueError as exc:
         raise SystemExit(f"cannot start worker: {exc}") from None
     return model_dir, placement

@@ -19,6 +19,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from shared.settings_vllm import VllmSettings
+
 ENV_PREFIX = "MMFLEET_"
 CONFIG_ENV = "MMFLEET_CONFIG"  # path of a TOML config file; not a setting itself
 _ALIASES = {"KAFKA_BOOTSTRAP": "kafka_bootstrap", "REDIS_URL": "redis_url"}
@@ -37,8 +39,9 @@ def _d(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
 
 
-class Settings(msgspec.Struct, kw_only=True, frozen=True):
-    """Every knob of a process. Defaults fit the local demo on a 2-core machine."""
+class Settings(VllmSettings, kw_only=True, frozen=True):
+    """Every knob of a process. Defaults fit the local demo on a 2-core machine. The vLLM engine's
+    serving knobs are inherited (:class:`shared.settings_vllm.VllmSettings`)."""
 
     # --- where things are
     kafka_bootstrap: Annotated[str, _d("Kafka bootstrap servers, host:port[,host:port...]")] = "127.0.0.1:9092"
@@ -380,6 +383,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
                                         "choice")] = ""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         try:
             re.compile(self.ingress_reply_topic_pattern)
         except re.error as exc:
@@ -404,7 +408,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def field_names() -> tuple[str, ...]:
-    return Settings.__struct_fields__
+    # msgspec puts a base's fields first: list the fleet's own first, the vLLM knobs after them
+    own = tuple(n for n in Settings.__struct_fields__ if n not in VllmSettings.__struct_fields__)
+    return own + VllmSettings.__struct_fields__
 
 
 def env_name(name: str) -> str:

@@ -113,6 +113,8 @@ class PromptBuilder:
 
         config = AutoConfig.from_pretrained(model_dir)
         max_len = getattr(getattr(config, "text_config", config), "max_position_embeddings", 4096)
+        if settings.engine == "vllm" and settings.vllm_max_model_len_tokens:  # the engines' context, not the model's
+            max_len = min(max_len, settings.vllm_max_model_len_tokens)
         family = family_of(model_dir)
         served = served_modalities(family, settings.engine)
         placeholders = {m: tok for m, tok in family.placeholders.items() if m in served and (only is None or m in only)}

@@ -56,7 +56,8 @@ def parts_for(stages: tuple[str, ...], engine: str = "transformers") -> frozense
 def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...] = (), spawner=None) -> Engine:
     """The engine for a worker running ``stages``: a vLLM engine running prefill apart from
     decode is built as KV producer, one running decode apart as KV consumer (vllm_pd). A
-    transformers decode core is forked by ``spawner`` (a ``shared.process.zygote.Zygote``) when given."""
+    transformers decode core is forked by ``spawner`` (a ``shared.process.zygote.Zygote``) when given.
+    A vLLM engine gets the ``vllm_*`` settings and its per-modality limits from the media settings."""
     cls = engine_class(name)
     if name == "transformers" and uses_decode_core(settings, stages):
         from shared.engines.decode_core import CoreDecodeEngine
@@ -70,7 +71,7 @@ def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...
                    decode_max_batch=settings.decode_max_batch,
                    prefill_max_batch=settings.prefill_max_batch, parts=parts_for(stages, settings.engine),
                    inline_max_ms=settings.compute_inline_max_ms)
-    from shared.engines import vllm_pd
+    from shared.engines import vllm_config, vllm_pd
 
     role = None
     if "prefill" in stages and "decode" not in stages:
@@ -81,9 +82,13 @@ def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...
     if host == "auto":
         host = socket.gethostbyname(socket.gethostname())
     placement = resolve_placement(settings.device, settings.dtype)
-    return cls(model_dir, kv_role=role, kv_host=host, kv_lease_s=max(1, settings.lease_ttl_ms // 1000),
-               kv_block_size=settings.kv_block_size, device=str(placement.device),
-               dtype=str(placement.dtype).removeprefix("torch."), kv_buffer_device=settings.vllm_kv_buffer_device)
+    # one GPU: pinned (cuda:N); tensor parallel: every GPU this worker sees (device cuda)
+    device = str(placement.device) if settings.vllm_tensor_parallel_size == 1 else placement.device.type
+    return cls(model_dir, serving=settings, max_media_items=settings.max_media_items,
+               mm_limits=vllm_config.mm_limits(settings), kv_role=role, kv_host=host,
+               kv_lease_s=max(1, settings.lease_ttl_ms // 1000), kv_block_size=settings.kv_block_size,
+               device=device, dtype=str(placement.dtype).removeprefix("torch."),
+               kv_buffer_device=settings.vllm_kv_buffer_device)
 
 
 def engine_capabilities(name: str):

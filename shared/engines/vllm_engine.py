@@ -25,10 +25,11 @@ import msgspec
 import torch
 
 from shared import protocol
-from shared.engines import vllm_kv_events, vllm_pd, vllm_process, vllm_sampling
+from shared.engines import vllm_config, vllm_kv_events, vllm_pd, vllm_process, vllm_sampling
 from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput
 from shared.engines.sampling import stop_token_set
 from shared.engines.vllm_inputs import PromptBuilder
+from shared.settings_vllm import VllmSettings
 from shared.transfer.tensors import OwnerGoneError
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,11 @@ class VllmEngine:
         self,
         model_dir: str | Path,
         *,
-        max_model_len: int | None = None,
+        serving: VllmSettings | None = None,
+        max_media_items: int = 8,
+        mm_limits: dict[str, int] | None = None,
         kv_cache_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.85,
-        max_images_per_prompt: int = 8,
         num_threads: int = 1,
-        enforce_eager: bool = True,
         seed: int = 0,
         dtype: str = "float32",
         shutdown_timeout_s: float = 20.0,
@@ -63,9 +63,12 @@ class VllmEngine:
         device: str = "cpu",
         kv_buffer_device: str = "auto",
     ) -> None:
-        """``kv_role``: None (generate only), ``vllm_pd.PRODUCER`` (prefill apart) or
-        ``vllm_pd.CONSUMER`` (decode apart); ``kv_host``: the address consumers reach this
-        engine's NIXL side channel at; ``kv_lease_s``: how long a producer keeps unread KV;
+        """``serving``: vLLM's serving knobs (``vllm_*`` settings; defaults: vLLM's);
+        ``max_media_items``: media items per prompt at most, ``mm_limits``: per modality
+        (default: ``max_media_items`` each). ``kv_role``: None (generate only),
+        ``vllm_pd.PRODUCER`` (prefill apart) or ``vllm_pd.CONSUMER`` (decode apart);
+        ``kv_host``: the address consumers reach this engine's NIXL side channel at;
+        ``kv_lease_s``: how long a producer keeps unread KV;
         ``kv_block_size``: the fleet's KV block (hashing, routing): vLLM's block is the
         smallest multiple of it and 32 (:mod:`shared.engines.vllm_kv_events`), and a producer
         reports its prefix cache's changes in those keys, waiting up to ``kv_event_wait_s``
@@ -81,10 +84,8 @@ class VllmEngine:
         if kv_cache_bytes is None and self._device == "cpu":
             kv_cache_bytes = CPU_KV_CACHE_BYTES
         self._kv_cache_bytes = kv_cache_bytes
-        self._gpu_memory_utilization = gpu_memory_utilization
-        self._max_images = max_images_per_prompt
+        self._serving = serving or VllmSettings()
         self._num_threads = num_threads
-        self._enforce_eager = enforce_eager
         self._seed = seed
         self._dtype = dtype
         self._shutdown_timeout_s = shutdown_timeout_s
@@ -99,11 +100,12 @@ class VllmEngine:
         text_cfg = config.get("text_config", config)
         self.hidden_size: int = int(text_cfg["hidden_size"])
         model_len = int(text_cfg["max_position_embeddings"])
-        self.max_model_len: int = min(max_model_len, model_len) if max_model_len else model_len
+        # above the model's: refused at start (vllm_config.refusals), and by vLLM itself
+        self.max_model_len: int = self._serving.vllm_max_model_len_tokens or model_len
         self.tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
         self.eos_token_ids: frozenset[int] = vllm_process.eos_ids(self._model_dir, text_cfg, GenerationConfig)
         # refuses (ValueError naming the reason) a family or modality vLLM cannot take as embeddings
-        self.prompts = PromptBuilder(self._model_dir, self.tokenizer, max_images_per_prompt)
+        self.prompts = PromptBuilder(self._model_dir, self.tokenizer, max_media_items, mm_limits)
         self.modalities = self.prompts.modalities
         self._events: vllm_kv_events.EventSubscriber | None = None  # a producer's cache events
 
@@ -118,7 +120,8 @@ class VllmEngine:
             return
         self._stopping = False
         t0 = time.monotonic()
-        if self._kv_role == vllm_pd.PRODUCER:  # connect first: the engine core binds the path
+        # connect first: the engine core binds the path; no prefix cache, no block events to wait for
+        if self._kv_role == vllm_pd.PRODUCER and self._serving.vllm_enable_prefix_caching:
             self._events = vllm_kv_events.EventSubscriber(
                 vllm_kv_events.ipc_endpoint(),
                 vllm_kv_events.BlockTranslator(self.block_size // self.kv_block_size))
@@ -153,31 +156,24 @@ class VllmEngine:
         env = {"OMP_NUM_THREADS": str(self._num_threads), **vllm_process.watchdog_env()}
         if (visible := vllm_pd.visible_devices(self._device, dict(os.environ))) is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
-        # vLLM's own prefix cache (ours is not used with vLLM), but not in a decode consumer
-        kv: dict = {"enable_prefix_caching": self._kv_role != vllm_pd.CONSUMER}
         if self._kv_role is not None:
             env.update(vllm_pd.side_channel_env(self._kv_host, vllm_pd.free_port(self._kv_host)))
-            kv["kv_transfer_config"] = vllm_pd.transfer_config(self._kv_role, self._kv_lease_s, self._kv_buffer_device)
+        return vllm_process.build_async_llm(env, self.engine_args())
+
+    def engine_args(self) -> dict:
+        """vLLM's engine arguments for this engine (:func:`vllm_config.engine_args` + its KV
+        connector and event configs); builds nothing (``vllm_process.engine_config`` reads them
+        back as vLLM's config)."""
+        args = vllm_config.engine_args(
+            self._model_dir, self._serving, device=self._device, dtype=self._dtype, seed=self._seed,
+            max_model_len=self.max_model_len, block_size=self.block_size, kv_cache_bytes=self._kv_cache_bytes,
+            limits=self.prompts.limits(), kv_role=self._kv_role)
+        if self._kv_role is not None:
+            args["kv_transfer_config"] = vllm_pd.transfer_config(self._kv_role, self._kv_lease_s,
+                                                                 self._kv_buffer_device)
         if self._events is not None:
-            kv["kv_events_config"] = vllm_kv_events.events_config(self._events.endpoint)
-        return vllm_process.build_async_llm(env, dict(
-            model=str(self._model_dir),
-            tokenizer=str(self._model_dir),
-            dtype=self._dtype,
-            seed=self._seed,
-            max_model_len=self.max_model_len,
-            enforce_eager=self._enforce_eager,
-            enable_mm_embeds=True,
-            limit_mm_per_prompt=self.prompts.limits(),
-            block_size=self.block_size,
-            kv_cache_memory_bytes=self._kv_cache_bytes,
-            gpu_memory_utilization=self._gpu_memory_utilization,
-            disable_log_stats=True,
-            trust_remote_code=False,
-            # response_format: the grammar code the transformers engine runs (see vllm_structured)
-            logits_processors=["shared.engines.vllm_structured:StructuredOutputProcessor"],
-            **kv,
-        ))
+            args["kv_events_config"] = vllm_kv_events.events_config(self._events.endpoint)
+        return args
 
     async def stop(self) -> None:
         llm, self._llm = self._llm, None

@@ -66,7 +66,10 @@ class PromptBuilder:
     Items without an ``mm_hash`` (a decode consumer's zero placeholders) get no uuid, so zeros
     never enter a cache under a real item's name."""
 
-    def __init__(self, model_dir: str | Path, tokenizer, max_items_per_prompt: int) -> None:
+    def __init__(self, model_dir: str | Path, tokenizer, max_items_per_prompt: int,
+                 per_modality: dict[str, int] | None = None) -> None:
+        """``max_items_per_prompt``: media items of all kinds together; ``per_modality``: each
+        kind's own limit (vLLM's ``limit_mm_per_prompt``; default: the total), at most the total."""
         from shared.models.registry import family_of, served_modalities
 
         family = family_of(model_dir)
@@ -85,10 +88,11 @@ class PromptBuilder:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.merge_size = int(config.get("vision_config", {}).get("spatial_merge_size", 2))
         self.max_items = max_items_per_prompt
+        self._per_modality = dict(per_modality or {})
 
     def limits(self) -> dict[str, int]:
         """vLLM's ``limit_mm_per_prompt`` for the served modalities."""
-        return {m: self.max_items for m in sorted(self.modalities)}
+        return {m: min(self._per_modality.get(m, self.max_items), self.max_items) for m in sorted(self.modalities)}
 
     def build(self, prompt_ids: list[int], media: list[MediaEmbeds], tail: tuple[int, ...] = ()) -> dict:
         """vLLM's prompt dict; ``tail``: completion tokens appended after the placeholders are

@@ -37,15 +37,34 @@ def build_async_llm(env: dict[str, str], engine_args: dict):
     vLLM's CPU backend pins one OpenMP thread per physical core by default, onto cores other
     workers use; ``VLLM_CPU_OMP_THREADS_BIND=nobind`` pins nothing, and ``OMP_NUM_THREADS`` (in
     ``env``) sets the engine core's torch threads (with ``nobind`` vLLM leaves them to it)."""
+    with _build_env(env):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(_async_engine_args(engine_args))
+
+
+def engine_config(env: dict[str, str], engine_args: dict):
+    """The ``VllmConfig`` :func:`build_async_llm` would start an engine core with, built the same
+    way (same environment, same usage context) but starting nothing: for checks and tests."""
+    with _build_env(env):
+        from vllm.usage.usage_lib import UsageContext
+
+        return _async_engine_args(engine_args).create_engine_config(UsageContext.ENGINE_CONTEXT)
+
+
+def _async_engine_args(engine_args: dict):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(**engine_args, worker_extension_cls=f"{__name__}.EngineProcessExtension")
+
+
+@contextlib.contextmanager
+def _build_env(env: dict[str, str]):
     saved = dict(os.environ)
     os.environ.update(BUILD_ENV)
     os.environ.update(env)
     try:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        args = AsyncEngineArgs(**engine_args, worker_extension_cls=f"{__name__}.EngineProcessExtension")
-        return AsyncLLM.from_engine_args(args)
+        yield
     finally:
         # The child has its environment; give the parent back its own (vLLM's CPU platform
         # writes LD_PRELOAD & co. into os.environ, which would leak into later subprocesses).

@@ -80,7 +80,7 @@ def other_children() -> set[int]:
 
 @pytest.fixture(scope="module")
 async def engine(model_dir, other_children):
-    eng = VllmEngine(model_dir, kv_cache_bytes=256 << 20)
+    eng = VllmEngine(model_dir, kv_cache_bytes=256 << 20, max_media_items=12)  # above vLLM's old fixed 8
     await eng.start()
     yield eng
     await eng.stop()
@@ -150,6 +150,18 @@ async def test_video_greedy_matches_generate(engine, compute, reference, model_d
     got = await collect(engine.generate(f"video-{'-'.join(layout)}", compute.render_prompt_ids(video_msgs(layout)),
                                         media, GREEDY))
     assert got == expected and len(set(expected)) > 1
+
+
+async def test_more_images_than_eight_when_max_media_items_allows_them(engine, compute, reference, model_dir):
+    """vLLM's per-prompt limit follows max_media_items (12 here): nine images are served, where a
+    fixed limit of 8 failed the request after the gateway had admitted it."""
+    imgs = [make_images()[k] for k in ("noise", "hgrad", "noise_big")] * 3
+    msgs = messages_for(len(imgs))
+    expected = reference_generate(model_dir, msgs, imgs, MAX_NEW_TOKENS, loaded=reference)
+    pixels = [compute.preprocess_image(im) for im in imgs]
+    media = [(f, p.grid_thw) for f, p in zip(compute.encode_media(pixels), pixels)]
+    assert engine.prompts.limits() == {"image": 12, "video": 12}
+    assert await collect(engine.generate("nine-images", compute.render_prompt_ids(msgs), media, GREEDY)) == expected
 
 
 # Prompts whose greedy completion ends in eos within 40 tokens on the tiny model: one on
