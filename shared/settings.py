@@ -202,8 +202,15 @@ class Settings(VllmSettings, kw_only=True, frozen=True):
     # --- requests
     request_timeout_ms: Annotated[int, _d("a request's deadline, carried by every message (504 past it)")] = \
         120_000
-    default_max_tokens: Annotated[int, _d("max_tokens when a request names none")] = 64
-    max_tokens_limit: Annotated[int, _d("largest max_tokens a request may ask for")] = 4096
+    # vllm serve's rules: a request without max_tokens may write to the end of the context
+    default_max_tokens: Annotated[int, _d("caps max_tokens when a request names none (0: off, the model's "
+                                          "max_new_tokens default, else the rest of its context, as vllm "
+                                          "serve)")] = 0
+    max_tokens_limit: Annotated[int, _d("largest max_tokens a request may ask for (0: the model's context); "
+                                        "every budget is lowered to the context its prompt leaves")] = 0
+    generation_config: Annotated[str, _d("sampling defaults for the fields a request leaves out, as vllm serve "
+                                         "--generation-config: auto (the model's generation_config.json), "
+                                         "vllm (none: the API's own defaults) or a folder holding one")] = "auto"
     max_request_bytes: Annotated[int, _d("largest HTTP request body, bytes (413 beyond)")] = 32 * _MiB
     max_media_items: Annotated[int, _d("media items per request at most")] = 8
     max_images_per_request: Annotated[int, _d("images per request at most (400 beyond; 0: only max_media_items "

@@ -16,6 +16,8 @@ import json
 import msgspec
 
 from services.gateway import schema
+from services.gateway.defaults import GenerationDefaults
+from services.gateway.defaults import max_tokens as default_max_tokens
 from services.gateway.schema import TextPart
 from shared import protocol
 from shared.settings import Settings
@@ -41,7 +43,6 @@ _SHARED: dict[str, tuple[tuple, str]] = {
     "priority": ((0,), "request priorities are not supported"),
     "request_id": ((), "the server assigns request ids (see the response's id)"),
     "return_tokens_as_token_ids": ((False,), "not supported"),
-    "add_special_tokens": ((False,), "prompts are tokenized without added special tokens"),
     "echo": ((False,), "echo is not supported"),
 }
 _CHAT: dict[str, tuple[tuple, str]] = {
@@ -212,37 +213,48 @@ def _json_bytes(value) -> int:
 
 
 def sampling(req, settings: Settings, max_tokens: int | None, vocab_size: int,
-             max_tokens_param: str = "max_tokens") -> protocol.Sampling:
+             max_tokens_param: str = "max_tokens", *, context_tokens: int, prompt_len: int,
+             defaults: GenerationDefaults = GenerationDefaults()) -> protocol.Sampling:
     """The request's sampling controls, range-checked (400 naming the field; ``max_tokens_param``:
-    the field ``max_tokens`` came from)."""
+    the field ``max_tokens`` came from). A field the request leaves out takes the model's
+    generation-config default (``defaults``), else the API's; max_tokens: see
+    :func:`services.gateway.defaults.max_tokens` (``prompt_len``: the prompt's tokens here)."""
     def bad(param: str, message: str) -> RequestFailed:
         return RequestFailed.bad_request(f"{param} {message}", param=param)
 
-    temperature = 1.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
+    d = defaults
+    temperature = d.pick("temperature", req.temperature)
+    temperature = 1.0 if temperature is None else temperature
+    top_p = d.pick("top_p", req.top_p)
+    top_p = 1.0 if top_p is None else top_p
     if not 0.0 <= temperature <= 2.0:
         raise bad("temperature", "must be between 0 and 2")
     if not 0.0 < top_p <= 1.0:
         raise bad("top_p", "must be in (0, 1]")
-    max_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
-    if not 1 <= max_tokens <= settings.max_tokens_limit:
-        raise bad(max_tokens_param, f"must be between 1 and {settings.max_tokens_limit}")
+    limit = min(context_tokens, settings.max_tokens_limit) if settings.max_tokens_limit else context_tokens
+    if max_tokens is not None and not 1 <= max_tokens <= limit:
+        raise bad(max_tokens_param, f"must be between 1 and {limit}")
+    max_tokens = default_max_tokens(max_tokens, d, default_cap=settings.default_max_tokens,
+                                    context_left=context_tokens - prompt_len)
+    max_tokens = min(max_tokens, limit)
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > 4 or any(not s for s in stop):
         raise bad("stop", "takes up to 4 non-empty strings")
-    top_k = 0 if req.top_k in (None, -1) else req.top_k
+    top_k = d.pick("top_k", req.top_k)
+    top_k = 0 if top_k in (None, -1) else top_k
     if top_k < 0:
         raise bad("top_k", "must be -1 or 0 (off) or a positive number of tokens")
-    min_p = req.min_p or 0.0
+    min_p = d.pick("min_p", req.min_p) or 0.0
     if not 0.0 <= min_p <= 1.0:
         raise bad("min_p", "must be between 0 and 1")
     penalties = {}
     for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name) or 0.0
+        value = d.pick(name, getattr(req, name)) or 0.0
         if not -2.0 <= value <= 2.0:
             raise bad(name, "must be between -2 and 2")
         penalties[name] = float(value)
-    repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    repetition = d.pick("repetition_penalty", req.repetition_penalty)
+    repetition = 1.0 if repetition is None else repetition
     if not 0.0 < repetition <= 2.0:
         raise bad("repetition_penalty", "must be in (0, 2]")
     min_tokens = req.min_tokens or 0

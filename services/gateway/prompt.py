@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from services.gateway import defaults as generation
 from services.gateway import params, schema, tools
+from services.gateway.defaults import GenerationDefaults
 from services.gateway.templates import model_chat_template, render_chat
 from shared import protocol
 from shared.media.files import file_url_path
@@ -70,8 +72,9 @@ class PromptBuilder:
     def __init__(self, tokenizer, *, placeholder_token: str = "", max_model_len: int, settings: Settings,
                  placeholders: dict[str, str] | None = None, embeds_hidden_size: int = 0,
                  embeds_merge_size: int = 0, chat_template: str | None = None, pixel_budget: bool = False,
-                 image_token_pixels: int = 0) -> None:
+                 image_token_pixels: int = 0, defaults: GenerationDefaults = GenerationDefaults()) -> None:
         self._tok = tokenizer
+        self._defaults = defaults  # the model's sampling defaults (services.gateway.defaults)
         # the model's template (see templates.py: setting, processor's, tokenizer's)
         self._template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
         self._placeholders = dict(placeholders) if placeholders is not None else {"image": placeholder_token}
@@ -127,6 +130,7 @@ class PromptBuilder:
                    placeholders=placeholders, embeds_hidden_size=hidden if only is None else 0,
                    embeds_merge_size=merge, pixel_budget=family.name == "qwen2_vl",
                    image_token_pixels=_token_pixels(processor),
+                   defaults=generation.load(model_dir, settings.generation_config),
                    chat_template=model_chat_template(settings.chat_template, processor, tokenizer))
 
     # ------------------------------------------------------------------ chat
@@ -156,15 +160,16 @@ class PromptBuilder:
                                 param="messages", code="too_many_media_items")
         text = render_chat(self._tok, self._template, rendered, req,
                            trust_request_template=self._s.trust_request_chat_template, **template_tools)
-        ids = self._tokenize(text)
+        # as vLLM's chat endpoint: the template writes the special tokens, none are added
+        ids = self._tokenize(text, add_special_tokens=_flag(req.add_special_tokens, False))
         if sum(1 for t in ids if t in self._placeholder_ids) != len(media):
             raise RequestFailed.bad_request(
                 f"text may not contain the reserved tokens {', '.join(self._placeholder_ids.values())}",
                 param="messages")
         if req.max_completion_tokens is None:  # (0 is a value, refused as such, not a missing one)
-            sampling = self._sampling(req, req.max_tokens)
+            sampling = self._sampling(req, req.max_tokens, len(ids))
         else:
-            sampling = self._sampling(req, req.max_completion_tokens, "max_completion_tokens")
+            sampling = self._sampling(req, req.max_completion_tokens, len(ids), "max_completion_tokens")
         if tool_plan.structured is not None:  # a forced call: the grammar of the allowed calls
             if sampling.structured is not None:
                 raise RequestFailed.bad_request("tool_choice forcing a call cannot be combined with "
@@ -318,12 +323,13 @@ class PromptBuilder:
     # ------------------------------------------------------------------ completions
     def completion(self, req: schema.CompletionRequest) -> Prepared:
         self._check_common(req.model, req.n)
-        ids = self._tokenize(req.prompt)
+        # as vLLM's completions endpoint: the tokenizer's special tokens (a BOS where it adds one)
+        ids = self._tokenize(req.prompt, add_special_tokens=_flag(req.add_special_tokens, True))
         reserved = [tok for tid, tok in self._placeholder_ids.items() if tid in ids]
         if reserved:
             raise RequestFailed.bad_request(f"prompt may not contain the reserved token {reserved[0]}",
                                             param="prompt")
-        sampling = self._sampling(req, req.max_tokens)
+        sampling = self._sampling(req, req.max_tokens, len(ids))
         params.check_structured_engine(sampling, self._s, "response_format")
         return Prepared(ids, [], sampling, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage))
@@ -335,16 +341,26 @@ class PromptBuilder:
             raise RequestFailed(404, f"model {model!r} does not exist; this server serves "
                                      f"{self._s.served_model_name!r}", param="model", code="model_not_found")
 
-    def _tokenize(self, text: str) -> list[int]:
-        ids = list(self._tok(text, add_special_tokens=False)["input_ids"])  # as the processor does
+    def _tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        ids = list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
         if len(ids) >= self._max_model_len:
             raise RequestFailed.bad_request(f"prompt is {len(ids)} tokens; the model's context is "
                                             f"{self._max_model_len} tokens", param="messages",
                                             code="context_length_exceeded")
         return ids
 
-    def _sampling(self, req, max_tokens: int | None, param: str = "max_tokens") -> protocol.Sampling:
-        return params.sampling(req, self._s, max_tokens, len(self._tok), param)
+    def _sampling(self, req, max_tokens: int | None, prompt_len: int, param: str = "max_tokens") -> protocol.Sampling:
+        return params.sampling(req, self._s, max_tokens, len(self._tok), param, context_tokens=self._max_model_len,
+                               prompt_len=prompt_len, defaults=self._defaults)
+
+
+def _flag(value, default: bool) -> bool:
+    """A request's ``add_special_tokens`` (vLLM's extra): a boolean, or the endpoint's default."""
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestFailed.bad_request("add_special_tokens must be true or false", param="add_special_tokens")
+    return value
 
 
 def _token_pixels(processor) -> int:

@@ -10,7 +10,7 @@ Design: docs/design/decode-core.md.
 
 from __future__ import annotations
 
-from services.prefill.handler import check_context, embedding_releases, pull_media
+from services.prefill.handler import embedding_releases, fit_context, pull_media
 from shared import protocol
 from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine
@@ -25,8 +25,8 @@ class GenerateHandler:
 
     async def handle(self, msg: protocol.PrefillRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
+        prompt_len, msg = fit_context(msg, self._engine.max_model_len)
         meta = msg.meta
-        prompt_len = check_context(msg, self._engine.max_model_len)
         log = await read_log(ctx.events, meta.request_id)
         if log.done:
             return Outcome(releases=embedding_releases(msg))

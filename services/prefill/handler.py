@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 
+import msgspec
+
 from shared import protocol
 from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine, MediaEmbeds, PrefillOutput
@@ -31,13 +33,20 @@ def expanded_prompt_len(msg: protocol.PrefillRequest) -> int:
     return len(msg.meta.prompt_token_ids) + sum(it.n_tokens - 1 for it in msg.items)
 
 
-def check_context(msg: protocol.PrefillRequest, max_model_len: int) -> int:
+def fit_context(msg: protocol.PrefillRequest, max_model_len: int) -> tuple[int, protocol.PrefillRequest]:
+    """(the prompt's length with its media tokens, ``msg`` with max_tokens lowered to the context
+    that prompt leaves, as vllm serve does); a prompt that leaves none is a 400."""
     total = expanded_prompt_len(msg)
-    if total + msg.meta.sampling.max_tokens > max_model_len:
+    if total >= max_model_len:
         raise RequestFailed.bad_request(
-            f"prompt ({total} tokens with media) plus max_tokens ({msg.meta.sampling.max_tokens}) exceeds the "
-            f"model's context of {max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
-    return total
+            f"prompt ({total} tokens with media) leaves no room in the model's context of {max_model_len} tokens",
+            param="messages", code="context_length_exceeded")
+    sampling = msg.meta.sampling
+    if total + sampling.max_tokens > max_model_len:
+        sampling = msgspec.structs.replace(sampling, max_tokens=max_model_len - total,
+                                           min_tokens=min(sampling.min_tokens, max_model_len - total))
+        msg = msgspec.structs.replace(msg, meta=msgspec.structs.replace(msg.meta, sampling=sampling))
+    return total, msg
 
 
 async def pull_media(msg: protocol.PrefillRequest, ctx: Context,
@@ -75,8 +84,8 @@ class PrefillHandler:
 
     async def handle(self, msg: protocol.PrefillRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
+        total, msg = fit_context(msg, self._engine.max_model_len)
         meta = msg.meta
-        total = check_context(msg, self._engine.max_model_len)
         media = await pull_media(msg, ctx, self._puller)
         if self._engine_cache is not None:
             return await self._handle_engine_cache(msg, ctx, total, media)
