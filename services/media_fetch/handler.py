@@ -29,7 +29,7 @@ from shared.media.fetch import MediaFetcher
 from shared.media.files import load_file
 from shared.media.images import decode_image
 from shared.media.sources import REMOTE_SCHEMES, MediaError, scheme_of
-from shared.media.video import VideoLimits, decode_video
+from shared.media.video import VideoLimits, decode_video_clip
 from shared.process.aio import gather
 from shared.process.compute import ComputeLane
 from shared.settings import Settings
@@ -259,9 +259,9 @@ class MediaFetchHandler:
 
     def _decode_video(self, raw: bytes, src: protocol.MediaSource):
         num_frames, fps = self._sampling(src)
-        frames = decode_video(raw, num_frames=num_frames, fps=fps, limits=self._video_limits, param=src.param)
-        try:
-            return self._preprocess_video(frames)
+        clip = decode_video_clip(raw, num_frames=num_frames, fps=fps, limits=self._video_limits, param=src.param)
+        try:  # the rate the frames were taken at: Qwen2.5-VL's time positions step by it
+            return self._preprocess_video(clip.frames, fps=clip.sampled_fps)
         except ValueError as exc:  # the model's processor refuses these frames (e.g. too small)
             raise MediaError(f"{src.param}: the video cannot be processed by this model: {str(exc)[:200]}") from None
 

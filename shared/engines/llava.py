@@ -89,7 +89,8 @@ class NextVideoPreprocessor:
         self._per_frame = (int(vision.image_size) // int(vision.patch_size) // int(config.spatial_pool_stride)) ** 2
 
     @torch.inference_mode()
-    def __call__(self, frames) -> MediaPixels:
+    def __call__(self, frames, fps: float = 0.0) -> MediaPixels:
+        """``fps``: the rate the frames were sampled at (this family's positions do not use it)."""
         px = self._video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"][0]
         return MediaPixels(px.to(torch.float32).contiguous(), (0, 0, 0), px.shape[0] * self._per_frame, "video")
 

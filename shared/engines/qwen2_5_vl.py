@@ -2,9 +2,10 @@
 encode / prefill / decode steps and M-RoPE hand-off, with the family's own rules. The vision
 tower (window attention) runs inside ``get_image_features`` / ``get_video_features``. Video
 positions: the temporal M-RoPE axis advances by ``tokens_per_second · second_per_grid_t`` per
-temporal patch; :class:`VideoPreprocessor` takes ``second_per_grid_t`` from the processor, it
-travels with the item (``protocol.PixelItem.second_per_grid_t``) to prefill's
-``get_rope_index``, and a video without one is refused, never guessed.
+temporal patch; :class:`VideoPreprocessor` takes ``second_per_grid_t`` from the processor, told
+the rate the clip's frames were sampled at (not its default 24 fps); it travels with the item
+(``protocol.PixelItem.second_per_grid_t``) to prefill's ``get_rope_index``, and a video without
+one is refused, never guessed.
 
 Design: docs/guide/models.md.
 """
@@ -32,15 +33,26 @@ class VideoPreprocessor:
         self._merge = int(processor.video_processor.merge_size)
 
     @torch.inference_mode()
-    def __call__(self, frames) -> MediaPixels:
+    def __call__(self, frames, fps: float = 0.0) -> MediaPixels:
+        """``fps``: the rate the frames were sampled at, so one temporal patch spans the clip's own
+        seconds (0: the processor's default rate, right only for frames taken at it)."""
         # one video placeholder as text: the processor's own call, so its time step is the one
-        # the generate() reference gets
-        out = self._processor(text=[self._processor.video_token], videos=[frames], return_tensors="pt")
+        # the generate() reference gets with the same metadata
+        kw = {"video_metadata": [video_metadata(len(frames), fps)]} if fps > 0 else {}
+        out = self._processor(text=[self._processor.video_token], videos=[frames], return_tensors="pt", **kw)
         grid = tuple(int(x) for x in out["video_grid_thw"][0].tolist())
         n_tokens = grid[0] * grid[1] * grid[2] // (self._merge**2)
         step = float(torch.as_tensor(out["second_per_grid_ts"])[0])
         return MediaPixels(out["pixel_values_videos"].to(torch.float32).contiguous(), grid, n_tokens, "video",
                            second_per_grid_t=step)
+
+
+def video_metadata(n_frames: int, fps: float):
+    """transformers' description of ``n_frames`` frames sampled at ``fps``: its ``sampled_fps``
+    is ``fps``, which sets ``second_per_grid_ts`` = temporal patch / fps."""
+    from transformers.video_utils import VideoMetadata
+
+    return VideoMetadata(total_num_frames=n_frames, fps=fps, frames_indices=list(range(n_frames)))
 
 
 class Qwen2_5_VLCompute(Qwen2VLCompute):

@@ -112,7 +112,8 @@ class VideoPreprocessor:
         self._merge = int(self._video_processor.merge_size)
 
     @torch.inference_mode()
-    def __call__(self, frames) -> MediaPixels:
+    def __call__(self, frames, fps: float = 0.0) -> MediaPixels:
+        """``fps``: the rate the frames were sampled at (Qwen2-VL's positions do not use it)."""
         out = self._video_processor(videos=[frames], return_tensors="pt")
         grid = tuple(int(x) for x in out["video_grid_thw"][0].tolist())
         n_tokens = grid[0] * grid[1] * grid[2] // (self._merge**2)
@@ -261,13 +262,16 @@ class Qwen2VLCompute:
 
         if media:
             grids = {kind: [it[1] for it in media if _kind(it) == kind] for kind in ("image", "video")}
-            vision_pos, deltas = self.model.model.get_rope_index(
+            vision_pos, _ = self.model.model.get_rope_index(
                 input_ids, mm_token_type_ids=token_type,
                 image_grid_thw=torch.tensor(grids["image"], dtype=torch.long, device=dev) if grids["image"] else None,
                 video_grid_thw=torch.tensor(grids["video"], dtype=torch.long, device=dev) if grids["video"] else None,
                 **self._rope_extra([it for it in media if _kind(it) == "video"]),
             )
-            rope_delta = int(deltas.reshape(-1)[0].item())
+            # decode continues from the last prompt token's position, as generate() does; that is
+            # get_rope_index's own delta (the largest position + 1) unless a Qwen2.5-VL video's time
+            # axis runs past the text after it (a clip sampled slower than the processor's 24 fps)
+            rope_delta = int(vision_pos[:, 0, -1].max().item()) + 1 - seq_len
         else:
             vision_pos = torch.arange(seq_len, device=dev).view(1, 1, -1).expand(3, 1, -1)
             rope_delta = 0

@@ -1,6 +1,7 @@
 """Video decoding under the media policy (PyAV), run on media-fetch's compute lane:
-:func:`decode_video` turns raw container bytes into ``uint8 [frames, height, width, 3]`` RGB
-frames sampled from the first video stream (MP4/MOV, WebM/Matroska only), or a ``MediaError``.
+:func:`decode_video_clip` turns raw container bytes into ``uint8 [frames, height, width, 3]`` RGB
+frames, and the rate they were sampled at, from the first video stream (MP4/MOV, WebM/Matroska
+only), or a ``MediaError``.
 Duration and frame side are capped from the header before any frame is decoded,
 ``max_decoded_frames`` bounds the frames decoded while looking for the sampled ones, and each
 kept frame is scaled while converted so frames x pixels stays within ``max_pixels``. Every
@@ -15,6 +16,7 @@ import io
 import math
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,7 +51,28 @@ def sample_times(duration_s: float, *, num_frames: int, fps: float, max_frames: 
     return [(i + 0.5) * duration_s / num_frames for i in range(num_frames)]
 
 
+class VideoClip(NamedTuple):
+    """Sampled frames and the rate they were sampled at (frames per second of the clip's own time:
+    Qwen2.5-VL's temporal positions step by it)."""
+
+    frames: np.ndarray
+    sampled_fps: float
+
+
+def sampled_fps(times: list[float], duration_s: float) -> float:
+    """Frames per second that :func:`sample_times` took: the reciprocal of their spacing (one frame
+    over the whole duration for a single sample)."""
+    if len(times) > 1:
+        return 1.0 / (times[1] - times[0])
+    return 1.0 / duration_s if duration_s > 0 else 1.0
+
+
 def decode_video(raw: bytes, *, num_frames: int, fps: float, limits: VideoLimits, param: str) -> np.ndarray:
+    """:func:`decode_video_clip`'s frames alone."""
+    return decode_video_clip(raw, num_frames=num_frames, fps=fps, limits=limits, param=param).frames
+
+
+def decode_video_clip(raw: bytes, *, num_frames: int, fps: float, limits: VideoLimits, param: str) -> VideoClip:
     """Raw container bytes → RGB frames at :func:`sample_times`, or ``MediaError``. The container
     is decided by PyAV's probe, then checked against the allowlist; anything else (audio-only
     files, images, garbage) is a 400. Caps from the header: ``max_duration_s`` and ``max_side``
@@ -74,7 +97,7 @@ def decode_video(raw: bytes, *, num_frames: int, fps: float, limits: VideoLimits
         container.close()
 
 
-def _decode(container, *, num_frames: int, fps: float, limits: VideoLimits, param: str) -> np.ndarray:
+def _decode(container, *, num_frames: int, fps: float, limits: VideoLimits, param: str) -> VideoClip:
     fmt = container.format.name
     if fmt not in _ALLOWED_CONTAINERS:
         raise MediaError(f"{param}: the data is a {fmt!r} container, which is not accepted; {_ACCEPT}",
@@ -122,7 +145,7 @@ def _decode(container, *, num_frames: int, fps: float, limits: VideoLimits, para
         while kept.count < len(times):
             kept.add(shown, again=shown_kept)
             shown_kept = True
-    return kept.frames
+    return VideoClip(kept.frames, sampled_fps(times, duration_s))
 
 
 def fit_frame(width: int, height: int, max_pixels: int) -> tuple[int, int]:

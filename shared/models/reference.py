@@ -47,6 +47,7 @@ def reference_generate(
     loaded: tuple | None = None,
     videos: list | None = None,
     audios: list | None = None,
+    video_fps: list[float] | None = None,
 ) -> list[int]:
     """Greedy-generate with ``model.generate`` and return only the new token ids.
 
@@ -55,13 +56,19 @@ def reference_generate(
     ``max_new_tokens``.  ``loaded`` may pass a cached ``load_reference`` result to
     skip reloading; it does not change the result. ``videos``: sampled frames
     (``uint8 [frames, h, w, 3]``) per video placeholder, in order. ``audios``: float32
-    mono samples at the feature extractor's rate per audio placeholder.
+    mono samples at the feature extractor's rate per audio placeholder. ``video_fps``: the rate
+    each video's frames were sampled at (Qwen2.5-VL's time positions; None: the processor's default).
     """
     processor, model = loaded if loaded is not None else load_reference(Path(model_dir))
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     extra = {}
     if videos:
         extra["videos"] = videos
+    if video_fps:
+        from transformers.video_utils import VideoMetadata
+
+        extra["video_metadata"] = [VideoMetadata(total_num_frames=len(v), fps=fps, frames_indices=list(range(len(v))))
+                                   for v, fps in zip(videos, video_fps, strict=True)]
     if audios:
         extra.update(audio=audios, sampling_rate=processor.feature_extractor.sampling_rate)
     inputs = processor(text=[text], images=images or None, return_tensors="pt", **extra).to(model.device)

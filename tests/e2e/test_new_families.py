@@ -13,7 +13,7 @@ import openai
 import pytest
 from PIL import Image
 
-from shared.media.video import VideoLimits, decode_video
+from shared.media.video import VideoClip, VideoLimits, decode_video_clip
 from shared.models.reference import reference_generate
 from shared.settings import Settings
 from tests import procs
@@ -35,13 +35,13 @@ def _data_url(img: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _video() -> tuple[bytes, np.ndarray]:
+def _video() -> tuple[bytes, VideoClip]:
     s = Settings()
     raw = samples.video(samples.video_frames(16, size=(96, 64), seed=5), fps=8)
-    frames = decode_video(raw, num_frames=s.video_num_frames, fps=0, param="p",
-                          limits=VideoLimits(s.max_video_duration_s, s.max_video_frames, s.max_video_side,
-                                             s.max_video_decoded_frames))
-    return raw, frames
+    clip = decode_video_clip(raw, num_frames=s.video_num_frames, fps=0, param="p",
+                             limits=VideoLimits(s.max_video_duration_s, s.max_video_frames, s.max_video_side,
+                                                s.max_video_decoded_frames))
+    return raw, clip
 
 
 @pytest.fixture(scope="module", params=["qwen2.5-vl", "llava-next"])
@@ -65,9 +65,9 @@ def _cases(demo: str):
     out = [("one image", [{"type": "image"}], imgs[:1], [], parts[:1]),
            ("two images", [{"type": "image"}] * 2, imgs, [], parts)]
     if demo == "qwen2.5-vl":
-        raw, frames = _video()
+        raw, clip = _video()
         url = "data:video/mp4;base64," + base64.b64encode(raw).decode()
-        out.append(("video", [{"type": "video"}], [], [frames], [{"type": "video_url", "video_url": {"url": url}}]))
+        out.append(("video", [{"type": "video"}], [], [clip], [{"type": "video_url", "video_url": {"url": url}}]))
     return out
 
 
@@ -77,8 +77,10 @@ def test_fleet_equals_generate(served):
     demo, model, client = served
     tok = AutoTokenizer.from_pretrained(model)
     for name, ref_parts, images, videos, parts in _cases(demo):
+        # the clip's own sampling rate in the reference too: Qwen2.5-VL's time positions step by it
         ids = reference_generate(model, [{"role": "user", "content": [*ref_parts, {"type": "text", "text": QUESTION}]}],
-                                 images, MAX_TOKENS, videos=videos or None)
+                                 images, MAX_TOKENS, videos=[c.frames for c in videos] or None,
+                                 video_fps=[c.sampled_fps for c in videos] or None)
         expected = tok.decode(ids, skip_special_tokens=True)
         kwargs = dict(model="mmfleet-demo", temperature=0, max_tokens=MAX_TOKENS,
                       messages=[{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}])

@@ -387,7 +387,7 @@ async def test_video_frames_reach_the_processor_within_max_video_pixels(world):
     w = world
     seen = []
 
-    def frames_in(frames):
+    def frames_in(frames, fps: float = 0.0):
         seen.append(frames.shape)
         return Pixels(type("Img", (), {"size": frames.shape})())
 

@@ -87,3 +87,41 @@ def test_split_path_matches_generate(q25_dir, compute, decode_compute, reference
         bare = [MediaEmbeds(it.embeds, it.grid_thw, it.kind) for it in items]
         with pytest.raises(ValueError, match="second_per_grid_t"):
             compute.prefill(compute.render_prompt_ids(messages), bare)
+
+
+def test_a_clips_time_step_is_the_rate_its_frames_were_sampled_at(compute):
+    """media-fetch hands the preprocessor the rate it sampled the clip at: one temporal patch
+    (2 frames) of a clip sampled at 2 fps spans 1 s of it (the processor alone would assume
+    its default 24 fps: 1/12 s, positions 12 times too close)."""
+    from shared.media.video import VideoLimits, decode_video_clip
+    from tests.media import samples
+
+    raw = samples.video(samples.video_frames(30, size=(64, 48)), fps=10)  # 3 s
+    limits = VideoLimits(max_duration_s=60, max_frames=16, max_side=256, max_decoded_frames=1_000)
+    at_2fps = decode_video_clip(raw, num_frames=0, fps=2.0, limits=limits, param="p")
+    assert (len(at_2fps.frames), at_2fps.sampled_fps) == (6, pytest.approx(2.0))
+    px = compute.preprocess_video(at_2fps.frames, fps=at_2fps.sampled_fps)
+    assert px.second_per_grid_t == pytest.approx(1.0)
+    four = decode_video_clip(raw, num_frames=4, fps=0.0, limits=limits, param="p")  # 4 frames over 3 s
+    assert four.sampled_fps == pytest.approx(4 / 3)
+    assert compute.preprocess_video(four.frames, fps=four.sampled_fps).second_per_grid_t == pytest.approx(1.5)
+    assert compute.preprocess_video(at_2fps.frames).second_per_grid_t == pytest.approx(2 / 24)  # the default
+
+
+def test_split_path_matches_generate_at_the_clips_own_rate(q25_dir, compute, decode_compute, reference):
+    """At 2 fps the video's time axis (12 positions a temporal patch) runs past the text after it:
+    decode still continues from the last prompt token's position, as generate() does."""
+    from shared.media.video import VideoLimits, decode_video_clip
+    from tests.media import samples
+
+    raw = samples.video(samples.video_frames(30, size=(64, 48), seed=3), fps=10)
+    limits = VideoLimits(max_duration_s=60, max_frames=16, max_side=256, max_decoded_frames=1_000)
+    c = decode_video_clip(raw, num_frames=0, fps=2.0, limits=limits, param="p")
+    messages = msgs(["video"])
+    expected = reference_generate(q25_dir, messages, [], MAX_NEW_TOKENS, loaded=reference, videos=[c.frames],
+                                  video_fps=[c.sampled_fps])
+    px = compute.preprocess_video(c.frames, fps=c.sampled_fps)
+    items = [MediaEmbeds(compute.encode_media([px])[0], px.grid_thw, px.kind, px.second_per_grid_t)]
+    got = greedy_decode(decode_compute, _shipped(compute.prefill(compute.render_prompt_ids(messages), items)),
+                        MAX_NEW_TOKENS)
+    assert got == expected and len(set(got)) > 1
