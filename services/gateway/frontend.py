@@ -202,7 +202,7 @@ class Frontend:
         shaper = Shaper(adm.request_id, adm.model, chat=adm.chat,
                         include_usage=adm.prepared.stream and adm.prepared.include_usage,
                         token_text=self.builder.token_text if adm.prepared.sampling.logprobs is not None else None,
-                        tool_mode=adm.prepared.tool_mode)
+                        tool_mode=adm.prepared.tool_mode, tool_max_calls=adm.prepared.tool_max_calls)
         try:
             first = await anext(events)
             async for reply in shape_replies(shaper, first, events, stream=adm.prepared.stream,

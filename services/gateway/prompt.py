@@ -58,6 +58,7 @@ class Prepared:
     stream: bool = False
     include_usage: bool = False
     tool_mode: str = ""  # services.gateway.tools: "" | "auto" | "forced"
+    tool_max_calls: int = 0  # 0: any number; parallel_tool_calls false: the first call alone, as vLLM
 
 
 class PromptBuilder:
@@ -145,7 +146,9 @@ class PromptBuilder:
                                      max_pixels=self._max_request_pixels)
         for i, msg in enumerate(req.messages):
             tools.check_message(i, msg)
-            rendered.append({"role": msg.role, "content": self._content(msg, i, media)})
+            # a message's name reaches the template, as vLLM passes it (templates that know it use it)
+            rendered.append({"role": msg.role, "content": self._content(msg, i, media),
+                             **({"name": msg.name} if msg.name is not None else {})})
         native = tools.template_knows_tools(req.chat_template or self._template)
         rendered = tools.render_messages(rendered, req.messages, tool_plan, native=native)
         params.media_limits({k: sum(1 for m in media if m.kind == k) for k in ("image", "video", "audio")}, self._s)
@@ -177,7 +180,7 @@ class PromptBuilder:
             sampling = msgspec.structs.replace(sampling, structured=tool_plan.structured)
         params.check_structured_engine(sampling, self._s, "tool_choice" if tool_plan.structured else "response_format")
         return Prepared(ids, media, sampling, req.stream, bool(req.stream_options and req.stream_options.include_usage),
-                        tool_plan.mode)
+                        tool_plan.mode, 1 if req.parallel_tool_calls is False else 0)
 
     def _content(self, msg: schema.Message, i: int, media: list[MediaInput]):
         if msg.content is None or isinstance(msg.content, str):

@@ -106,7 +106,8 @@ class Shaper:
     (``text_completion``) objects, whole or as stream chunks."""
 
     def __init__(self, request_id: str, model: str, *, chat: bool, include_usage: bool = False,
-                 token_text: Callable[[int], str] | None = None, tool_mode: str = "") -> None:
+                 token_text: Callable[[int], str] | None = None, tool_mode: str = "",
+                 tool_max_calls: int = 0) -> None:
         self.id = request_id
         self.model = model
         self.chat = chat
@@ -115,6 +116,7 @@ class Shaper:
         self.token_text = token_text  # set: the request asked for logprobs (token id -> its text)
         self._offset = 0  # completions' text_offset of the next token
         self.tool_mode = tool_mode  # "" | "auto" | "forced": see services.gateway.tools
+        self.tool_max_calls = tool_max_calls  # 0: any number (parallel_tool_calls false: 1)
 
     def logprobs(self, lps: Sequence[protocol.TokenLogprob]) -> dict | None:
         """OpenAI's ``logprobs`` object of a choice (chat: ``content``; completions: parallel
@@ -174,7 +176,7 @@ class Shaper:
             message: dict = {"role": "assistant", "content": text}
             reason = finish.reason
             if self.tool_mode:
-                message["content"], calls = tools.parse(text, self.tool_mode)
+                message["content"], calls = tools.parse(text, self.tool_mode, self.tool_max_calls)
                 if calls:
                     message["tool_calls"], reason = calls, "tool_calls"
                 else:
@@ -201,7 +203,7 @@ async def shape_replies(shaper: Shaper, first: protocol.StreamEvent, events: Asy
         yield Reply("chunk", shaper.chunk_body("", None, first=True))
     texts: list[str] = []
     lps: list[protocol.TokenLogprob] = []
-    calls_out = tools.ToolStream(shaper.tool_mode) if stream and shaper.tool_mode else None
+    calls_out = tools.ToolStream(shaper.tool_mode, shaper.tool_max_calls) if stream and shaper.tool_mode else None
     ev = first
     while True:
         match ev:

@@ -268,12 +268,69 @@ def as_sent(body: bytes, *, chat: bool) -> AsSent:
 
 
 def unknown_fields(sent: AsSent, *, chat: bool) -> list[str]:
-    """Keys of a body (:func:`as_sent`) that this schema does not declare, as request paths in
-    body order: top-level ones, then those of each message."""
-    known = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
-    out = [k for k in sent.top if k not in known]
-    out += [f"messages[{i}].{k}" for i, m in enumerate(sent.messages) for k in m if k not in _MESSAGE_FIELDS]
+    """Keys of a body (:func:`as_sent`) that this schema does not declare, at any depth the
+    schema types (a content part, its ``image_url``, ``stream_options``, ...), as request paths
+    in body order: top-level ones, then each message's."""
+    struct = ChatCompletionRequest if chat else CompletionRequest
+    out = [k for k in sent.top if k not in struct.__struct_fields__]
+    for name, raw in sent.top.items():
+        if name in _NESTED[struct] and name != "messages":
+            _unknown_in(raw, _NESTED[struct][name], name, out)
+    for i, m in enumerate(sent.messages):
+        for k, raw in m.items():
+            if k not in _MESSAGE_FIELDS:
+                out.append(f"messages[{i}].{k}")
+            elif k in _NESTED[Message]:
+                _unknown_in(raw, _NESTED[Message][k], f"messages[{i}].{k}", out)
     return out
+
+
+def _structs_in(tp) -> tuple[type[Struct], ...]:
+    """The Struct types a field's value may be (directly, in a union or as list items)."""
+    if isinstance(tp, type) and issubclass(tp, Struct):
+        return (tp,)
+    return tuple(s for arg in typing.get_args(tp) for s in _structs_in(arg))
+
+
+def _nested(struct: type[Struct]) -> dict[str, tuple[type[Struct], ...]]:
+    hints = typing.get_type_hints(struct)
+    return {name: found for name in struct.__struct_fields__ if (found := _structs_in(hints[name]))}
+
+
+_NESTED = {s: _nested(s) for s in (ChatCompletionRequest, CompletionRequest, Message, *typing.get_args(Part),
+                                   ImageURL, MediaURL, InputAudio, EmbedsData, StreamOptions)}
+_raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_raw_list = msgspec.json.Decoder(list[msgspec.Raw])
+_tag = msgspec.json.Decoder(str)
+
+
+def _unknown_in(raw: msgspec.Raw, structs: tuple[type[Struct], ...], path: str, out: list[str]) -> None:
+    """Append the paths of keys no candidate struct declares, in ``raw`` (an object, or a list of
+    them). A tagged union picks its struct by the ``type`` key; a value of another shape, or a tag
+    no struct has, is left to the typed decode, which refuses it by name."""
+    text = bytes(raw).lstrip()
+    if text[:1] == b"[":
+        for j, item in enumerate(_raw_list.decode(text)):
+            _unknown_in(item, structs, f"{path}[{j}]", out)
+        return
+    if text[:1] != b"{":
+        return
+    obj = _raw_object.decode(text)
+    struct = structs[0] if len(structs) == 1 else None
+    if struct is None and "type" in obj:
+        try:
+            tag = _tag.decode(obj["type"])
+        except msgspec.ValidationError:
+            return
+        struct = next((s for s in structs if s.__struct_config__.tag == tag), None)
+    if struct is None:
+        return
+    tag_field = struct.__struct_config__.tag_field
+    for k, value in obj.items():
+        if k not in struct.__struct_fields__ and k != tag_field:
+            out.append(f"{path}.{k}")
+        elif k in _NESTED.get(struct, {}):
+            _unknown_in(value, _NESTED[struct][k], f"{path}.{k}", out)
 
 
 def error_param(exc: msgspec.ValidationError) -> str | None:

@@ -145,10 +145,10 @@ def _text(content) -> str:
     return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
 
 
-def parse(text: str, mode: str) -> tuple[str | None, list[dict]]:
+def parse(text: str, mode: str, max_calls: int = 0) -> tuple[str | None, list[dict]]:
     """(content, OpenAI tool_calls) of a finished completion. Forced: the text is one call's JSON;
-    auto: every well-formed ``<tool_call>`` block is a call and the text before the first is the
-    content (a block that is not JSON stays text)."""
+    auto: every well-formed ``<tool_call>`` block is a call (the first ``max_calls`` of them when
+    set) and the text before the first is the content (a block that is not JSON stays text)."""
     if mode == "forced":
         try:
             obj = json.loads(text)
@@ -166,7 +166,7 @@ def parse(text: str, mode: str) -> tuple[str | None, list[dict]]:
             first = m.start() if first is None else first
     if not calls:
         return text, []
-    return (text[:first].strip() or None), calls
+    return (text[:first].strip() or None), calls[:max_calls] if max_calls else calls
 
 
 def _is_call(obj) -> bool:
@@ -184,8 +184,9 @@ class ToolStream:
     client as content now (auto: everything before a possible ``<tool_call>``; forced: nothing);
     :meth:`finish` returns the rest as (content, calls) once the completion has ended."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, max_calls: int = 0) -> None:
         self.mode = mode
+        self.max_calls = max_calls
         self._held = ""
         self._in_call = mode == "forced"
 
@@ -203,5 +204,5 @@ class ToolStream:
         return buf[:len(buf) - keep]
 
     def finish(self) -> tuple[str, list[dict]]:
-        content, calls = parse(self._held, self.mode)
+        content, calls = parse(self._held, self.mode, self.max_calls)
         return ((content or "") if calls else self._held), calls
