@@ -1,12 +1,13 @@
 """``mmfleet up``: the whole fleet on one machine, as supervised child processes.
 
-Order: Kafka (the broker at ``kafka_bootstrap``, else the embedded ``tansu`` started there) →
-Redis (``redis_url``, else a ``redis-server``) → the model → topics → one worker per stage group
-(more per ``stage_replicas``) → gateway. Workers and the gateway are forked by the zygote
-(setting ``zygote``) or started as ``python -m``; each dies with the supervisor (PDEATHSIG) and
-leads a process group, killed whole once it exits. An exited service restarts with backoff (1 s
-doubling to 30 s); a broker or Redis started here restarts too, with fresh broker tokens in
-Redis so gateways re-drive. SIGINT / SIGTERM stop services, then Redis and the broker. Design: docs/design/startup.md.
+Order: the fleet's claims (its broker, gateway port and Redis prefix: ``services.fleet_claims``)
+→ Kafka (the broker at ``kafka_bootstrap``, else the embedded ``tansu`` started there) → Redis
+(``redis_url``, else a ``redis-server``) → the model → topics → one worker per stage group (more
+per ``stage_replicas``) → gateway, forked by the zygote or started as ``python -m``, each dying
+with the supervisor. The start ends when every group serves and the gateway's ``/ready`` says
+200; a service that exits before it ever served fails it, any other restarts with backoff (1 s
+doubling to 30 s), a broker or Redis started here with fresh broker tokens. SIGINT / SIGTERM stop
+services, then Redis and the broker. Design: docs/design/startup.md.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import aiohttp
 
 from services.children import Child, _answers, _host_port, _wait_port, broker_child, redis_child, worker_settings
+from services.fleet_claims import FleetClaims, Taken
 from services.modes import MODES, check_engine, group_replicas, parse_replicas
 from services.stages import fleet_topics
 from shared import settings as settings_mod
@@ -76,9 +78,16 @@ class Fleet:
         self.zygote: Zygote | None = None
         self._subreaper = False
         self._stopping = asyncio.Event()
+        self.claims = FleetClaims(settings)
+        self._claim_task: asyncio.Task | None = None
+        self._restarts: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        # the model first: a missing one stops `up` before anything starts. Children get the
+        try:  # before anything: a fleet already on this broker or gateway port stops this one here
+            self.claims.take_host()
+        except Taken as exc:
+            raise CannotStart(str(exc)) from None
+        # the model next: a missing one stops `up` before anything starts. Children get the
         # resolved folder (served_model_name already holds the id), so every worker serves the
         # same snapshot even if the cache's refs/<revision> moves while the fleet runs.
         try:
@@ -91,6 +100,9 @@ class Fleet:
             raise CannotStart(str(exc)) from None
         self.settings = s = self.settings.with_overrides(model=str(model_dir))
         env = settings_mod.child_env(s)
+        rhost, rport = _host_port(s.redis_url, 6379)
+        if _answers(rhost, rport):  # a Redis already there: its prefix is ours before anything starts
+            await self._claim_redis()
         if s.zygote:  # its imports overlap the broker's and Redis's start
             become_subreaper()
             self._subreaper = True
@@ -99,9 +111,9 @@ class Fleet:
         khost, kport = _host_port(s.kafka_bootstrap, 9092)
         if not _answers(khost, kport):
             await self._start_infra(broker_child(khost, kport), khost, kport)
-        rhost, rport = _host_port(s.redis_url, 6379)
-        if not _answers(rhost, rport):
+        if self._claim_task is None:  # the Redis started here; the prefix is ours before any token is bumped
             await self._start_infra(redis_child(rhost, rport), rhost, rport)
+            await self._claim_redis()
         await ensure_topics(s, fleet_topics(s))
         if any(c.name.startswith("kafka") for c in self.infra):
             await self._bump(RedisKeys.broker_epoch, RedisKeys.broker_ready)
@@ -117,41 +129,77 @@ class Fleet:
         self.services.append(self._child("gateway", cli + ["gateway"], env))
         for child in self.services:
             child.start()
-        await self._wait_workers()
-        await self._wait_ready()
+        await self._wait_serving()
 
-    async def _wait_workers(self) -> None:
-        """Until every stage group has a live worker holding partitions (its liveness record)."""
+    async def _claim_redis(self) -> None:
+        try:
+            await self.claims.take_redis()
+        except Taken as exc:
+            raise CannotStart(str(exc)) from None
+        self._claim_task = asyncio.create_task(self.claims.hold(), name="fleet-claim")
+
+    async def _wait_serving(self) -> None:
+        """The start phase: until every stage group has its live workers (their liveness records,
+        up_ready_timeout_s) and then the gateway's ``/ready`` says 200 (as long again). A service
+        that exits before it ever served (no liveness record, no 200) fails the start; one lost
+        after it served, or once ``/ready`` said 200, is restarted: the fleet already answers."""
         from collections import Counter
 
         from shared.transport.liveness import live_workers
-        from shared.transport.redis_conn import make_redis
 
         wanted = Counter({tuple(stages): group_replicas(tuple(stages), self.replicas) for stages in MODES[self.mode]})
+        keys = RedisKeys(self.settings.redis_prefix)
         redis = make_redis(self.settings)
         loop = asyncio.get_running_loop()
         timeout_s = self.settings.up_ready_timeout_s
-        deadline = loop.time() + timeout_s
+        workers_by, ready_by = loop.time() + timeout_s, None
+        served: set[str] = set()  # services seen serving (a liveness record, the gateway's 200)
+        ready_seen = False
         try:
-            while True:
-                self._check_children()
-                for child in self.services:
-                    if child.proc is not None and child.proc.poll() is not None:
-                        where = f"; see {child.log_path}" if child.log_path else ""
-                        raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during start{where}")
-                workers = await live_workers(redis, RedisKeys(self.settings.redis_prefix))
-                live = Counter(w.stages for w in workers)
-                missing = wanted - live
-                if not missing:
-                    for w in workers:  # the URL each advertises (its host's own address)
-                        log.info("worker %s: metrics on %s", w.worker_id,
-                                 w.metrics_url or f"http://{w.host}:{w.metrics_port}/metrics")
-                    return
-                if loop.time() > deadline:
-                    raise RuntimeError(f"workers for {sorted(missing.elements())} not serving after {timeout_s} s")
-                await asyncio.sleep(0.3)
+            async with aiohttp.ClientSession() as session:
+                while True:
+                    self._check_children()
+                    workers = await live_workers(redis, keys)
+                    pids = {w.pid for w in workers}
+                    served |= {c.name for c in self.services if c.proc is not None and c.proc.pid in pids}
+                    ready = await self._gateway_ready(session)
+                    if ready:
+                        ready_seen = True
+                        served.add("gateway")
+                    for child in self.services:
+                        if child.proc is None or child.proc.poll() is None or child.restarting:
+                            continue
+                        if not ready_seen and child.name not in served:
+                            where = f"; see {child.log_path}" if child.log_path else ""
+                            raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during start{where}")
+                        self._restart(child)
+                    missing = wanted - Counter(w.stages for w in workers)
+                    if ready and not missing:
+                        for w in workers:  # the URL each advertises (its host's own address)
+                            log.info("worker %s: metrics on %s", w.worker_id,
+                                     w.metrics_url or f"http://{w.host}:{w.metrics_port}/metrics")
+                        log.info("fleet ready: %s/v1", self.claims.info.gateway_url)
+                        return
+                    if not missing and ready_by is None:
+                        ready_by = loop.time() + timeout_s  # every group serves: /ready gets as long again
+                    if ready_by is None and loop.time() > workers_by:
+                        raise RuntimeError(f"workers for {sorted(missing.elements())} not serving after {timeout_s} s")
+                    if ready_by is not None and loop.time() > ready_by:
+                        raise RuntimeError(f"gateway not ready within {timeout_s} s of every worker group serving")
+                    await asyncio.sleep(0.3)
         finally:
             await redis.aclose()
+
+    async def _gateway_ready(self, session: aiohttp.ClientSession) -> bool:
+        """``/ready`` said 200, and it was this fleet's gateway that said it (its pid)."""
+        gateway = next(c for c in self.services if c.name == "gateway")
+        url = f"http://{self.settings.gateway_host}:{self.settings.gateway_port}/ready"
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                body = await resp.json(content_type=None) if resp.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return False
+        return gateway.proc is not None and body.get("pid") == gateway.proc.pid
 
     def _child(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
         log_path = self.log_dir / f"{name}.log" if self.log_dir else None
@@ -165,25 +213,6 @@ class Fleet:
         self.infra.append(child)
         await _wait_port(host, port, 20, child)
 
-    async def _wait_ready(self) -> None:
-        url = f"http://{self.settings.gateway_host}:{self.settings.gateway_port}/ready"
-        loop = asyncio.get_running_loop()
-        timeout_s = self.settings.up_ready_timeout_s
-        deadline = loop.time() + timeout_s
-        async with aiohttp.ClientSession() as session:
-            while loop.time() < deadline:
-                self._check_children()
-                try:
-                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                        if resp.status == 200:
-                            log.info("fleet ready: http://%s:%d/v1", self.settings.gateway_host,
-                                     self.settings.gateway_port)
-                            return
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
-                await asyncio.sleep(0.3)
-        raise RuntimeError(f"gateway not ready within {timeout_s} s")
-
     def _check_children(self) -> None:
         for child in self.infra:
             if child.proc is not None and child.proc.poll() is not None:
@@ -191,24 +220,29 @@ class Fleet:
 
     async def supervise(self) -> None:
         """Restart what exits until ``stop()``: infra at once, services with backoff."""
-        pending: set[asyncio.Task] = set()
         while not self._stopping.is_set():
             for child in self.infra:
                 if child.proc is not None and child.proc.poll() is not None:
                     await self._restart_infra(child)
             for child in self.services:
                 if child.proc is not None and child.proc.poll() is not None and not child.restarting:
-                    child.restarting = True
-                    task = asyncio.create_task(self._restart_later(child))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
+                    self._restart(child)
             if self._subreaper:  # a dead worker's own children come to us
                 reap_strays({c.proc.pid for c in [*self.infra, *self.services] if c.proc is not None}
                             | ({self.zygote.proc.pid} if self.zygote else set()))
             await wait_event(self._stopping, 0.5)
-        for task in pending:
+        await self._cancel_restarts()
+
+    async def _cancel_restarts(self) -> None:
+        for task in self._restarts:
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*self._restarts, return_exceptions=True)
+
+    def _restart(self, child: Child) -> None:
+        child.restarting = True
+        task = asyncio.create_task(self._restart_later(child))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
 
     async def _restart_later(self, child: Child) -> None:
         if time.monotonic() - child.started_at > 60:
@@ -254,6 +288,14 @@ class Fleet:
     def request_stop(self) -> None:
         self._stopping.set()
 
+    async def release(self) -> None:
+        """After ``stop()``: pending restarts cancelled, the fleet's claims given back."""
+        await self._cancel_restarts()
+        if self._claim_task is not None:
+            self._claim_task.cancel()
+            await asyncio.gather(self._claim_task, return_exceptions=True)
+        await self.claims.release()
+
     def stop(self) -> None:
         """Idempotent: services first, all at once (each drains within its own bound, so the
         fleet stops within one ``stop_timeout_s``, not one per service), then Redis and the broker."""
@@ -288,7 +330,7 @@ async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_f
                 return 2
             gcpolicy.serving()
             if ready_file is not None:  # for scripts and tests: the whole fleet serves now
-                ready_file.write_text(f"http://{fleet.settings.gateway_host}:{fleet.settings.gateway_port}\n")
+                ready_file.write_text(fleet.claims.info.gateway_url + "\n")
             if autoscale:  # services/autoscale.py: workers per stage group from lag and TTFT
                 from services.autoscale import Autoscaler
 
@@ -304,3 +346,4 @@ async def run_up(settings: Settings, *, mode: str, log_dir: Path | None, ready_f
             scaler.cancel()
             await asyncio.gather(scaler, return_exceptions=True)
         await asyncio.to_thread(fleet.stop)
+        await fleet.release()

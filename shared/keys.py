@@ -136,6 +136,11 @@ class RedisKeys:
         """``SCAN MATCH`` pattern over every worker's liveness record."""
         return f"{self.prefix}:worker:*"
 
+    def workers_index(self) -> str:
+        """Sorted set of the worker records' keys, scored by their last write (unix ms): readers
+        list live workers from it (``shared.transport.liveness``), not by a SCAN of the keyspace."""
+        return f"{self.prefix}:workers"
+
     def gateway(self, gateway_id: str) -> str:
         """A gateway's liveness record (its URL), refreshed with a TTL."""
         return f"{self.prefix}:gateway:{gateway_id}"
@@ -143,3 +148,12 @@ class RedisKeys:
     def gateways_pattern(self) -> str:
         """``SCAN MATCH`` pattern over every gateway's liveness record."""
         return f"{self.prefix}:gateway:*"
+
+    def gateways_index(self) -> str:
+        """Sorted set of the gateway records' keys, scored by their last write (see ``workers_index``)."""
+        return f"{self.prefix}:gateways"
+
+    def fleet(self) -> str:
+        """The claim of the one ``mmfleet up`` whose namespace this prefix is (a ``FleetInfo``, with
+        a TTL its supervisor refreshes): a second fleet on the same Redis and prefix refuses to start."""
+        return f"{self.prefix}:fleet"

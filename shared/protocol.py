@@ -425,6 +425,19 @@ class GatewayInfo(Struct, frozen=True):
     started_unix_ms: int
 
 
+class FleetInfo(Struct, frozen=True):
+    """Who owns a fleet's broker, gateway port and Redis prefix: one ``mmfleet up`` supervisor
+    (its claims, ``services.fleet_claims``; what a second fleet's refusal names)."""
+
+    fleet_id: str
+    pid: int
+    host: str
+    gateway_url: str
+    kafka_bootstrap: str
+    redis_prefix: str
+    started_unix_ms: int
+
+
 # ---------------------------------------------------------------- token stream events
 
 

@@ -40,40 +40,52 @@ def stop(proc: subprocess.Popen, timeout_s: float = 20) -> None:
 def fleet(env_overrides: dict[str, str], log_dir: Path, *, mode: str = "e-p-d", ready_timeout_s: float = 240,
           up_args: tuple[str, ...] = ()):
     """``mmfleet up`` (+ ``up_args``) as a subprocess; yields (base_url, supervisor Popen)."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMFLEET_")}
-    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-                "MMFLEET_GATEWAY_PORT": str(port)})
-    env.update(env_overrides)
-    with open(log_dir / "supervisor.log", "ab") as log:
-        ready_file = log_dir / f"ready-{port}"
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--mode", mode, "--log-dir",
-                                 str(log_dir), "--ready-file", str(ready_file), *up_args], cwd=REPO, env=env,
-                                stdout=log,
-                                stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    proc, base, ready_file = start_up(env_overrides, log_dir, mode=mode, up_args=up_args)
     try:
-        _wait_ready(ready_file, proc, ready_timeout_s, log_dir)
+        wait_up(ready_file, proc, ready_timeout_s, log_dir)
         yield base, proc
     finally:
-        kids = children_of(proc.pid)
-        stop(proc, timeout_s=60)
-        deadline = time.monotonic() + 10
-        while any(alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = [k for k in kids if alive(k)]
-        for k in left:
-            os.kill(k, signal.SIGKILL)
-        assert not left, f"fleet children still alive after stop: {left}"
+        stop_up(proc)
 
 
-def _wait_ready(ready_file: Path, proc: subprocess.Popen, timeout_s: float, log_dir: Path) -> None:
+def start_up(env_overrides: dict[str, str], log_dir: Path, *, mode: str = "e-p-d", up_args: tuple[str, ...] = (),
+             log_name: str = "supervisor.log") -> tuple[subprocess.Popen, str, Path]:
+    """``mmfleet up`` started, not waited for: (its Popen, its base URL, the file it writes once ready).
+    The gateway port is a free one unless ``env_overrides`` names one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMFLEET_")}
+    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+                "MMFLEET_GATEWAY_PORT": str(free_port())})
+    env.update(env_overrides)
+    port = int(env["MMFLEET_GATEWAY_PORT"])
+    ready_file = log_dir / f"ready-{port}-{log_name}"
+    with open(log_dir / log_name, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--mode", mode, "--log-dir",
+                                 str(log_dir), "--ready-file", str(ready_file), *up_args], cwd=REPO, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", ready_file
+
+
+def stop_up(proc: subprocess.Popen) -> None:
+    """Stop a supervisor and make sure none of its children outlive it."""
+    kids = children_of(proc.pid)
+    stop(proc, timeout_s=60)
+    deadline = time.monotonic() + 10
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [k for k in kids if alive(k)]
+    for k in left:
+        os.kill(k, signal.SIGKILL)
+    assert not left, f"fleet children still alive after stop: {left}"
+
+
+def wait_up(ready_file: Path, proc: subprocess.Popen, timeout_s: float, log_dir: Path,
+                log_name: str = "supervisor.log") -> None:
     """Until ``mmfleet up`` says every stage serves (it writes ``ready_file``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"mmfleet up exited with {proc.returncode}; logs in {log_dir}:\n"
-                               + (log_dir / "supervisor.log").read_text()[-4000:])
+                               + (log_dir / log_name).read_text()[-4000:])
         if ready_file.exists():
             return
         time.sleep(0.2)

@@ -22,6 +22,7 @@ from services.fleetview import page as fleet_page
 from services.gateway.auth import Authenticator
 from services.gateway.frontend import Frontend, new_request_id
 from services.gateway.prompt import PromptBuilder
+from services.gateway.readiness import readiness, request_paths
 from services.gateway.responses import ClientGone, Rejected, error_response, http_reply
 from shared import logs, metrics
 from shared.keys import INGRESS_STAGE, RedisKeys
@@ -47,11 +48,14 @@ GATEWAY_ID = web.AppKey("gateway_id", str)
 class GatewayState:
     """Everything the handlers share; built in ``cleanup_ctx`` and torn down there."""
 
-    def __init__(self, settings: Settings, front: Frontend, producer, redis) -> None:
+    def __init__(self, settings: Settings, front: Frontend, producer, redis, keys: RedisKeys) -> None:
         self.settings = settings
         self.front = front
         self.producer = producer
         self.redis = redis
+        self.keys = keys
+        # what /ready requires: the stages of every request kind this model takes
+        self.paths = request_paths(front.builder.modalities)
 
 
 async def _lifecycle(app: web.Application):
@@ -77,7 +81,7 @@ async def _lifecycle(app: web.Application):
     doorbell = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=settings.idle_fetch_interval_ms) \
         if settings.doorbell else None
     front = Frontend(settings, builder, producer, streams, transfer, auth, ledger, router, doorbell)
-    app[STATE] = GatewayState(settings, front, producer, redis)
+    app[STATE] = GatewayState(settings, front, producer, redis, keys)
     redrive_task = asyncio.create_task(front.redriver.run(), name="redrive")
     ingress_task = None
     if settings.ingress_enabled:
@@ -153,22 +157,11 @@ async def health(_request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Ready when Redis answers and the producer knows at least one broker."""
+    """200 when a request of each kind served can be answered now, else 503 naming what is
+    missing (services/gateway/readiness.py)."""
     state = request.app[STATE]
-    problems = []
-    try:
-        await asyncio.wait_for(state.redis.ping(), 2)
-    except Exception as exc:  # any failure means not ready; say which
-        problems.append(f"redis: {type(exc).__name__}")
-    try:
-        await asyncio.wait_for(state.producer.client.force_metadata_update(), 2)
-        if not state.producer.client.cluster.brokers():
-            problems.append("kafka: no brokers")
-    except Exception as exc:
-        problems.append(f"kafka: {type(exc).__name__}")
-    if problems:
-        return web.json_response({"status": "unavailable", "problems": problems}, status=503)
-    return web.json_response({"status": "ready"})
+    status, body = await readiness(state.redis, state.producer, state.keys, state.paths)
+    return web.json_response(body, status=status)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

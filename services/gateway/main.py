@@ -61,8 +61,9 @@ async def run_gateway(settings: Settings) -> int:
     info = protocol.GatewayInfo(gateway_id=gateway_id, url=url, pid=os.getpid(),
                                 host=hostaddr.advertise_host(settings, settings.gateway_host),
                                 started_unix_ms=int(time.time() * 1000))
-    record = asyncio.create_task(keep_record(redis, RedisKeys(settings.redis_prefix).gateway(gateway_id),
-                                             protocol.encode(info), lambda: True))
+    keys = RedisKeys(settings.redis_prefix)
+    record = asyncio.create_task(keep_record(redis, keys.gateway(gateway_id), protocol.encode(info), lambda: True,
+                                             index=keys.gateways_index()))
     try:
         await stop.wait()
     finally:

@@ -1,17 +1,21 @@
-"""Render a kustomize overlay offline, for the tests: the subset of kustomize that
-deploy/k8s uses, resolved with maintained libraries (PyYAML to read, ``jsonpatch`` for RFC 6902
-patches) — no kustomize binary is on PyPI. Supported Kustomization fields: ``resources``
-(files, or directories holding a kustomization.yaml), ``namespace`` (set on every namespaced
-object that has none), ``images`` (``name`` → ``newName``/``newTag``) and ``patches`` whose file
-or inline ``patch`` is a JSON 6902 list, with ``target`` ``kind`` and ``name`` (a regex, as in
-kustomize). Anything else in a Kustomization is an error, so this never renders silently
-differently from kustomize.
+"""Render a kustomize overlay for the tests. ``kustomize_binary`` finds the real kustomize
+(``kubectl kustomize``, or a ``kustomize`` binary) where one is on PATH, and ``render_kustomize``
+renders with it; ``render`` is the subset of kustomize that deploy/k8s uses, resolved offline
+with maintained libraries (PyYAML to read, ``jsonpatch`` for RFC 6902 patches), so the tests
+run where no kustomize is installed (none is on PyPI); where one is, the tests check that both
+render the same objects. Supported Kustomization fields: ``resources`` (files, or directories
+holding a kustomization.yaml), ``namespace`` (set on every namespaced object that has none),
+``images`` (``name`` → ``newName``/``newTag``) and ``patches`` whose file or inline ``patch`` is
+a JSON 6902 list, with ``target`` ``kind`` and ``name`` (a regex, as in kustomize). Anything
+else in a Kustomization is an error, so this never renders silently differently from kustomize.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import jsonpatch
@@ -65,3 +69,19 @@ def _containers(doc: dict) -> list[dict]:
 
 def containers(doc: dict) -> list[dict]:
     return _containers(doc)
+
+
+def kustomize_binary() -> list[str] | None:
+    """The command that runs kustomize's ``build`` here, or None."""
+    kubectl = shutil.which("kubectl")
+    if kubectl and subprocess.run([kubectl, "kustomize", "--help"], capture_output=True, timeout=60).returncode == 0:
+        return [kubectl, "kustomize"]
+    kustomize = shutil.which("kustomize")
+    return [kustomize, "build"] if kustomize else None
+
+
+def render_kustomize(command: list[str], directory: Path) -> list[dict]:
+    out = subprocess.run([*command, str(directory)], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} {directory}: {out.stderr}")
+    return [d for d in yaml.safe_load_all(out.stdout) if d]

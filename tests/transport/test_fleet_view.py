@@ -58,6 +58,9 @@ def test_snapshot_follows_the_key_rule_and_tracks_workers_up_down_gone(redis_url
                 gateway_id="gw-1", url=base, pid=os.getpid(), host="localhost", started_unix_ms=0)), px=60_000)
             await redis.set(keys.worker("enc-1"), _worker("enc-1", port, ("encode",)), px=60_000)
             await redis.set(keys.worker("dec-1"), _worker("dec-1", dead_port, ("decode",)), px=60_000)
+            now_ms = int(time.time() * 1000)  # listed as keep_record lists them (shared.transport.liveness)
+            await redis.zadd(keys.gateways_index(), {keys.gateway("gw-1"): now_ms})
+            await redis.zadd(keys.workers_index(), {keys.worker("enc-1"): now_ms, keys.worker("dec-1"): now_ms})
             async with aiohttp.ClientSession() as session:
                 assert (await _fetch(session, base + "/fleet/snapshot"))[0] == 401
                 assert (await _fetch(session, base + "/fleet/snapshot", "sk-wrong"))[0] == 401
@@ -82,7 +85,8 @@ def test_snapshot_follows_the_key_rule_and_tracks_workers_up_down_gone(redis_url
                 states = {p["id"]: p["state"] for p in snap["processes"]}
                 assert states == {"gw-1": "up", "enc-1": "gone", "dec-1": "down"}, snap["processes"]
         finally:
-            await redis.delete(keys.gateway("gw-1"), keys.worker("enc-1"), keys.worker("dec-1"))
+            await redis.delete(keys.gateway("gw-1"), keys.worker("enc-1"), keys.worker("dec-1"),
+                               keys.gateways_index(), keys.workers_index())
             await redis.aclose()
             await runner.cleanup()
 

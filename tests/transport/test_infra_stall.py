@@ -116,8 +116,10 @@ async def test_a_redis_stall_is_a_503_with_retry_after_within_redis_timeout(kafk
                 followed = await following
             for answer in (followed, charged, routed):
                 _assert_503(answer, code="store_unavailable", t0=t0, bound_s=bound_s)
-            async with http.get(base + "/ready") as resp:  # Redis back: the gateway with it
-                assert resp.status == 200
+            async with http.get(base + "/ready") as resp:  # Redis back: only the workers this test has none of
+                body = await resp.json()
+                assert not [p for p in body["problems"] if p.startswith(("redis", "kafka", "workers"))], body
+                assert body["missing_stages"] == ["media-fetch", "encode", "prefill", "decode"], body
 
 
 async def test_a_broker_stall_is_a_503_within_queue_retry_ms(redis_url, model_dir, tmp_path):

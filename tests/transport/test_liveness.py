@@ -1,6 +1,7 @@
 """Liveness records against a real redis-server: a change of ``serving()`` reaches Redis at once,
 not at the next refresh (the supervisor's readiness and the fleet view read it), a record
-lives on its TTL between refreshes, and a stopped holder leaves none behind."""
+lives on its TTL between refreshes, readers find a worker's through the index while it serves,
+and a stopped holder leaves none behind."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 from shared import protocol
 from shared import settings as settings_mod
 from shared.keys import RedisKeys
-from shared.transport.liveness import heartbeat, keep_record
+from shared.transport.liveness import heartbeat, keep_record, live_workers
 from shared.transport.redis_conn import make_redis
 
 LONG_INTERVAL_S = 60.0  # no refresh tick falls inside the test: what shows, the change wrote
@@ -70,13 +71,15 @@ def test_a_workers_alive_key_outlives_its_partitions_but_not_its_process(redis_u
                                              interval_s=LONG_INTERVAL_S, ttl_s=LONG_INTERVAL_S * 3))
         try:
             assert await _until(lambda: _count(redis, keys.worker("w2"), keys.alive("w2"), want=2), 10)
+            assert [w.worker_id for w in await live_workers(redis, keys)] == ["w2"]  # listed in the index
             state["serving"] = False  # a rebalance: no partitions for a while
             assert await _until(lambda: _absent(redis, keys.worker("w2")), 10)
             assert await redis.exists(keys.alive("w2"))
+            assert await live_workers(redis, keys) == [] and await redis.zcard(keys.workers_index()) == 0
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        assert await redis.exists(keys.worker("w2"), keys.alive("w2")) == 0
+        assert await redis.exists(keys.worker("w2"), keys.alive("w2"), keys.workers_index()) == 0
         await redis.aclose()
 
     asyncio.run(go())
