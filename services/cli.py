@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import sys
 from pathlib import Path
 
 from services import cli_vllm
+from services.version import version
 from shared import logs, settings_doc
 from shared import settings as settings_mod
 from shared.process import aio
@@ -29,21 +29,11 @@ _EPILOG = ("every setting, with its environment variable, default and meaning: `
            "honoured as aliases)")
 
 
-@functools.cache
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("mmfleet")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown (not installed)"
-
-
 def _parser() -> argparse.ArgumentParser:
     head, _, rest = __doc__.partition("\n\n")
     p = argparse.ArgumentParser(prog="mmfleet", description=head + "\n\n" + rest,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
-    p.add_argument("--version", action="version", version=f"mmfleet {_version()}")
+    p.add_argument("--version", action="version", version=f"mmfleet {version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, help_: str, **kw) -> argparse.ArgumentParser:

@@ -12,18 +12,23 @@ Design: docs/guide/api.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 
+import orjson
 from aiohttp import web
 
 from services.fleetview import page as fleet_page
 from services.gateway.auth import Authenticator
 from services.gateway.frontend import Frontend, new_request_id
+from services.gateway.media_tokens import MediaTokens
 from services.gateway.prompt import PromptBuilder
 from services.gateway.readiness import readiness, request_paths
 from services.gateway.responses import ClientGone, Rejected, error_response, http_reply
+from services.gateway.tokenize import Tokenization
+from services.version import version as mmfleet_version
 from shared import logs, metrics
 from shared.keys import INGRESS_STAGE, RedisKeys
 from shared.kv.router import Router
@@ -43,6 +48,7 @@ log = logging.getLogger(__name__)
 SETTINGS = web.AppKey("settings", Settings)
 STATE = web.AppKey("state", "GatewayState")
 GATEWAY_ID = web.AppKey("gateway_id", str)
+TOKENS = web.AppKey("tokens", Tokenization)
 
 
 class GatewayState:
@@ -82,6 +88,8 @@ async def _lifecycle(app: web.Application):
         if settings.doorbell else None
     front = Frontend(settings, builder, producer, streams, transfer, auth, ledger, router, doorbell)
     app[STATE] = GatewayState(settings, front, producer, redis, keys)
+    app[TOKENS] = Tokenization(builder, settings, MediaTokens.for_model(resolve_model_path(settings),
+                                                                        max_image_pixels=settings.max_image_pixels))
     redrive_task = asyncio.create_task(front.redriver.run(), name="redrive")
     ingress_task = None
     if settings.ingress_enabled:
@@ -118,6 +126,9 @@ def create_app(settings: Settings, gateway_id: str | None = None) -> web.Applica
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", show_version)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics.metrics_view)
@@ -150,6 +161,36 @@ async def model(request: web.Request) -> web.Response:
     if name != s.served_model_name:
         return error_response(404, f"The model {name!r} does not exist", param="model", code="model_not_found")
     return web.json_response(_model_card(s))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /tokenize`` (services/gateway/tokenize.py), under the API-key rule of /v1/models."""
+    return await _answer_here(request, request.app[TOKENS].tokenize)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    return await _answer_here(request, request.app[TOKENS].detokenize)
+
+
+async def _answer_here(request: web.Request, answer) -> web.Response:
+    front = request.app[STATE].front
+    try:
+        body = await front.answer_here(functools.partial(_read_body, request, front.settings), answer,
+                                       authorization=request.headers.get("Authorization"), via="http")
+    except Rejected as rejected:
+        return rejected.response()
+    except ClientGone as gone:
+        return gone.response
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def show_version(request: web.Request) -> web.Response:
+    """``{"version": ...}`` as vLLM's ``GET /version`` answers, with mmfleet's version."""
+    try:
+        request.app[STATE].front.auth.identify(request.headers.get("Authorization"), via="http")
+    except Rejected as rejected:
+        return rejected.response()
+    return web.json_response({"version": mmfleet_version()})
 
 
 async def health(_request: web.Request) -> web.Response:
@@ -196,25 +237,27 @@ async def _serve(request: web.Request, *, chat: bool) -> web.StreamResponse:
             log.info("%s %s %d %.1f ms", request.method, request.path, status, (time.perf_counter() - t0) * 1000)
 
 
+async def _read_body(request: web.Request, settings: Settings) -> bytes:
+    """Read once the key and the admission let the request in."""
+    timeout_ms = settings.request_body_timeout_ms
+    try:
+        # bounded: the request holds an in-flight slot from here, and a slow sender must not keep it
+        async with asyncio.timeout(timeout_ms / 1000):
+            return await request.read()
+    except TimeoutError:
+        raise Rejected.of(408, f"the request body did not arrive within {timeout_ms} ms",
+                          code="request_timeout") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise Rejected.of(413, f"request body is larger than {settings.max_request_bytes} bytes",
+                          code="request_too_large") from None
+    except ConnectionResetError:  # the client left mid-upload: no server error, nothing to log as one
+        raise ClientGone(error_response(400, "the request body was not complete",
+                                        code="incomplete_body")) from None
+
+
 async def _admit(request: web.Request, request_id: str, t0: float, *, chat: bool) -> web.StreamResponse:
     front = request.app[STATE].front
-
-    async def body() -> bytes:  # read once the key and the admission let the request in
-        timeout_ms = front.settings.request_body_timeout_ms
-        try:
-            # bounded: the request holds an in-flight slot from here, and a slow sender must not keep it
-            async with asyncio.timeout(timeout_ms / 1000):
-                return await request.read()
-        except TimeoutError:
-            raise Rejected.of(408, f"the request body did not arrive within {timeout_ms} ms",
-                              code="request_timeout") from None
-        except web.HTTPRequestEntityTooLarge:
-            raise Rejected.of(413, f"request body is larger than {front.settings.max_request_bytes} bytes",
-                              code="request_too_large") from None
-        except ConnectionResetError:  # the client left mid-upload: no server error, nothing to log as one
-            raise ClientGone(error_response(400, "the request body was not complete",
-                                            code="incomplete_body")) from None
-
+    body = functools.partial(_read_body, request, front.settings)
     try:
         async with front.admit(body, chat=chat, authorization=request.headers.get("Authorization"),
                                via="http", request_id=request_id, t0=t0) as adm:

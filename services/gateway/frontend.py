@@ -17,9 +17,9 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 import msgspec
@@ -86,6 +86,7 @@ class Frontend:
         self.redriver = Redriver(ledger, producer, router=router, doorbell=doorbell)
         self._aborting: set[asyncio.Task] = set()  # abort marks on their way (one per request at most)
         self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="gateway-prepare")
+        self._answering = 0  # requests the gateway answers itself (answer_here), waiting or on the pool
 
     def close(self) -> None:
         """Idempotent; the app's cleanup calls it once the server takes no more requests."""
@@ -94,26 +95,34 @@ class Frontend:
     def prepare(self, body: bytes, *, chat: bool) -> tuple[Prepared, str]:
         """Validate ``body`` and build its prompt: (prepared, model); raises ``Rejected``."""
         s = self.settings
-        try:
+        with rejections():
             req, sent = params.decode_bounded(body, s, chat=chat, context_tokens=self.builder.context_tokens)
             if schema.too_deep(schema.free_form(req, chat=chat)):
-                raise _too_deep()
+                raise too_deep()
             unknown = [] if s.allow_extra_request_fields else schema.unknown_fields(sent, chat=chat)
             if unknown:
-                raise Rejected.of(400, f"unknown parameter {unknown[0]!r} (this server refuses fields it does not "
-                                       "know rather than ignore them)", param=unknown[0],
-                                  code="unsupported_parameter")
+                raise unknown_field(unknown[0])
             params.check_fields(req, chat=chat)
             prepared = self.builder.chat(req) if chat else self.builder.completion(req)
-        except msgspec.ValidationError as exc:
-            raise Rejected.of(400, f"invalid request body: {exc}", param=schema.error_param(exc)) from None
-        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-            raise Rejected.of(400, f"invalid request body: {exc}") from None
-        except RecursionError:  # nesting past what the JSON decoder itself takes
-            raise _too_deep() from None
-        except RequestFailed as failed:
-            raise Rejected(failed.event) from None
         return prepared, req.model
+
+    async def answer_here(self, body: Callable[[], Awaitable[bytes]], answer: Callable[[bytes], dict], *,
+                          authorization: str | None, via: str) -> dict:
+        """A request the gateway answers itself (/tokenize, /detokenize): the API key as for
+        /v1/models; at most ``max_inflight_requests`` of them at once (429 ``overloaded``: each
+        holds its body while it waits for the pool); the body read only then; ``answer(body)`` on
+        the preparation pool. Raises ``Rejected``."""
+        self.auth.identify(authorization, via=via)
+        if self._answering >= self.settings.max_inflight_requests:
+            metrics.ADMISSION_REJECTIONS.labels("inflight_limit").inc()
+            raise Rejected.of(429, f"server is at its limit of {self.settings.max_inflight_requests} requests it "
+                                   "answers itself; retry shortly", code="overloaded", retry_after_s=1)
+        self._answering += 1  # taken with the check (no await between them)
+        try:
+            raw = await body()
+            return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, functools.partial(answer, raw))
+        finally:
+            self._answering -= 1
 
     @asynccontextmanager
     async def admit(self, body: bytes | Callable[[], Awaitable[bytes]], *, chat: bool, authorization: str | None,
@@ -250,8 +259,29 @@ class Frontend:
         return entry_message(meta)
 
 
-def _too_deep() -> Rejected:
+def too_deep() -> Rejected:
     return Rejected.of(400, f"invalid request body: values nest deeper than {schema.MAX_JSON_DEPTH} levels")
+
+
+def unknown_field(name: str) -> Rejected:
+    return Rejected.of(400, f"unknown parameter {name!r} (this server refuses fields it does not know rather than "
+                            "ignore them)", param=name, code="unsupported_parameter")
+
+
+@contextmanager
+def rejections() -> Iterator[None]:
+    """A body's decoding and preparation errors as the ``Rejected`` its client gets (400 naming the
+    field where the error names one)."""
+    try:
+        yield
+    except msgspec.ValidationError as exc:
+        raise Rejected.of(400, f"invalid request body: {exc}", param=schema.error_param(exc)) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise Rejected.of(400, f"invalid request body: {exc}") from None
+    except RecursionError:  # nesting past what the JSON decoder itself takes
+        raise too_deep() from None
+    except RequestFailed as failed:
+        raise Rejected(failed.event) from None
 
 
 def new_request_id(chat: bool) -> str:

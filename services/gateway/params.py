@@ -15,7 +15,7 @@ import json
 
 import msgspec
 
-from services.gateway import schema
+from services.gateway import prompt_forms, schema
 from services.gateway.defaults import GenerationDefaults
 from services.gateway.defaults import max_tokens as default_max_tokens
 from services.gateway.schema import TextPart
@@ -105,20 +105,26 @@ def check_fields(req, *, chat: bool) -> None:
 PROMPT_BYTES_PER_TOKEN = 32  # max_prompt_bytes 0: this many bytes per token of context (BPE text averages ~4)
 
 
-def decode_bounded(body: bytes, settings: Settings, *, chat: bool, context_tokens: int):
+def decode_bounded(body: bytes, settings: Settings, *, chat: bool, context_tokens: int, decode=None):
     """``(request, schema.as_sent(body))``, each bound checked before what it bounds costs: the
     JSON values the decoder will build (one pass over the bytes), the free-form fields' sizes as
-    sent, then (decoded) what rendering, tokenizing and grammars would be fed. Raises
+    sent, then (decoded) what rendering, tokenizing and grammars would be fed. ``decode``: the
+    body's decoder where it is not the chat / completions request (/tokenize). Raises
     ``RequestFailed`` and msgspec's errors."""
+    check_json_values(body, settings, context_tokens)
+    sent = schema.as_sent(body, chat=chat)
+    check_sizes_as_sent(sent, settings, chat=chat, context_tokens=context_tokens)
+    req = (decode or (schema.parse_chat if chat else schema.parse_completion))(body)
+    check_bounds(req, settings, context_tokens=context_tokens, chat=chat)
+    return req, sent
+
+
+def check_json_values(body: bytes, settings: Settings, context_tokens: int) -> None:
+    """The JSON values a body may make its decoder build (one pass over its bytes)."""
     values, limit = schema.json_values_at_most(body), json_values_limit(settings, context_tokens)
     if values > limit:
         raise RequestFailed(400, f"the request body holds up to {values} JSON values (by its commas); this "
                                  f"server decodes at most {limit}", code="request_too_complex")
-    sent = schema.as_sent(body, chat=chat)
-    check_sizes_as_sent(sent, settings, chat=chat, context_tokens=context_tokens)
-    req = schema.parse_chat(body) if chat else schema.parse_completion(body)
-    check_bounds(req, settings, context_tokens=context_tokens, chat=chat)
-    return req, sent
 
 
 def check_bounds(req, settings: Settings, *, context_tokens: int, chat: bool) -> None:
@@ -138,7 +144,8 @@ def check_bounds(req, settings: Settings, *, context_tokens: int, chat: bool) ->
         raise RequestFailed.bad_request(f"{param}: the prompt's text is {size} bytes; this server takes at most "
                                         f"{limit} (the model's context is {context_tokens} tokens)", param=param,
                                         code="context_length_exceeded")
-    for stop in (req.stop,) if isinstance(req.stop, str) else req.stop or ():
+    stops = getattr(req, "stop", None)  # (a /tokenize request has none)
+    for stop in (stops,) if isinstance(stops, str) else stops or ():
         if len(stop.encode()) > s.max_stop_string_bytes:
             raise RequestFailed.bad_request(f"stop: a stop string is longer than {s.max_stop_string_bytes} bytes",
                                             param="stop")
@@ -194,7 +201,7 @@ def prompt_bytes(req, *, chat: bool) -> int:
     message contents, names, tool calls and ids, and its template variables (media excluded:
     they have their own byte bounds)."""
     if not chat:
-        return len(req.prompt.encode())
+        return prompt_forms.text_bytes(req.prompt)
     total = _json_bytes(req.chat_template_kwargs) if req.chat_template_kwargs else 0
     for msg in req.messages:
         if isinstance(msg.content, str):

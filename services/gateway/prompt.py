@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.gateway import defaults as generation
-from services.gateway import params, schema, tools
+from services.gateway import params, prompt_forms, schema, tools
 from services.gateway.defaults import GenerationDefaults
 from services.gateway.templates import model_chat_template, render_chat
 from shared import protocol
@@ -48,6 +48,7 @@ class MediaInput:
     grid_thw: tuple[int, int, int] = (0, 0, 0)  # image_embeds: the grid they were encoded with
     min_pixels: int = 0  # images: the request's pixel budget (0: the processor's own)
     max_pixels: int = 0
+    rows: int = 0  # image_embeds: the embeddings' rows (the tokens the item becomes)
 
 
 @dataclass
@@ -103,6 +104,14 @@ class PromptBuilder:
         return self._max_model_len
 
     @property
+    def tokenizer(self):
+        return self._tok
+
+    @property
+    def placeholder_ids(self) -> frozenset[int]:  # one per media item in a prompt
+        return frozenset(self._placeholder_ids)
+
+    @property
     def modalities(self) -> frozenset[str]:
         return frozenset(self._placeholders)
 
@@ -136,6 +145,26 @@ class PromptBuilder:
 
     # ------------------------------------------------------------------ chat
     def chat(self, req: schema.ChatCompletionRequest) -> Prepared:
+        ids, media, tool_plan = self.chat_prompt(req)
+        if req.max_completion_tokens is None:  # (0 is a value, refused as such, not a missing one)
+            sampling = self._sampling(req, req.max_tokens, len(ids))
+        else:
+            sampling = self._sampling(req, req.max_completion_tokens, len(ids), "max_completion_tokens")
+        if tool_plan.structured is not None:  # a forced call: the grammar of the allowed calls
+            if sampling.structured is not None:
+                raise RequestFailed.bad_request("tool_choice forcing a call cannot be combined with "
+                                                "response_format", param="tool_choice")
+            sampling = msgspec.structs.replace(sampling, structured=tool_plan.structured)
+        params.check_structured_engine(sampling, self._s, "tool_choice" if tool_plan.structured else "response_format")
+        return Prepared(ids, media, sampling, req.stream, bool(req.stream_options and req.stream_options.include_usage),
+                        tool_plan.mode, 1 if req.parallel_tool_calls is False else 0)
+
+    def chat_prompt(self, req: schema.ChatCompletionRequest, *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, within_context: bool = True,
+                    ) -> tuple[list[int], list[MediaInput], tools.ToolPlan]:
+        """A chat request's prompt ids (one placeholder per media item), its media in prompt order
+        and its tool plan. ``within_context`` false: a prompt past the context is returned, not
+        refused (/tokenize reports its length)."""
         self._check_common(req.model, req.n)
         if not req.messages:
             raise RequestFailed.bad_request("messages must contain at least one message", param="messages")
@@ -162,25 +191,16 @@ class PromptBuilder:
             raise RequestFailed(413, f"request has {len(media)} media items; the limit is {self._s.max_media_items}",
                                 param="messages", code="too_many_media_items")
         text = render_chat(self._tok, self._template, rendered, req,
-                           trust_request_template=self._s.trust_request_chat_template, **template_tools)
+                           trust_request_template=self._s.trust_request_chat_template, **template_tools,
+                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
         # as vLLM's chat endpoint: the template writes the special tokens, none are added
-        ids = self._tokenize(text, add_special_tokens=_flag(req.add_special_tokens, False))
+        ids = self._tokenize(text, add_special_tokens=_flag(req.add_special_tokens, False),
+                             within_context=within_context)
         if sum(1 for t in ids if t in self._placeholder_ids) != len(media):
             raise RequestFailed.bad_request(
                 f"text may not contain the reserved tokens {', '.join(self._placeholder_ids.values())}",
                 param="messages")
-        if req.max_completion_tokens is None:  # (0 is a value, refused as such, not a missing one)
-            sampling = self._sampling(req, req.max_tokens, len(ids))
-        else:
-            sampling = self._sampling(req, req.max_completion_tokens, len(ids), "max_completion_tokens")
-        if tool_plan.structured is not None:  # a forced call: the grammar of the allowed calls
-            if sampling.structured is not None:
-                raise RequestFailed.bad_request("tool_choice forcing a call cannot be combined with "
-                                                "response_format", param="tool_choice")
-            sampling = msgspec.structs.replace(sampling, structured=tool_plan.structured)
-        params.check_structured_engine(sampling, self._s, "tool_choice" if tool_plan.structured else "response_format")
-        return Prepared(ids, media, sampling, req.stream, bool(req.stream_options and req.stream_options.include_usage),
-                        tool_plan.mode, 1 if req.parallel_tool_calls is False else 0)
+        return ids, media, tool_plan
 
     def _content(self, msg: schema.Message, i: int, media: list[MediaInput]):
         if msg.content is None or isinstance(msg.content, str):
@@ -277,7 +297,7 @@ class PromptBuilder:
         if rows_needed and arr.shape[0] != rows_needed:
             raise RequestFailed.bad_request(f"{param}: embeddings have {arr.shape[0]} rows; grid_thw {list(grid)} "
                                             f"needs {rows_needed}", param=param)
-        item.mime, item.grid_thw = embeds.format, grid
+        item.mime, item.grid_thw, item.rows = embeds.format, grid, int(arr.shape[0])
         return item
 
     def _video_sampling(self, video_url: schema.MediaURL, param: str) -> tuple[int, float]:
@@ -326,16 +346,25 @@ class PromptBuilder:
     # ------------------------------------------------------------------ completions
     def completion(self, req: schema.CompletionRequest) -> Prepared:
         self._check_common(req.model, req.n)
-        # as vLLM's completions endpoint: the tokenizer's special tokens (a BOS where it adds one)
-        ids = self._tokenize(req.prompt, add_special_tokens=_flag(req.add_special_tokens, True))
-        reserved = [tok for tid, tok in self._placeholder_ids.items() if tid in ids]
-        if reserved:
-            raise RequestFailed.bad_request(f"prompt may not contain the reserved token {reserved[0]}",
-                                            param="prompt")
+        ids = self.completion_prompt(req.prompt, req.add_special_tokens)
         sampling = self._sampling(req, req.max_tokens, len(ids))
         params.check_structured_engine(sampling, self._s, "response_format")
         return Prepared(ids, [], sampling, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage))
+
+    def completion_prompt(self, prompt: str | list, add_special_tokens, *, within_context: bool = True) -> list[int]:
+        """As vLLM's completions endpoint: a text with the tokenizer's special tokens (a BOS where it
+        adds one) unless ``add_special_tokens`` is false; token ids as given (``prompt_forms``)."""
+        given = prompt_forms.single(prompt)
+        if not isinstance(given, str):
+            prompt_forms.check_token_ids(given, len(self._tok), "prompt")
+        ids = self._tokenize(given, add_special_tokens=_flag(add_special_tokens, True), within_context=within_context,
+                             param="prompt")
+        reserved = sorted(self._placeholder_ids[t] for t in self._placeholder_ids.keys() & set(ids))
+        if reserved:
+            raise RequestFailed.bad_request(f"prompt may not contain the reserved token {reserved[0]}",
+                                            param="prompt")
+        return ids
 
     # ------------------------------------------------------------------ shared checks
     def _check_common(self, model: str, n: int | None) -> None:
@@ -344,11 +373,14 @@ class PromptBuilder:
             raise RequestFailed(404, f"model {model!r} does not exist; this server serves "
                                      f"{self._s.served_model_name!r}", param="model", code="model_not_found")
 
-    def _tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        ids = list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
-        if len(ids) >= self._max_model_len:
+    def _tokenize(self, text: str | list[int], *, add_special_tokens: bool, within_context: bool = True,
+                  param: str = "messages") -> list[int]:
+        """``text``'s ids (token ids: as given), within the context unless told otherwise."""
+        ids = text if isinstance(text, list) else \
+            list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+        if within_context and len(ids) >= self._max_model_len:
             raise RequestFailed.bad_request(f"prompt is {len(ids)} tokens; the model's context is "
-                                            f"{self._max_model_len} tokens", param="messages",
+                                            f"{self._max_model_len} tokens", param=param,
                                             code="context_length_exceeded")
         return ids
 

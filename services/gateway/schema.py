@@ -169,7 +169,9 @@ class ChatCompletionRequest(_GenerationParams, frozen=True, kw_only=True):
 
 
 class CompletionRequest(_GenerationParams, frozen=True, kw_only=True):
-    prompt: str
+    # a text, token ids, or a list of either as OpenAI / vLLM take it; one prompt is served
+    # (services.gateway.prompt_forms)
+    prompt: str | list[str | int | list[int]]
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None

@@ -41,8 +41,10 @@ def model_chat_template(override: str, processor, tokenizer) -> str | None:
 
 
 def render_chat(tokenizer, template: str | None, messages: list[dict], request, *,
-                trust_request_template: bool, tools: list[dict] | None = None) -> str:
-    """``tools``: the request's tools in the template's own form (a template that renders them)."""
+                trust_request_template: bool, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
+    """``tools``: the request's tools in the template's own form (a template that renders them).
+    ``continue_final_message`` (/tokenize): the last message left open, as vLLM renders it."""
     import jinja2
 
     param = "messages"
@@ -64,10 +66,15 @@ def render_chat(tokenizer, template: str | None, messages: list[dict], request, 
                                         param="chat_template_kwargs")
     try:
         return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True, **({"tools": tools} if tools else {}),
-                                             **kwargs)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **({"tools": tools} if tools else {}), **kwargs)
     except jinja2.TemplateError as exc:
         raise RequestFailed.bad_request(f"the chat template failed to render: {exc}", param=param) from None
     except TypeError as exc:  # a template variable the rendering call takes as an argument of its own
         raise RequestFailed.bad_request(f"chat_template_kwargs cannot be passed to the template: {exc}",
                                         param="chat_template_kwargs") from None
+    except ValueError as exc:  # transformers': the final message cannot be continued (not found once rendered)
+        if not continue_final_message:
+            raise
+        raise RequestFailed.bad_request(f"continue_final_message: {exc}", param="continue_final_message") from None

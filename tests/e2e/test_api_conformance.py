@@ -3,7 +3,8 @@ API keys on: every chat and completions parameter either works as specified or i
 ``invalid_request_error`` whose ``param`` names it — none is ignored. Sampling controls are
 checked against the in-process transformers engine given the same prompt ids and
 ``protocol.Sampling`` (the gateway's own ``PromptBuilder``); ``tests/e2e/test_skeleton.py``
-checks the same seeded request in e-p-d (so epd and e-p-d draw the same tokens)."""
+checks the same seeded request in e-p-d (so epd and e-p-d draw the same tokens). vLLM's
+``/tokenize``, ``/detokenize`` and ``/version`` against what the same fleet bills and refuses."""
 
 from __future__ import annotations
 
@@ -406,3 +407,66 @@ def test_pixel_budget_and_detail_change_the_image_tokens(client):
     full = prompt_tokens()
     small = prompt_tokens(extra_body={"mm_processor_kwargs": {"max_pixels": 112 * 112}})
     assert small < full and prompt_tokens("high") == full and prompt_tokens() == full
+
+
+# ---------------------------------------------------------------------------- vLLM's /tokenize, /detokenize, /version
+def _call(fleet: str, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(fleet + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_tokenize_counts_the_prompt_tokens_the_fleet_bills(client, fleet):
+    """Text, chat, and a chat with an inline image (counted at the gateway; expanded by prefill)."""
+    from tests.e2e.test_skeleton import noise_image, png_data_url
+
+    image = {"type": "image_url", "image_url": {"url": png_data_url(noise_image(5, size=(320, 240)))}}
+    with_image = [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]
+    billed = {
+        "text": client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage.prompt_tokens,
+        "chat": client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1).usage.prompt_tokens,
+        "image": client.chat.completions.create(model=MODEL, messages=with_image, max_tokens=1).usage.prompt_tokens,
+    }
+    for name, fields in (("text", {"prompt": PROMPT}), ("chat", {"messages": MSGS}),
+                         ("image", {"messages": with_image})):
+        status, out = _call(fleet, "/tokenize", {"model": MODEL, **fields})
+        assert status == 200 and out["count"] == len(out["tokens"]) == billed[name], (name, out)
+        assert out["max_model_len"] == 4096 and out["token_strs"] is None
+    status, out = _call(fleet, "/tokenize", {"model": MODEL, "messages": MSGS, "return_token_strs": True})
+    status, back = _call(fleet, "/detokenize", {"model": MODEL, "tokens": out["tokens"]})
+    assert status == 200 and back["prompt"].startswith("<|im_start|>") and MSGS[0]["content"] in back["prompt"]
+    assert len(out["token_strs"]) == out["count"]
+
+
+def test_tokenize_detokenize_and_version_refusals(fleet):
+    from services.version import version
+
+    assert _call(fleet, "/version") == (200, {"version": version()})
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]}), ("/version", None)):
+        status, err = _call(fleet, path, body, key=None)
+        assert status == 401 and err["error"]["code"] == "missing_api_key", path
+    url_image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    for path, body, param in (("/tokenize", {"messages": [{"role": "user", "content": [url_image]}]},
+                               "messages[0].content[0]"),
+                              ("/tokenize", {"prompt": "x", "max_tokens": 1}, "max_tokens"),
+                              ("/tokenize", {"model": "other", "prompt": "x"}, "model"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens")):
+        status, err = _call(fleet, path, body)
+        assert status in (400, 404) and err["error"]["param"] == param, (path, err)
+
+
+def test_completions_take_one_prompt_as_text_or_token_ids(client, fleet):
+    ids = _call(fleet, "/tokenize", {"model": MODEL, "prompt": PROMPT})[1]["tokens"]
+    want = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    for prompt in ([PROMPT], ids, [ids]):
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+        assert got.choices[0].text == want and got.usage.prompt_tokens == len(ids), prompt
+    for prompt in ([PROMPT, PROMPT], [ids, ids], [10**9]):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        assert info.value.body["param"] == "prompt", prompt
