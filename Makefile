@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: install up test chaos bench gpu-check clean-venv chromium
+.PHONY: install up test chaos bench gpu-check gpu-vllm-check clean-venv chromium
 
 install: $(STAMP)
 
@@ -79,6 +79,14 @@ chaos: install
 GPU_PYTHON ?= $(BIN)/python
 gpu-check:
 	HF_HUB_OFFLINE=1 $(GPU_PYTHON) -m loadtest.gpucheck $(GPU_CHECK_ARGS); rc=$$?; [ $$rc -eq 2 ] && exit 0 || exit $$rc
+
+# the vLLM GPU check (loadtest/gpu_vllm_check.py): a Qwen2-VL-2B-shaped model, vLLM's P->D hand-off,
+# the vLLM-engine fleets against LLM.generate, and the e-p-d fleet beside `vllm serve` on one GPU;
+# records under loadtest/results/gpu-vllm-<time>/records. Needs vllm 0.26 in GPU_PYTHON (a GPU
+# host without an index: python -m loadtest.gpu_wheels, docs/deploy/gpus.md); without a GPU it
+# refuses (exit 2) before starting anything.
+gpu-vllm-check:
+	HF_HUB_OFFLINE=1 $(GPU_PYTHON) -m loadtest.gpu_vllm_check $(GPU_VLLM_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -52,6 +52,8 @@ class TargetOptions:
     ready_timeout_s: float = 300.0
     redis_url: str | None = None  # url: targets
     redis_prefix: str = "mm"
+    # vllm-serve's engine flags; None: the CPU build's (float32, eager, a fixed KV cache)
+    vllm_serve_args: list[str] | None = None
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -189,15 +191,18 @@ class Targets:
     def _vllm(self, spec: str):
         python = find_vllm_python(self.opts.vllm_python)
         port = procs.free_port()
-        env = dict(os.environ)
-        # as shared/engines/vllm_engine.py builds its engine: no core pinning on a shared
-        # 2-core machine, one torch thread, the model inside the engine-core process
-        env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        engine = self.opts.vllm_serve_args
+        if engine is None:
+            # as shared/engines/vllm_engine.py builds its engine: no core pinning on a shared
+            # 2-core machine, one torch thread, the model inside the engine-core process
+            env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+            engine = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
+                      "--kv-cache-memory-bytes", str(512 << 20)]
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.opts.model_dir),
                 "--served-model-name", self.opts.served_model_name, "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-model-len", "4096",
-                "--kv-cache-memory-bytes", str(512 << 20),
+                "--seed", "0", *engine,
                 "--limit-mm-per-prompt", json.dumps({"image": 8, "video": 0}),
                 "--disable-log-stats", "--disable-uvicorn-access-log"]
         log = self.opts.log_dir / "vllm-serve.log"

@@ -25,14 +25,16 @@ VLLM_FLEETS = [t for t in TARGETS if t.endswith("engine=vllm")]
 
 
 def client_argv(base_url: str, *, model: str, tokenizer: Path, concurrency: int, num_prompts: int,
-                result_dir: Path, result_file: str) -> list[str]:
-    """vLLM's ``bench serve`` arguments for the ``engines`` suite's workload against ``base_url``."""
+                result_dir: Path, result_file: str, image_side: int = 224, input_len: int = 32,
+                output_len: int = 16) -> list[str]:
+    """vLLM's ``bench serve`` arguments for the ``engines`` suite's workload against ``base_url``
+    (one ``image_side``² image, ``input_len`` / ``output_len`` tokens: the GPU check's are larger)."""
     return ["--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions",
             "--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "random-mm",
-            "--random-input-len", "32", "--random-output-len", "16", "--random-range-ratio", "0",
+            "--random-input-len", str(input_len), "--random-output-len", str(output_len), "--random-range-ratio", "0",
             "--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio", "0",
             "--random-mm-limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}),
-            "--random-mm-bucket-config", "{(224, 224, 1): 1.0}", "--ignore-eos",
+            "--random-mm-bucket-config", f"{{({image_side}, {image_side}, 1): 1.0}}", "--ignore-eos",
             "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--seed", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(result_dir), "--result-filename", result_file,
@@ -40,17 +42,17 @@ def client_argv(base_url: str, *, model: str, tokenizer: Path, concurrency: int,
 
 
 def run_client(ep: Endpoint, *, model: str, tokenizer: Path, out_dir: Path, num_prompts: dict[int, int],
-               timeout_s: float = 600) -> dict:
-    """Both concurrency levels against an open endpoint: ``{"c=1": {...vLLM's result...}, ...}``;
-    a level that failed holds ``{"error": ...}`` instead."""
+               timeout_s: float = 600, concurrency: tuple[int, ...] = CONCURRENCY, **workload) -> dict:
+    """Each concurrency level against an open endpoint: ``{"c=1": {...vLLM's result...}, ...}``;
+    a level that failed holds ``{"error": ...}`` instead. ``workload``: :func:`client_argv`'s sizes."""
     python = find_vllm_python()
     slug = ep.name.replace(":", "-").replace(",", "_").replace("=", "-")
     results = {}
-    for c in CONCURRENCY:
+    for c in concurrency:
         name = f"vllm-client-{slug}-c{c}.json"
         argv = [python, "-m", "loadtest.vllmclient", *client_argv(
             ep.base_url, model=model, tokenizer=tokenizer, concurrency=c, num_prompts=num_prompts[c],
-            result_dir=out_dir, result_file=name)]
+            result_dir=out_dir, result_file=name, **workload)]
         log_path = out_dir / "logs" / f"vllm-client-{slug}-c{c}.log"
         with open(log_path, "w") as log:
             proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)

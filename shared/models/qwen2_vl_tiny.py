@@ -1,5 +1,6 @@
 """Random-weight Qwen2-VL models, built fully offline: the tiny one for tests and local fleets,
-the "bench" one for benchmarks (a 2B-class VLM's compute proportions). ``build_tiny_qwen2_vl``
+the "bench" one for benchmarks (a 2B-class VLM's compute proportions), and one with Qwen2-VL-2B's
+real shapes for GPU checks (``QWEN2_VL_2B``, bf16, built on CUDA). ``build_tiny_qwen2_vl``
 writes a directory that ``AutoProcessor`` and ``Qwen2VLForConditionalGeneration`` load under
 ``HF_HUB_OFFLINE=1`` (same seed and library versions → identical files); ``ensure_tiny_qwen2_vl``
 builds once into ``cache_root/qwen2-vl-<size>-<recipe hash>`` (this module's and the tokenizer's
@@ -46,6 +47,13 @@ class Qwen2VLSize:
     min_tokens: int  # image tokens (after the 2x2 merge) per image, at least / at most
     max_tokens: int
     max_positions: int
+    # rows of embed_tokens / lm_head; 0: the trained tokenizer's size. Rows past the tokenizer
+    # are padding (as in a real checkpoint's padded vocabulary): zero lm_head rows, logit 0,
+    # never the argmax beside the tokenizer's ~1.2k random logits of std ~4
+    vocab_size: int = 0
+    rope_theta: float = 10000.0
+    save_dtype: str = "float32"  # the saved weights' dtype
+    build_device: str = "cpu"  # where the weights are drawn (cuda: seconds for billions of them)
 
     @property
     def head_dim(self) -> int:
@@ -62,7 +70,18 @@ TINY = Qwen2VLSize("tiny", text_hidden=128, text_layers=2, text_heads=4, text_kv
 BENCH = Qwen2VLSize("bench", text_hidden=256, text_layers=4, text_heads=4, text_kv_heads=2, text_intermediate=768,
                     mrope_section=(8, 12, 12), vision_depth=4, vision_embed=128, vision_heads=2, vision_mlp_ratio=4,
                     min_tokens=4, max_tokens=1024, max_positions=8192)
-SIZES = {s.name: s for s in (TINY, BENCH)}
+# Qwen2-VL-2B-Instruct's public config.json: hidden 1536, 28 layers, 12 heads, 2 KV heads (head_dim
+# 128), intermediate 8960, mrope_section [16, 24, 24], rope_theta 1e6, 32768 positions, vocab
+# 151936; vision depth 32, embed 1280, 16 heads, mlp_ratio 4, patch 14, merge 2; images 4..16384
+# tokens (min_pixels 3136, max_pixels 12845056). One difference: the real checkpoint ties lm_head
+# to embed_tokens; here they are separate (this module's init keeps logit margins usable), the same
+# shapes and FLOPs (2.44 G parameters here, 2.21 G tied; vision 665 M), 4.9 GB in bf16: the GPU
+# check's model (loadtest/gpu_vllm_check.py).
+QWEN2_VL_2B = Qwen2VLSize("2b", text_hidden=1536, text_layers=28, text_heads=12, text_kv_heads=2,
+                          text_intermediate=8960, mrope_section=(16, 24, 24), vision_depth=32, vision_embed=1280,
+                          vision_heads=16, vision_mlp_ratio=4, min_tokens=4, max_tokens=16384, max_positions=32768,
+                          vocab_size=151936, rope_theta=1_000_000.0, save_dtype="bfloat16", build_device="cuda")
+SIZES = {s.name: s for s in (TINY, BENCH, QWEN2_VL_2B)}
 
 # the tiny model's facts, as other builders and tests use them
 MODEL_NAME = f"qwen2-vl-{TINY.name}"
@@ -91,7 +110,7 @@ BIAS_STD = 0.1
 
 def text_config_dict(vocab_size: int, ids: dict[str, int], size: Qwen2VLSize = TINY) -> dict:
     return {
-        "vocab_size": vocab_size,
+        "vocab_size": max(vocab_size, size.vocab_size),
         "hidden_size": size.text_hidden,
         "intermediate_size": size.text_intermediate,
         "num_hidden_layers": size.text_layers,
@@ -99,7 +118,7 @@ def text_config_dict(vocab_size: int, ids: dict[str, int], size: Qwen2VLSize = T
         "num_key_value_heads": size.text_kv_heads,
         "max_position_embeddings": size.max_positions,
         "rope_parameters": {"rope_type": "default", "mrope_section": list(size.mrope_section),
-                            "rope_theta": 10000.0},
+                            "rope_theta": size.rope_theta},
         "bos_token_id": ids[tb.ENDOFTEXT],
         "eos_token_id": ids[tb.IM_END],
         "pad_token_id": ids[tb.ENDOFTEXT],
@@ -149,7 +168,7 @@ def init_weights_fan_in(model: torch.nn.Module, seed: int, embed_names: tuple[st
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
 
-def _init_weights(model: torch.nn.Module, seed: int) -> None:
+def _init_weights(model: torch.nn.Module, seed: int, n_tokens: int | None = None) -> None:
     """Overwrite every parameter from one seeded generator, in sorted-name order.
 
     Why not the transformers init: at std 0.02 attention is near uniform and the
@@ -157,9 +176,12 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
     one token on other configs).  Fan-in scaling with gain 2 keeps activations O(1)
     and attention sharp in both towers; a unit-std token embedding and an lm_head
     gain of 4 spread the logits so the image features move the argmax by clear
-    margins.  Norm weights are 1 and LayerNorm biases 0, as in a real checkpoint.
+    margins.  Norm weights are 1 and LayerNorm biases 0, as in a real checkpoint. Rows past
+    ``n_tokens`` (a padded vocabulary) of embed_tokens and lm_head are zero. The generator lives
+    on the parameters' device (one seeded stream per device, in the same order).
     """
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name in sorted(params):
@@ -183,7 +205,9 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
                 else:
                     gain = TEXT_GAIN
                 std = gain / math.sqrt(fan_in)
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32, device=device) * std)
+            if n_tokens is not None and ("embed_tokens" in name or name.startswith("lm_head")):
+                p[n_tokens:] = 0.0
 
 
 def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, size: Qwen2VLSize = TINY) -> Path:
@@ -198,7 +222,7 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, size: Qwen2VLSize = TIN
     the fleet's environment: the fleet and its references must use this ONE backend (PIL and
     torchvision resize slightly differently). Its ``size`` holds pixel counts (min_tokens·28² ..
     max_tokens·28²), so every image becomes ``min_tokens..max_tokens`` image tokens after the 2×2
-    merge (TINY: 4..64; BENCH: 4..1024, a 448² image is 256 as in Qwen2-VL-2B).
+    merge (TINY: 4..64; BENCH: 4..1024; QWEN2_VL_2B: 4..16384; a 448² image is 256 as in Qwen2-VL-2B).
     """
     from transformers import (
         GenerationConfig,
@@ -242,8 +266,10 @@ def build_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, size: Qwen2VLSize = TIN
         pad_token_id=ids[tb.ENDOFTEXT],
         tie_word_embeddings=False,
     )
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
-    _init_weights(model, seed)
+    with torch.device(size.build_device):
+        model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    _init_weights(model, seed, len(tokenizer) if size.vocab_size > len(tokenizer) else None)
+    model.to(getattr(torch, size.save_dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=ids[tb.ENDOFTEXT],
         eos_token_id=[ids[tb.IM_END], ids[tb.ENDOFTEXT]],
