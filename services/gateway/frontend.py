@@ -26,7 +26,7 @@ import msgspec
 import torch
 from aiokafka.errors import KafkaError
 
-from services.gateway import params, schema
+from services.gateway import bounds, params, schema
 from services.gateway.auth import Authenticator
 from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.redrive import Redriver
@@ -96,7 +96,7 @@ class Frontend:
         """Validate ``body`` and build its prompt: (prepared, model); raises ``Rejected``."""
         s = self.settings
         with rejections():
-            req, sent = params.decode_bounded(body, s, chat=chat, context_tokens=self.builder.context_tokens)
+            req, sent = bounds.decode_bounded(body, s, chat=chat, context_tokens=self.builder.context_tokens)
             if schema.too_deep(schema.free_form(req, chat=chat)):
                 raise too_deep()
             unknown = [] if s.allow_extra_request_fields else schema.unknown_fields(sent, chat=chat)
@@ -146,7 +146,7 @@ class Frontend:
             await self.auth.charge(key_id, via=via)
             raw = body if isinstance(body, bytes) else await body()
             # parsing, rendering, tokenizing and grammar checks cost CPU in proportion to the body
-            # (bounded by params.check_bounds): never on the loop that answers /health and streams
+            # (bounded by services.gateway.bounds): never on the loop that answers /health and streams
             prepared, model = await asyncio.get_running_loop().run_in_executor(
                 self._prepare_pool, functools.partial(self.prepare, raw, chat=chat))
             first = await self._entry(request_id, model, prepared, leases)

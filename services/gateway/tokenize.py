@@ -1,6 +1,6 @@
 """``POST /tokenize`` and ``POST /detokenize`` in vLLM's request and response shapes, answered by
 the gateway itself with the generation routes' own rendering and tokenizing (``PromptBuilder``),
-bounds (``params.decode_bounded``) and refusals by name; media counted as ``media_tokens``
+bounds (``bounds.decode_bounded``) and refusals by name; media counted as ``media_tokens``
 says. A prompt past the context is counted, not refused: ``count`` against ``max_model_len`` is
 what a client asks /tokenize for. Pure and blocking: the app runs it on the preparation pool
 (``Frontend.answer_here``). Design: docs/guide/api.md.
@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from services.gateway import params, prompt_forms, schema
+from services.gateway import bounds, params, prompt_forms, schema
 from services.gateway.frontend import rejections, too_deep, unknown_field
 from services.gateway.media_tokens import MediaTokens
 from services.gateway.prompt import PromptBuilder
@@ -68,9 +68,9 @@ class Tokenization:
         """``{"count", "max_model_len", "tokens", "token_strs"}`` (token strings only when asked)."""
         s, context = self._s, self._builder.context_tokens
         with rejections():
-            params.check_json_values(body, s, context)  # before the pass that tells the two forms apart
+            bounds.check_json_values(body, s, context)  # before the pass that tells the two forms apart
             chat = len(_form.decode(body).messages) > 0
-            req, sent = params.decode_bounded(body, s, chat=chat, context_tokens=context,
+            req, sent = bounds.decode_bounded(body, s, chat=chat, context_tokens=context,
                                               decode=_DECODERS[chat].decode)
             if chat and schema.too_deep(_free_form(req)):
                 raise too_deep()
@@ -87,7 +87,7 @@ class Tokenization:
         """``{"prompt"}``: the ids' text, special tokens included (as vLLM decodes them)."""
         context = self._builder.context_tokens
         with rejections():
-            params.check_json_values(body, self._s, context)
+            bounds.check_json_values(body, self._s, context)
             self._check_known(schema.as_sent(body, chat=False), frozenset(Detokenize.__struct_fields__), chat=False)
             req = _detokenize.decode(body)
             self._check_model(req.model)

@@ -39,7 +39,7 @@ def plan(tools, tool_choice) -> ToolPlan:
         if tool_choice not in (None, "none", "auto"):
             raise _bad("tool_choice", "needs tools")
         return ToolPlan()
-    if not isinstance(tools, list):  # its count and size: params.check_bounds
+    if not isinstance(tools, list):  # its count and size: bounds.check_bounds
         raise _bad("tools", "must be a list of tools")
     functions = []
     for i, tool in enumerate(tools):

@@ -1,4 +1,4 @@
-"""The bounds a request meets before it costs gateway CPU (``params.check_bounds``): messages,
+"""The bounds a request meets before it costs gateway CPU (``services.gateway.bounds``): messages,
 prompt bytes, stop strings, schema and tool sizes, each a 400 naming its field, raised before the
 chat template renders, the tokenizer runs or a grammar is built; and the whole preparation runs
 off the event loop that answers /health and streams every other request."""
