@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 # the harness and the tests start brokers, redis-servers and check children the same way
@@ -90,3 +90,25 @@ def wait_up(ready_file: Path, proc: subprocess.Popen, timeout_s: float, log_dir:
             return
         time.sleep(0.2)
     raise RuntimeError(f"fleet not ready after {timeout_s} s; logs in {log_dir}")
+
+
+@asynccontextmanager
+async def in_process_gateway(settings):
+    """The gateway app in this process on a free port (its topics created first); yields its
+    base URL. Imported here, not at module level: most tests that import this module start
+    processes and never need the gateway's imports."""
+    from aiohttp import web
+
+    from services.gateway.app import create_app
+    from services.stages import fleet_topics
+    from shared.transport.bus import ensure_topics
+
+    await ensure_topics(settings, fleet_topics(settings))
+    runner = web.AppRunner(create_app(settings))
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()

@@ -13,17 +13,15 @@ import os
 import signal
 import time
 import uuid
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import contextmanager
 
 import aiohttp
 import pytest
-from aiohttp import web
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services import worker as worker_mod
-from services.gateway.app import create_app
 from services.gateway.auth import hash_key
 from services.stages import fleet_topics
 from shared import protocol
@@ -59,18 +57,6 @@ def _settings(**kw) -> settings_mod.Settings:
                                  metrics_port=0, **kw)
 
 
-@asynccontextmanager
-async def _gateway(settings: settings_mod.Settings):
-    """The gateway app in this process on a free port; yields its base URL."""
-    await ensure_topics(settings, fleet_topics(settings))
-    runner = web.AppRunner(create_app(settings))
-    await runner.setup()
-    port = procs.free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 async def _chat(http: aiohttp.ClientSession, base: str, model: str, key: str) -> tuple[int, str | None, dict, float]:
@@ -105,7 +91,7 @@ async def test_a_redis_stall_is_a_503_with_retry_after_within_redis_timeout(kafk
                       api_key_hashes=(hash_key(KEY_LIMITED) + ":1000", hash_key(KEY_FREE) + ":0"))
         bound_s = s.redis_timeout_ms / 1000 + READ_BLOCK_S
         timeout = aiohttp.ClientTimeout(total=60)
-        async with _gateway(s) as base, aiohttp.ClientSession(timeout=timeout) as http:
+        async with procs.in_process_gateway(s) as base, aiohttp.ClientSession(timeout=timeout) as http:
             following = asyncio.create_task(_chat(http, base, s.served_model_name, KEY_FREE))
             await asyncio.sleep(1.0)  # queued; its stream has nobody to write it
             assert not following.done()
@@ -128,7 +114,7 @@ async def test_a_broker_stall_is_a_503_within_queue_retry_ms(redis_url, model_di
         s = _settings(kafka_bootstrap=bootstrap, redis_url=redis_url, model=str(model_dir),
                       queue_retry_ms=QUEUE_RETRY_MS)
         timeout = aiohttp.ClientTimeout(total=90)  # aiokafka alone waits 30 s for a broker that does not answer
-        async with _gateway(s) as base, aiohttp.ClientSession(timeout=timeout) as http:
+        async with procs.in_process_gateway(s) as base, aiohttp.ClientSession(timeout=timeout) as http:
             with _paused(pids[0]):
                 t0 = time.monotonic()
                 answer = await _chat(http, base, s.served_model_name, "unused")

@@ -7,34 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from contextlib import asynccontextmanager
 
 import aiohttp
-from aiohttp import web
 
-from services.gateway.app import create_app
 from services.gateway.readiness import request_paths
-from services.stages import fleet_topics
 from shared import protocol
 from shared import settings as settings_mod
 from shared.keys import RedisKeys
-from shared.transport.bus import ensure_topics
 from shared.transport.liveness import heartbeat
 from shared.transport.redis_conn import make_redis
 from tests import procs
-
-
-@asynccontextmanager
-async def _gateway(settings: settings_mod.Settings):
-    await ensure_topics(settings, fleet_topics(settings))
-    runner = web.AppRunner(create_app(settings))
-    await runner.setup()
-    port = procs.free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 async def _ready(http: aiohttp.ClientSession, base: str) -> tuple[int, dict]:
@@ -72,7 +54,8 @@ async def test_ready_names_the_stages_without_a_live_worker(kafka_bootstrap, red
     redis = make_redis(s)
     beats: list[asyncio.Task] = []
     try:
-        async with _gateway(s) as base, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async with procs.in_process_gateway(s) as base, \
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             async with http.get(base + "/health") as resp:
                 assert resp.status == 200
             status, body = await _ready(http, base)

@@ -19,6 +19,7 @@ from services.gateway.frontend import Frontend
 from services.gateway.prompt import PromptBuilder
 from services.gateway.responses import Rejected
 from shared.settings import Settings
+from tests.fakes import AnyKey
 from tests.media import samples
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -126,14 +127,6 @@ def test_no_body_built_from_the_schema_gets_anything_but_an_answer_or_a_4xx(fron
         assert 400 <= rejected.event.status < 500, rejected.event
 
 
-class _AnyKey:
-    def identify(self, authorization, *, via):
-        return None
-
-    async def charge(self, key_id, *, via):
-        return None
-
-
 class _RecordTooLarge:
     """A producer whose broker refuses every record as too large (what aiokafka raises for a
     record past ``max_request_size``)."""
@@ -153,7 +146,7 @@ class _RecordTooLarge:
 async def test_a_request_too_large_for_one_record_is_a_413_at_once_not_a_queue_outage(model_dir):
     s = Settings(queue_retry_ms=60_000)
     producer = _RecordTooLarge()
-    front = Frontend(s, PromptBuilder.for_model(model_dir, s), producer, None, None, _AnyKey(), None)
+    front = Frontend(s, PromptBuilder.for_model(model_dir, s), producer, None, None, AnyKey(), None)
     with pytest.raises(Rejected) as info:
         async with front.admit(chat(stop=["x" * 100]), chat=True, authorization=None, via="http"):
             pass
@@ -162,12 +155,12 @@ async def test_a_request_too_large_for_one_record_is_a_413_at_once_not_a_queue_o
     assert front.inflight == 0
 
 
-class _OverItsRate(_AnyKey):
+class _OverItsRate(AnyKey):
     async def charge(self, key_id, *, via):
         raise Rejected.of(429, "over the rate", code="rate_limit_exceeded", retry_after_s=1)
 
 
-class _NoKey(_AnyKey):
+class _NoKey(AnyKey):
     def identify(self, authorization, *, via):
         raise Rejected.of(401, "missing API key", code="missing_api_key")
 

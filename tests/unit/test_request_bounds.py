@@ -16,6 +16,7 @@ from services.gateway.prompt import PromptBuilder
 from services.gateway.responses import Rejected
 from shared.engines import structured
 from shared.settings import Settings
+from tests.fakes import AnyKey
 
 CONTEXT = 4096  # the tiny test model's
 MODEL = "mmfleet-demo"
@@ -94,16 +95,8 @@ def test_the_bounds_follow_their_settings(model_dir):
         assert info.value.event.param == param
 
 
-class _AnyKey:
-    def identify(self, authorization, *, via):
-        return None
-
-    async def charge(self, key_id, *, via):
-        return None
-
-
 async def test_a_request_is_prepared_off_the_event_loop(builder, monkeypatch):
-    front = Frontend(Settings(), builder, None, None, None, _AnyKey(), None)
+    front = Frontend(Settings(), builder, None, None, None, AnyKey(), None)
     threads = []
 
     def prepare(body, *, chat):
