@@ -166,7 +166,8 @@ async def _run_shape(ep: Endpoint, cfg: BenchConfig, session, url: str, specs, b
     async with rediscount.Census(ep.redis_url) as census:
         wall0 = time.time()
         try:
-            records, timing = await drive(shape, send_one, on_done=lambda _r: bar.update(1))
+            records, timing = await drive(shape, send_one, on_done=lambda _r: bar.update(1),
+                                          sessions=workloads.sessions_of(specs) if shape.kind == "sessions" else None)
         finally:
             bar.close()
         await census.read_after()  # before the spans are read from that Redis below

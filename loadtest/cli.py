@@ -111,8 +111,9 @@ def _add_run(sub) -> None:
     run.add_argument("--image-format", choices=["png", "jpg"], default="png")
     run.add_argument("--pool-size", type=int, default=8, help="reuse: images in the shared pool")
     run.add_argument("--reuse-ratio", type=float, default=0.5, help="reuse: share of image slots from the pool")
-    run.add_argument("--turns", type=int, default=3, help="multiturn: turns per session")
-    run.add_argument("--window", type=int, default=2, help="multiturn: images kept in the conversation")
+    run.add_argument("--turns", type=int, default=3, help="multiturn, sliding-window: turns per session")
+    run.add_argument("--window", type=int, default=2,
+                     help="multiturn: images kept in the conversation; sliding-window: images per request")
     run.add_argument("--delivery", choices=["data", "http"], default="data")
     run.add_argument("--media-latency-ms", type=lambda s: _pair(s.replace(",", "-"), float), default=(0.0, 0.0),
                      help="http delivery: injected latency MEAN[,STD] per image")
@@ -120,6 +121,8 @@ def _add_run(sub) -> None:
     load = run.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=_values, help="N or N1,N2,... (a sweep); default 1")
     load.add_argument("--rate", type=_values, help="Poisson requests/s, R or R1,R2,... (a sweep)")
+    load.add_argument("--users", type=_values,
+                      help="N or N1,N2,...: users at once, each sending its session's turns in sequence")
     run.add_argument("--max-concurrency", type=int, help="rate: cap on requests in flight")
     run.add_argument("--duration-s", type=float, default=120, help="no new request after this, per load level")
     run.add_argument("--grace-s", type=float, default=60, help="then wait this long for requests in flight")
@@ -180,6 +183,21 @@ def _add_suites(sub) -> None:
     reuse.add_argument("--pool-size", type=int, default=4, help="images in the reused pool (each first use is a miss)")
     reuse.add_argument("--duration-s", type=float, default=120)
     _common(reuse)
+    window = sub.add_parser("window", help="sliding image windows: the fleet, cache off, vLLM engine, vllm serve")
+    window.add_argument("--target", action="append", default=[],
+                        help="the fleet first, then the others (default fleet:e-p-d, fleet:e-p-d,engine=vllm, "
+                             "fleet:e-p-d,embedding_cache_bytes=0, vllm-serve); goals: the first against vllm-serve")
+    window.add_argument("--users", type=int, default=4, help="users at once, each sending its turns in sequence")
+    window.add_argument("--turns", type=int, default=6)
+    window.add_argument("--window", type=int, default=4, help="images in each request (one new a turn)")
+    window.add_argument("--side", type=int, default=448, help="image side (px)")
+    window.add_argument("--text-words", type=int, default=40)
+    window.add_argument("--output-tokens", type=int, default=16)
+    window.add_argument("--repeats", type=int, default=3, help="rounds over every target, the order rotating")
+    window.add_argument("--duration-s", type=float, default=300)
+    window.add_argument("--vllm-client", action="store_true",
+                        help="then replay the same kind of requests with vLLM's own client on every target")
+    _common(window)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,6 +249,8 @@ def _bench(args: argparse.Namespace) -> int:
         return _reuse(args, out, logs, slos, extra_env)
     if args.command == "step":
         return _step(args, out)
+    if args.command == "window":
+        return _window(args, out, logs, slos, extra_env)
     if args.command in ("suite", "engines"):
         targets = args.target or (suite.TARGETS if args.command == "suite" else vllmclient.TARGETS)
         workload = suite.suite_workload(max(args.low_requests, args.sat_requests))
@@ -247,7 +267,8 @@ def _bench(args: argparse.Namespace) -> int:
                                   resolutions=args.resolutions, image_format=args.image_format,
                                   pool_size=args.pool_size, reuse_ratio=args.reuse_ratio, turns=args.turns,
                                   window=args.window)
-        kind, values = ("rate", args.rate) if args.rate else ("concurrency", args.concurrency or [1])
+        kind, values = (("rate", args.rate) if args.rate else ("sessions", args.users) if args.users
+                        else ("concurrency", args.concurrency or [1]))
         shapes = [LoadShape(kind, v, args.num_requests, duration_s=args.duration_s, grace_s=args.grace_s,
                             max_concurrency=args.max_concurrency if kind == "rate" else None, seed=args.seed)
                   for v in values]
@@ -341,3 +362,33 @@ def _reuse(args: argparse.Namespace, out: Path, logs: Path, slos: dict, extra_en
     return 1 if result["failed"] or not result["runs"] else 0
 
 
+
+
+def _window(args: argparse.Namespace, out: Path, logs: Path, slos: dict, extra_env: dict) -> int:
+    from loadtest import report, window
+    from loadtest.bench import BenchConfig
+    from loadtest.targets import TargetOptions, parse_spec
+
+    targets = args.target or window.TARGETS
+    for t in targets:
+        parse_spec(t)
+    wl = window.default_workload(args.users, args.turns, args.window, args.side, args.text_words, args.output_tokens)
+    cfg = BenchConfig(targets=targets, workload=wl, shapes=[window.shape(args.users, wl.num_requests, args.duration_s)],
+                      out_dir=out, model=args.model, slos=slos, warmup=args.warmup, timeout_s=args.timeout_s,
+                      progress=not args.no_progress)
+    opts = TargetOptions(model_dir=procs.model_dir(args.model_dir), log_dir=logs, served_model_name=args.model,
+                         extra_env=extra_env, vllm_python=args.vllm_python, ready_timeout_s=args.ready_timeout_s)
+    result = window.run_window(cfg, opts, repeats=max(1, args.repeats), vllm_client=args.vllm_client)
+    summary = report.write_all(result, out, plots=not args.no_plots)  # the goals: in window.summary_md
+    png = None if args.no_plots else window.plot(result, out)
+    if result["runs"]:
+        command = (f"mmfleet bench window --users {args.users} --turns {args.turns} --window {args.window} "
+                   f"--side {args.side} --text-words {args.text_words} --output-tokens {args.output_tokens} "
+                   f"--repeats {args.repeats}" + (" --vllm-client" if args.vllm_client else "")
+                   + "".join(f" --target {t}" for t in args.target))
+        window.write_records(result, out, command)
+    text = summary.read_text() + "\n" + "\n".join(window.summary_md(result)) + (f"\nPlot: `{png}`\n" if png else "")
+    summary.write_text(text)
+    print(text)
+    print(f"results in {out}", file=sys.stderr)
+    return 1 if result["failed"] or not result["runs"] else 0

@@ -2,7 +2,9 @@
 
 - ``concurrency``: ``value`` requests in flight at all times (closed loop);
 - ``rate``: Poisson arrivals at ``value`` requests/s (seeded exponential gaps), optionally
-  capped at ``max_concurrency`` in flight.
+  capped at ``max_concurrency`` in flight;
+- ``sessions``: ``value`` users at once, each sending its session's turns one after another
+  (a turn only after the previous one's answer), then a waiting user's, until all are sent.
 Every run stops by itself: at most ``max_requests`` requests (the workload cycled if shorter),
 none after ``duration_s``; requests then in flight get ``grace_s``, then are cancelled (errors).
 A sweep is several shapes run one after another on the same workload.
@@ -22,7 +24,7 @@ from loadtest.client import RequestRecord
 
 @dataclass(frozen=True)
 class LoadShape:
-    kind: str  # "concurrency" | "rate"
+    kind: str  # "concurrency" | "rate" | "sessions"
     value: float
     max_requests: int
     duration_s: float = 60.0
@@ -32,7 +34,9 @@ class LoadShape:
 
     @property
     def label(self) -> str:
-        return f"c={int(self.value)}" if self.kind == "concurrency" else f"rate={self.value:g}/s"
+        if self.kind == "rate":
+            return f"rate={self.value:g}/s"
+        return f"{'users' if self.kind == 'sessions' else 'c'}={int(self.value)}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,12 +60,15 @@ class RunTiming:
     stopped_by: str  # "count" | "time"
 
 
-async def drive(shape: LoadShape, send: SendFn, *, on_done: Callable[[RequestRecord], None] | None = None
-                ) -> tuple[list[RequestRecord], RunTiming]:
-    """Run ``shape``; ``send(i, t0)`` sends request number ``i`` (0-based, in order).
-    Returns one record per request sent, in completion order."""
-    if shape.kind not in ("concurrency", "rate"):
-        raise ValueError(f"unknown load shape {shape.kind!r}; choose concurrency or rate")
+async def drive(shape: LoadShape, send: SendFn, *, on_done: Callable[[RequestRecord], None] | None = None,
+                sessions: list[list[int]] | None = None) -> tuple[list[RequestRecord], RunTiming]:
+    """Run ``shape``; ``send(i, t0)`` sends request number ``i`` (0-based, in order; ``sessions``
+    shape: the indices of each session, in turn order). Returns one record per request sent, in
+    completion order."""
+    if shape.kind not in ("concurrency", "rate", "sessions"):
+        raise ValueError(f"unknown load shape {shape.kind!r}; choose concurrency, rate or sessions")
+    if shape.kind == "sessions" and not sessions:
+        raise ValueError("the sessions load shape needs the workload's sessions")
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
 
@@ -79,8 +86,10 @@ async def drive(shape: LoadShape, send: SendFn, *, on_done: Callable[[RequestRec
                 if on_done:
                     on_done(rec)
 
-    loop = _closed_loop if shape.kind == "concurrency" else _open_loop
-    stopped_by = await loop(shape, tracked, t0)
+    if shape.kind == "sessions":
+        stopped_by = await _sessions_loop(shape, tracked, t0, sessions or [])
+    else:
+        stopped_by = await (_closed_loop if shape.kind == "concurrency" else _open_loop)(shape, tracked, t0)
     return records, RunTiming(t0, _span(records), stopped_by)
 
 
@@ -100,6 +109,28 @@ async def _closed_loop(shape: LoadShape, tracked, t0: float) -> str:
 
     n_workers = max(1, int(shape.value))
     await _bounded(asyncio.gather(*(worker() for _ in range(n_workers))), deadline + shape.grace_s)
+    return stopped_by
+
+
+async def _sessions_loop(shape: LoadShape, tracked, t0: float, sessions: list[list[int]]) -> str:
+    deadline = t0 + shape.duration_s
+    queue = list(reversed(sessions))
+    sent = 0
+    stopped_by = "count"
+
+    async def user() -> None:
+        nonlocal sent, stopped_by
+        while queue:
+            for i in queue.pop():
+                if sent >= shape.max_requests:
+                    return
+                if time.perf_counter() >= deadline:
+                    stopped_by = "time"
+                    return
+                sent += 1
+                await tracked(i)
+
+    await _bounded(asyncio.gather(*(user() for _ in range(max(1, int(shape.value))))), deadline + shape.grace_s)
     return stopped_by
 
 

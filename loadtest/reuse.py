@@ -14,15 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import statistics
 from contextlib import ExitStack
 from dataclasses import replace
 
-from loadtest import procs, workloads
+from loadtest import workloads
 from loadtest.bench import BenchConfig, _run_target
+from loadtest.interleave import Interleaved
 from loadtest.loadgen import LoadShape
-from loadtest.targets import TargetOptions, Targets, TargetSkipped
+from loadtest.targets import TargetOptions
 
 log = logging.getLogger("loadtest.reuse")
 
@@ -49,40 +49,15 @@ def run_reuse(cfg: BenchConfig, opts: TargetOptions, ratios=RATIOS, repeats: int
     warm = workloads.build(replace(cfg.workload, seed=cfg.workload.seed + 10_007,
                                    num_requests=max(1, cfg.warmup)))[:cfg.warmup]
     with ExitStack() as stack:
-        eps, roots = {}, {}
-        for i, spec in enumerate(cfg.targets):
-            try:
-                # fleets up at once need a broker each: stage topics and consumer groups are
-                # fleet-wide names (only Redis keys carry a prefix)
-                log_dir = opts.log_dir / f"target{i}"
-                log_dir.mkdir(parents=True, exist_ok=True)
-                targets = stack.enter_context(Targets(replace(opts, log_dir=log_dir)))
-                eps[spec] = stack.enter_context(targets.open(spec))
-                result["targets"][spec] = {"base_url": eps[spec].base_url, **eps[spec].info}
-                asyncio.run(_run_target(eps[spec], replace(cfg, shapes=[]), [], warm, None))  # warm-up only
-                # only the target being measured runs: the others are paused (SIGSTOP, their
-                # broker and Redis too), so their idle polling does not take the shared cores
-                # from it; resumed before the target stops (ExitStack: last in, first out)
-                roots[spec] = [*targets.infra_pids, *([eps[spec].pid] if eps[spec].pid else [])]
-                stack.callback(procs.pause_trees, roots[spec], signal.SIGCONT)
-                procs.pause_trees(roots[spec])
-            except TargetSkipped as exc:
-                result["skipped"][spec] = str(exc)
-            except Exception as exc:  # noqa: BLE001 - the other target's figures still count
-                log.error("%s failed: %s", spec, exc)
-                result["failed"][spec] = f"{type(exc).__name__}: {exc}"[:2000]
+        side = Interleaved(stack, cfg, opts, result, warm)
+        side.open_all()
         for rep in range(repeats):
             for k, ratio in enumerate(ratios):
                 # a seed per (ratio, repeat): every run's pool starts cold
                 wl = replace(cfg.workload, reuse_ratio=ratio, seed=cfg.workload.seed + 1000 * rep + k + 1)
-                items = list(eps.items())
-                shift = (k + rep) % len(items) if items else 0
-                for spec, ep in items[shift:] + items[:shift]:
-                    procs.pause_trees(roots.get(spec, []), signal.SIGCONT)
-                    try:
+                for spec, _ep in side.rotated(k + rep):
+                    with side.running(spec) as ep:
                         _one_run(result, ep, cfg, wl, ratio, rep, int(shape.value), warm)
-                    finally:
-                        procs.pause_trees(roots.get(spec, []))
     result["load_average_1m"]["end"] = os.getloadavg()[0]
     return result
 

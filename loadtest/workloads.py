@@ -6,7 +6,9 @@ an OpenAI chat-completion body (streamed, ``include_usage``, temperature 0 by de
 ``image`` (one fresh image); ``random-mm`` (images, sizes, words, max_tokens drawn per request);
 ``reuse`` (each image slot from a ``pool_size`` pool with probability ``reuse_ratio``);
 ``multiturn`` (sessions of ``turns`` turns resending the conversation with fixed assistant
-replies and the last ``window`` images; turn-major). Words, not tokens. Design: docs/benchmarks/README.md.
+replies and the last ``window`` images; turn-major); ``sliding-window`` (users of ``turns`` turns,
+each one user message of the last ``window`` images: the first turn all new, then the oldest out
+and one new in; turn-major). Words, not tokens. Design: docs/benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from loadtest.images import ImageRef, data_url
 
-KINDS = ("text", "image", "random-mm", "reuse", "multiturn")
+KINDS = ("text", "image", "random-mm", "reuse", "multiturn", "sliding-window")
 _WORDS = ("the cat sat on a mat while blue birds sang over green hills and red boats drifted past old "
           "stone towers under bright summer skies near quiet rivers where children played with small "
           "wooden toys beside tall trees full of ripe yellow fruit and soft white clouds moved slowly "
@@ -96,6 +98,8 @@ def build(cfg: WorkloadConfig) -> list[RequestSpec]:
     g = _Gen(cfg)
     if cfg.kind == "multiturn":
         return _multiturn(g)
+    if cfg.kind == "sliding-window":
+        return _sliding_window(g)
     pool: list[ImageRef] = [g.fresh_image() for _ in range(cfg.pool_size)] if cfg.kind == "reuse" else []
     out = []
     for i in range(cfg.num_requests):
@@ -127,6 +131,39 @@ def _multiturn(g: _Gen) -> list[RequestSpec]:
     ordered = [sess[t] for t in range(cfg.turns) for sess in per_session]
     return [RequestSpec(i, r.messages, r.max_tokens, r.session, r.turn)
             for i, r in enumerate(ordered[:cfg.num_requests])]
+
+
+def _sliding_window(g: _Gen) -> list[RequestSpec]:
+    """Each user's turn t shows images t .. t+window-1 of that user's own stream of fresh images:
+    4 of 5 seen before at window 5, but never at the same place, so only an embedding cache (no
+    prefix cache) saves their encode. Drawn user by user, so a user's content does not depend on
+    how many users there are."""
+    cfg = g.cfg
+    if cfg.window < 1:
+        raise ValueError("sliding-window needs window >= 1")
+    n_users = max(1, -(-cfg.num_requests // cfg.turns))
+    per_user = []
+    for u in range(n_users):
+        stream = [g.fresh_image() for _ in range(cfg.window)]
+        turns = []
+        for t in range(cfg.turns):
+            if t:
+                stream = [*stream[1:], g.fresh_image()]
+            turns.append(RequestSpec(-1, (Message("user", g.text(), tuple(stream)),), g.max_tokens(),
+                                     session=u, turn=t))
+        per_user.append(turns)
+    ordered = [user[t] for t in range(cfg.turns) for user in per_user]
+    return [RequestSpec(i, r.messages, r.max_tokens, r.session, r.turn)
+            for i, r in enumerate(ordered[:cfg.num_requests])]
+
+
+def sessions_of(specs: list[RequestSpec]) -> list[list[int]]:
+    """The indices of each session's requests in turn order (requests without a session: one
+    each), sessions in order of their first request."""
+    groups: dict[object, list[int]] = {}
+    for k, spec in enumerate(specs):
+        groups.setdefault(("s", spec.session) if spec.session is not None else ("r", k), []).append(k)
+    return [sorted(g, key=lambda k: specs[k].turn or 0) for g in groups.values()]
 
 
 def _window(history: list[Message], window: int) -> tuple[Message, ...]:
