@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: install up test chaos bench gpu-check gpu-vllm-check clean-venv chromium
+.PHONY: install up test chaos bench gpu-check gpu-vllm-check gpu-sglang-check clean-venv chromium
 
 install: $(STAMP)
 
@@ -87,6 +87,14 @@ gpu-check:
 # refuses (exit 2) before starting anything.
 gpu-vllm-check:
 	HF_HUB_OFFLINE=1 $(GPU_PYTHON) -m loadtest.gpu_vllm_check $(GPU_VLLM_CHECK_ARGS)
+
+# the SGLang GPU check (loadtest/gpu_sglang_check.py): the same model, SGLang's offline answers, the
+# SGLang-engine fleets (epd, e-pd) against them, and the e-pd fleet beside `python -m sglang.launch_server`
+# under sglang.bench_serving; records under loadtest/results/gpu-sglang-<time>/records. Needs sglang 0.5.12
+# in GPU_PYTHON (python -m loadtest.gpu_wheels prepare --list sglang-trimmed, docs/deploy/gpus.md); without
+# a GPU or SGLang it refuses (exit 2) before starting anything.
+gpu-sglang-check:
+	HF_HUB_OFFLINE=1 $(GPU_PYTHON) -m loadtest.gpu_sglang_check $(GPU_SGLANG_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

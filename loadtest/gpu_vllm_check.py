@@ -50,18 +50,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
-    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-    unknown = [p for p in phases if p not in PHASES]
-    if unknown or not phases:
-        _parser().error(f"--phases: unknown {unknown or '(none given)'}; choose from {', '.join(ORDER)}")
-    args.phases = [p for p in ORDER if p in phases]
+    args.phases = phase_list(_parser(), args.phases, ORDER)
     args.out = args.out or RESULTS / time.strftime("gpu-vllm-%Y%m%d-%H%M%S")
     return args
 
 
-def no_gpu_reason(environ: dict[str, str] | None = None) -> str | None:
+def phase_list(ap: argparse.ArgumentParser, text: str, order: tuple[str, ...]) -> list[str]:
+    """``--phases`` (comma-separated) in ``order``; an unknown or empty one is the parser's error."""
+    phases = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in phases if p not in order]
+    if unknown or not phases:
+        ap.error(f"--phases: unknown {unknown or '(none given)'}; choose from {', '.join(order)}")
+    return [p for p in order if p in phases]
+
+
+def no_gpu_reason(environ: dict[str, str] | None = None, engine: str = "vllm") -> str | None:
     """Why the GPU phases cannot run here (None: they can); asks torch only when the environment
-    does not already hide every GPU, and never imports vLLM."""
+    does not already hide every GPU, and never imports ``engine`` (vllm, sglang)."""
     env = os.environ if environ is None else environ
     if env.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r} hides every GPU"
@@ -69,8 +74,10 @@ def no_gpu_reason(environ: dict[str, str] | None = None) -> str | None:
 
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA GPU"
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not importable (carry it: python -m loadtest.gpu_wheels prepare; docs/deploy/gpus.md)"
+    if importlib.util.find_spec(engine) is None:
+        listed = "" if engine == "vllm" else f" --list {engine}"
+        return (f"{engine} is not importable (carry it: python -m loadtest.gpu_wheels prepare{listed}; "
+                "docs/deploy/gpus.md)")
     return None
 
 
@@ -113,35 +120,41 @@ def run_phase(name: str, args: argparse.Namespace) -> int:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    """Each phase in a child process with its timeout; records and the table at the end."""
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "logs").mkdir(exist_ok=True)
-    signal.signal(signal.SIGTERM, _stop)  # `timeout` on the device: stop the phase in flight first
     common = ["--out", str(args.out), "--cache-dir", str(args.cache_dir), "--gpu-memory-utilization",
               str(args.gpu_memory_utilization), "--max-model-len", str(args.max_model_len), "--max-tokens",
               str(args.max_tokens), "--commit", args.commit or commit(), "--device", args.device,
               *(["--cuda-graphs"] if args.cuda_graphs else []),
               *(["--model-dir", str(args.model_dir)] if args.model_dir else [])]
+    return run_phases(args.out, args.phases, PHASES, "loadtest.gpu_vllm_check", common)
+
+
+def run_phases(out: Path, names: list[str], table: dict, module: str, argv: list[str],
+               doc: str = "'Running the vLLM GPU check'") -> int:
+    """Each phase in a child process (``python -m module --phase NAME *argv``) with its timeout;
+    records and the table at the end."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    signal.signal(signal.SIGTERM, _stop)  # `timeout` on the device: stop the phase in flight first
     outcomes: dict[str, str] = {}
-    for name in args.phases:
+    for name in names:
         if name != "build" and outcomes.get("build", "ok") != "ok":
             outcomes[name] = "skipped: no model (build failed)"
             continue
         t0 = time.monotonic()
-        print(f"\n== {name}: {PHASES[name].what}", flush=True)
+        print(f"\n== {name}: {table[name].what}", flush=True)
         # its own process group: a phase stopped at its limit (or with this process) takes its
         # engine cores with it; a process left in a session of its own would outlive the device call
-        child = subprocess.Popen([sys.executable, "-m", "loadtest.gpu_vllm_check", "--phase", name, *common],
+        child = subprocess.Popen([sys.executable, "-m", module, "--phase", name, *argv],
                                  cwd=procs.REPO, start_new_session=True, preexec_fn=procs._die_with_parent)
         try:
-            rc = child.wait(timeout=PHASES[name].timeout_s)
+            rc = child.wait(timeout=table[name].timeout_s)
             outcomes[name] = "ok" if rc == 0 else f"failed (exit {rc})"
         except subprocess.TimeoutExpired:
-            outcomes[name] = f"stopped after {PHASES[name].timeout_s} s"
+            outcomes[name] = f"stopped after {table[name].timeout_s} s"
         finally:
             procs.stop_group(child, timeout_s=20)
         print(f"== {name}: {outcomes[name]} in {time.monotonic() - t0:.0f} s", flush=True)
-    print("\n" + "\n".join(summary(args.out, outcomes)), flush=True)
+    print("\n" + "\n".join(summary(out, outcomes, doc)), flush=True)
     return 0 if all(v == "ok" for v in outcomes.values()) else 1
 
 
@@ -149,7 +162,7 @@ def _stop(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def summary(out: Path, outcomes: dict[str, str]) -> list[str]:
+def summary(out: Path, outcomes: dict[str, str], doc: str = "'Running the vLLM GPU check'") -> list[str]:
     """Every record's tables under ``out/records`` as markdown, then each phase's outcome."""
     lines = []
     for path in sorted((out / "records").glob("*.json")):
@@ -159,7 +172,7 @@ def summary(out: Path, outcomes: dict[str, str]) -> list[str]:
                       "| " + " | ".join(table["columns"]) + " |", "|" + "---|" * len(table["columns"])]
             lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in table["rows"]] + [""]
     lines += [f"- {name}: {what}" for name, what in outcomes.items()]
-    lines.append(f"records in {out / 'records'} (publish: docs/deploy/gpus.md, 'Running the vLLM GPU check')")
+    lines.append(f"records in {out / 'records'} (publish: docs/deploy/gpus.md, {doc})")
     return lines
 
 

@@ -87,10 +87,11 @@ def fleets(args: argparse.Namespace) -> bool:
     return equal and not result["failed"] and not result["skipped"] and len(parity) == 2
 
 
-def answers(base_url: str, refs: dict | None, max_tokens: int) -> dict[str, str]:
-    """Each parity prompt's answer (chat completion, greedy, whole) against LLM.generate's text."""
+def answers(base_url: str, refs: dict | None, max_tokens: int, prompts: dict | None = None) -> dict[str, str]:
+    """Each parity prompt's answer (chat completion, greedy, whole) against the reference's text
+    (``text_alone`` or ``text_together``); ``prompts``: a subset of :data:`phases.PROMPTS`."""
     out = {}
-    for name, (n, text) in phases.PROMPTS.items():
+    for name, (n, text) in (prompts or phases.PROMPTS).items():
         content = text if not n else [*({"type": "image_url", "image_url": {"url": _png_url(im)}}
                                         for im in phases.images(n)), {"type": "text", "text": text}]
         body = {"model": MODEL, "temperature": 0, "max_tokens": max_tokens,

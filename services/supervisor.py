@@ -96,6 +96,10 @@ class Fleet:
                 from shared.engines.vllm_config import check
 
                 await asyncio.to_thread(check, self.settings, model_dir)
+            if self.settings.engine == "sglang":  # SGLang not installed, no GPU, knobs that clash
+                from shared.engines.sglang_config import check as check_sglang
+
+                await asyncio.to_thread(check_sglang, self.settings, model_dir)
         except ValueError as exc:
             raise CannotStart(str(exc)) from None
         self.settings = s = self.settings.with_overrides(model=str(model_dir))

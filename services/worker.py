@@ -162,6 +162,10 @@ def _preflight(settings: Settings, stages: tuple[str, ...]):
                 from shared.engines.vllm_config import check
 
                 check(settings, model_dir)
+        if settings.engine == "sglang" and {"prefill", "decode"} & set(stages):  # no SGLang, no GPU: at once
+            from shared.engines.sglang_config import check as check_sglang
+
+            check_sglang(settings, model_dir)
     except ValueError as exc:
         raise SystemExit(f"cannot start worker: {exc}") from None
     return model_dir, placement

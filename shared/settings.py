@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from shared.settings_sglang import SglangSettings
 from shared.settings_vllm import VllmSettings
 
 ENV_PREFIX = "MMFLEET_"
@@ -39,9 +40,10 @@ def _d(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
 
 
-class Settings(VllmSettings, kw_only=True, frozen=True):
-    """Every knob of a process. Defaults fit the local demo on a 2-core machine. The vLLM engine's
-    serving knobs are inherited (:class:`shared.settings_vllm.VllmSettings`)."""
+class Settings(SglangSettings, kw_only=True, frozen=True):
+    """Every knob of a process. Defaults fit the local demo on a 2-core machine. The vLLM and SGLang
+    engines' serving knobs are inherited (:class:`shared.settings_vllm.VllmSettings` through
+    :class:`shared.settings_sglang.SglangSettings`)."""
 
     # --- where things are
     kafka_bootstrap: Annotated[str, _d("Kafka bootstrap servers, host:port[,host:port...]")] = "127.0.0.1:9092"
@@ -156,7 +158,7 @@ class Settings(VllmSettings, kw_only=True, frozen=True):
         "0: off")] = 32 * _MiB
 
     # --- compute
-    engine: Annotated[str, _d("language-model runtime: transformers | vllm")] = "transformers"
+    engine: Annotated[str, _d("language-model runtime: transformers | vllm | sglang")] = "transformers"
     vllm_kv_host: Annotated[str, _d(
         "address other workers reach this worker's vLLM KV side channel at (engine vllm, prefill apart from "
         "decode); auto: this host's address")] = "127.0.0.1"
@@ -290,6 +292,12 @@ class Settings(VllmSettings, kw_only=True, frozen=True):
     max_audio_bytes: Annotated[int, _d("fetched / inline bytes of one audio clip (413 beyond)")] = 16 * _MiB
     max_audio_duration_s: Annotated[float, _d("longer clips are refused (413); Qwen2-Audio hears 30 s at "
                                               "most")] = 30.0
+    # --- precomputed embeddings (image_embeds / video_embeds / audio_embeds parts)
+    max_embeds_bytes: Annotated[int, _d("decoded bytes of one embeddings payload (413 beyond), checked on its "
+                                        "base64 length before decoding")] = 32 * _MiB
+    embeds_torch_load: Annotated[bool, _d("take torch.save payloads (vLLM's form), read with torch.load("
+                                          "weights_only=True) once their zip directory is within "
+                                          "max_embeds_bytes; false: 400 naming npy / safetensors")] = True
 
     # --- who may send (HTTP and the Kafka ingress alike)
     api_key_hashes: Annotated[tuple[str, ...], _d(
@@ -298,6 +306,9 @@ class Settings(VllmSettings, kw_only=True, frozen=True):
         "must carry Authorization: Bearer <key> (HTTP or Kafka header)")] = ()
     api_key_rate_per_min: Annotated[int, _d(
         "requests per minute per key for keys without their own :<n>; 0: unlimited")] = 0
+    cache_share_across_tenants: Annotated[bool, _d(
+        "with API keys: requests of different keys share cache hits (embeddings, prefix KV, client media "
+        "uuids); false: each key is its own cache scope, so no key can observe or reuse another's entries")] = False
 
     # --- Kafka ingress (mm.requests), run inside the gateway process
     ingress_enabled: Annotated[bool, _d("consume mm.requests in the gateway")] = True
@@ -415,9 +426,10 @@ class Settings(VllmSettings, kw_only=True, frozen=True):
 
 
 def field_names() -> tuple[str, ...]:
-    # msgspec puts a base's fields first: list the fleet's own first, the vLLM knobs after them
-    own = tuple(n for n in Settings.__struct_fields__ if n not in VllmSettings.__struct_fields__)
-    return own + VllmSettings.__struct_fields__
+    # msgspec puts a base's fields first: list the fleet's own first, then SGLang's knobs, the vLLM ones last
+    own = tuple(n for n in Settings.__struct_fields__ if n not in SglangSettings.__struct_fields__)
+    sglang = tuple(n for n in SglangSettings.__struct_fields__ if n not in VllmSettings.__struct_fields__)
+    return own + sglang + VllmSettings.__struct_fields__
 
 
 def env_name(name: str) -> str:

@@ -17,7 +17,7 @@ from shared.models.loading import ALL_PARTS, ENCODER, LM
 from shared.process.device import resolve_placement
 from shared.settings import Settings
 
-ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "vllm", "sglang")
 
 
 def engine_class(name: str) -> type[Engine]:
@@ -30,7 +30,11 @@ def engine_class(name: str) -> type[Engine]:
         from shared.engines.vllm_engine import VllmEngine
 
         return VllmEngine
-    raise SystemExit(f"unknown engine {name!r}; choose {' or '.join(ENGINES)}")
+    if name == "sglang":
+        from shared.engines.sglang_engine import SglangEngine
+
+        return SglangEngine
+    raise SystemExit(f"unknown engine {name!r}; choose {', '.join(ENGINES)}")
 
 
 def uses_decode_core(settings: Settings, stages: tuple[str, ...]) -> bool:
@@ -71,6 +75,10 @@ def make_engine(name: str, settings: Settings, model_dir, stages: tuple[str, ...
                    decode_max_batch=settings.decode_max_batch,
                    prefill_max_batch=settings.prefill_max_batch, parts=parts_for(stages, settings.engine),
                    inline_max_ms=settings.compute_inline_max_ms)
+    if name == "sglang":  # generate only (epd, e-pd): no role to give it
+        placement = resolve_placement(settings.device, settings.dtype)
+        return cls(model_dir, serving=settings, max_media_items=settings.max_media_items,
+                   device=str(placement.device), dtype=str(placement.dtype).removeprefix("torch."))
     from shared.engines import vllm_config, vllm_pd
 
     role = None

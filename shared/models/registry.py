@@ -47,15 +47,20 @@ FAMILIES: dict[str, Family] = {
 ENGINE_SUPPORT: dict[str, dict[str, frozenset[str]] | None] = {
     "transformers": None,
     # from precomputed embeddings only (the encode stage stays transformers'): shared.engines.vllm_inputs;
-    # Qwen2.5-VL images as Qwen2-VL's (its videos need their time step, not passed to vLLM yet)
-    "vllm": {"qwen2_vl": frozenset({"image", "video"}), "qwen2_5_vl": frozenset({"image"}),
-             "llava": frozenset({"image"}), "qwen2_audio": frozenset({"audio"})},
+    # Qwen2.5-VL videos with their time step (second_per_grid_ts) beside the embeddings
+    "vllm": {"qwen2_vl": frozenset({"image", "video"}), "qwen2_5_vl": frozenset({"image", "video"}),
+             "llava": frozenset({"image"}), "qwen2_audio": frozenset({"audio"}),
+             "llava_next": frozenset({"image"}), "llava_next_video": frozenset({"video"})},
+    # text only: SGLang 0.5.12 computes Qwen-VL's M-RoPE positions from its own processor's
+    # output alone, so images given as embeddings get 1-D positions (shared.engines.sglang_inputs
+    # maps them; docs/design/sglang-engine.md)
+    "sglang": {"qwen2_vl": frozenset(), "qwen2_5_vl": frozenset()},
 }
 
 # engine -> family -> why that engine cannot serve it (said at start-up)
 ENGINE_REFUSALS: dict[str, dict[str, str]] = {
-    "vllm": {"llava_next_video": "vLLM's LLaVA-NeXT-Video takes raw frames (pixel_values_videos) only, "
-                                 "no video embeddings, and mmfleet's encode stage hands prefill embeddings"},
+    "sglang": {f: "the sglang engine is checked on Qwen-VL models only"
+               for f in ("qwen2_audio", "llava", "llava_next", "llava_next_video")},
 }
 
 
@@ -84,6 +89,45 @@ def served_modalities(family: Family, engine: str) -> frozenset[str]:
         raise ValueError(f"engine {engine!r} does not serve {family.name} models{f' ({why})' if why else ''}; "
                          f"it serves {', '.join(sorted(support))} (use --engine transformers for {family.name})")
     return family.modalities & support[family.name]
+
+
+# engine -> family -> the modalities it takes as raw media (its own processor and encoder run on
+# them) rather than as our encoder's embeddings: the encode stage passes those items through
+# untouched (docs/design/vllm-engine.md, "The raw-media path")
+ENGINE_RAW_MEDIA: dict[str, dict[str, frozenset[str]]] = {
+    # vLLM's LLaVA-NeXT-Video takes pixel_values_videos only: no video-embedding input; its
+    # LLaVA-NeXT takes image embeddings as one fixed-shape batch: images of different token
+    # counts in one encoder step fail there (and take its engine core down)
+    "vllm": {"llava_next_video": frozenset({"video"}), "llava_next": frozenset({"image"})},
+}
+
+
+# engine -> family -> modality -> items per prompt the engine's model takes at most (vLLM 0.32's
+# get_supported_mm_limits): the gateway admits no more (with_item_limits), as vllm serve refuses them
+ENGINE_ITEM_LIMITS: dict[str, dict[str, dict[str, int]]] = {
+    "vllm": {"llava_next_video": {"video": 1}},
+}
+
+
+def with_item_limits(settings: Settings, family: Family) -> Settings:
+    """``settings`` with each ``max_<kind>s_per_request`` lowered to what the engine's model of
+    ``family`` takes per prompt (``ENGINE_ITEM_LIMITS``), so such a request is a 400 naming it."""
+    import msgspec
+
+    from shared.settings_vllm import MODALITY_LIMITS
+
+    changes = {}
+    for kind, cap in ENGINE_ITEM_LIMITS.get(settings.engine, {}).get(family.name, {}).items():
+        have = getattr(settings, MODALITY_LIMITS[kind])
+        if not have or have > cap:
+            changes[MODALITY_LIMITS[kind]] = cap
+    return msgspec.structs.replace(settings, **changes) if changes else settings
+
+
+def raw_modalities(family: Family, engine: str) -> frozenset[str]:
+    """The modalities of ``family`` that ``engine`` takes as raw media (decoded pixels, not
+    embeddings): media-fetch hands such items on as decoded, encode passes them through."""
+    return ENGINE_RAW_MEDIA.get(engine, {}).get(family.name, frozenset()) & served_modalities(family, engine)
 
 
 def _demo_qwen2_vl(cache_root: Path) -> Path:

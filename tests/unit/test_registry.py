@@ -11,7 +11,15 @@ import torch
 from services.gateway import schema
 from services.gateway.prompt import PromptBuilder
 from shared.engines.base import MediaEmbeds
-from shared.models.registry import FAMILIES, Family, family_of, resolve_model_path, served_modalities
+from shared.models.registry import (
+    FAMILIES,
+    Family,
+    family_of,
+    raw_modalities,
+    resolve_model_path,
+    served_modalities,
+    with_item_limits,
+)
 from shared.settings import Settings
 from shared.stage import RequestFailed
 
@@ -24,13 +32,21 @@ def test_modalities_per_family_and_engine(model_dir):
     assert served_modalities(qwen, "vllm") == {"image", "video"}
     assert served_modalities(FAMILIES["llava"], "vllm") == {"image"}
     assert served_modalities(FAMILIES["qwen2_audio"], "vllm") == {"audio"}
-    with pytest.raises(ValueError, match=r"engine 'vllm' does not serve llava_next_video models \(vLLM's "
-                                         r"LLaVA-NeXT-Video takes raw frames"):
-        served_modalities(FAMILIES["llava_next_video"], "vllm")
+    assert served_modalities(FAMILIES["llava_next"], "vllm") == {"image"}
+    # LLaVA-NeXT-Video's videos reach vLLM as raw frames (its model takes no video embeddings)
+    assert served_modalities(FAMILIES["llava_next_video"], "vllm") == {"video"}
+    assert raw_modalities(FAMILIES["llava_next_video"], "vllm") == {"video"}
+    assert not raw_modalities(FAMILIES["llava_next_video"], "transformers")
+    assert raw_modalities(FAMILIES["llava_next"], "vllm") == {"image"} and not raw_modalities(qwen, "vllm")
+    # vLLM's LLaVA-NeXT-Video takes one video per prompt: the gateway's limit follows
+    limited = with_item_limits(Settings(engine="vllm"), FAMILIES["llava_next_video"])
+    assert limited.max_videos_per_request == 1 and limited.max_images_per_request == Settings().max_images_per_request
+    assert with_item_limits(Settings(engine="transformers"), FAMILIES["llava_next_video"]) == Settings()
+    assert with_item_limits(Settings(engine="vllm"), qwen) == Settings(engine="vllm")
     with pytest.raises(ValueError, match="engine 'vllm' does not serve mystery models; it serves"):
         served_modalities(Family("mystery", {"image": "<image>"}), "vllm")
-    with pytest.raises(ValueError, match="unknown engine 'sglang'"):
-        served_modalities(qwen, "sglang")
+    with pytest.raises(ValueError, match="unknown engine 'tgi'"):
+        served_modalities(qwen, "tgi")
     assert set(FAMILIES) == {"qwen2_vl", "qwen2_5_vl", "qwen2_audio", "llava", "llava_next", "llava_next_video"}
 
 
