@@ -135,9 +135,15 @@ class MediaSource(Struct, frozen=True, kw_only=True):
     # images (Qwen2-VL): the request's pixel budget (mm_processor_kwargs / detail; 0: the processor's)
     min_pixels: int = 0
     max_pixels: int = 0
-    # kind "image_embeds" (precomputed embeddings, ``mime`` = "npy" | "safetensors"): the grid
-    # they were encoded with (Qwen2-VL positions need it; (0, 0, 0) for other families)
+    # kinds "image_embeds" / "video_embeds" / "audio_embeds" (precomputed embeddings, ``mime`` "npy",
+    # checked by the gateway): the grid they were encoded with (Qwen2-VL positions need it; (0, 0, 0)
+    # for other families) and a Qwen2.5-VL video's time step
     grid_thw: tuple[int, int, int] = (0, 0, 0)
+    second_per_grid_t: float = 0.0
+    # the client's name for the item (vLLM's part ``uuid``): its identity in every cache, within
+    # the request's ``cache_scope``; with neither ``url`` nor ``inline`` the item is what the
+    # embedding index holds under that name
+    uuid: str = ""
 
 
 class StageSpan(Struct, frozen=True):
@@ -178,6 +184,9 @@ class RequestMeta(Struct, frozen=True, kw_only=True):
     # needs is gone with its owner (``attempt`` counts such restarts)
     sources: tuple[MediaSource, ...] = ()
     source_owner: AgentRef | None = None
+    # the request's cache scope (tenant and cache_salt, ``shared.embcache.identity.scope_of``):
+    # in every media item's hash and at the root of its KV block hashes; "": the fleet-wide one
+    cache_scope: str = ""
 
 
 class PixelItem(Struct, frozen=True):
@@ -237,6 +246,10 @@ class EmbeddingIndexEntry(Struct, frozen=True):
     n_tokens: int
     gen: int
     created_unix_ms: int = 0
+    # the rest of the item's geometry (``PixelItem``'s), so a client-named item served from the
+    # index alone (no data in the request) becomes the same prompt as when it was encoded
+    meta: tuple[int, ...] = ()
+    second_per_grid_t: float = 0.0
 
 
 # ---------------------------------------------------------------- stage messages
@@ -309,6 +322,7 @@ class MediaShape(Struct, frozen=True):
     kind: str
     grid_thw: tuple[int, int, int]
     n_tokens: int
+    second_per_grid_t: float = 0.0  # as in PixelItem: a Qwen2.5-VL video's positions step by it
 
 
 class EngineKv(Struct, frozen=True, kw_only=True):

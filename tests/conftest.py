@@ -23,7 +23,8 @@ CACHE_DIR = procs.REPO / ".mmfleet" / "cache"
 # whole on one worker (its module fixtures, a fleet, start once) and files are handed out in this
 # order, so the vLLM files (minutes each) start at once, on both workers, and the many short
 # files fill the end instead of one long file running alone there.
-LONGEST_FIRST = ("tests/e2e/test_modes.py", "tests/engines/test_vllm_engine.py", "tests/engines/",
+LONGEST_FIRST = ("tests/e2e/test_modes.py", "tests/engines/test_vllm_engine.py",
+                 "tests/e2e/test_vllm_families_fleet.py", "tests/engines/",
                  "tests/chaos/", "tests/multihost/", "tests/e2e/", "tests/k8s/test_pods.py", "tests/loadtest/",
                  "tests/unit/test_decode_core",
                  "tests/transport/test_infra_stall.py")

@@ -5,7 +5,8 @@ In: ``EncodeRequest``. Out: ``PrefillRequest`` on ``mm.prefill``; media-fetch's 
 released once produced. With the embedding cache (``cache`` given, items with a ``cache_key``)
 each item goes through :class:`~shared.embcache.coalesce.EncodeCache`: served from a pool that
 holds it (this worker's or another's: ``owners`` names every agent), one encode for concurrent
-requests, pixels pulled only for items encoded. ``EncodeRequest.cached`` items pass as they are.
+requests, pixels pulled only for items encoded. ``EncodeRequest.cached`` items pass as they are;
+so do raw-media items (``raw_kinds``: the LM engine's own encoder takes them, docs/design/vllm-engine.md).
 Design: docs/design/embedding-cache.md.
 """
 
@@ -23,20 +24,26 @@ Owned = tuple[protocol.AgentRef, protocol.EmbeddingItem]
 
 
 class EncodeHandler:
-    def __init__(self, engine: Engine, cache: EncodeCache | None = None, router=None) -> None:
-        self._engine = engine  # concurrent encode() calls are batched by the engine
+    def __init__(self, engine: Engine | None, cache: EncodeCache | None = None, router=None,
+                 raw_kinds: frozenset[str] = frozenset()) -> None:
+        self._engine = engine  # concurrent encode() calls are batched by the engine; None: raw kinds only
         self._cache = cache
         self._router = router  # shared.kv.router.Router: reads the routing table beside the encoder
+        # kinds the LM engine takes as raw media (shared.models.registry.raw_modalities): passed on as they came
+        self._raw = raw_kinds
 
     async def _encode(self, pixels, item: protocol.PixelItem):
-        if item.kind.endswith("_embeds"):  # precomputed by the client (checked at the gateway): no encoder
+        if item.kind.endswith("_embeds") or item.kind in self._raw:  # precomputed, or raw for the LM: no encoder
             return pixels
+        if self._engine is None:
+            raise RuntimeError(f"this encode stage has no encoder for {item.kind} items")
         return await self._engine.encode(pixels, item.grid_thw, item.n_tokens, item.kind, item.meta)
 
     async def handle(self, msg: protocol.EncodeRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
         if self._router is not None:  # the PrefillRequest's route, read while the items encode
-            self._router.read_ahead(msg.meta.request_id, msg.meta.prompt_token_ids, [*msg.items, *msg.cached])
+            self._router.read_ahead(msg.meta.request_id, msg.meta.prompt_token_ids, [*msg.items, *msg.cached],
+                                    salt=msg.meta.cache_scope)
         results = await gather(*(self._item(msg, it, ctx) for it in msg.items), return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
@@ -56,7 +63,7 @@ class EncodeHandler:
             with timed_transfer():
                 pixels = await ctx.transfer.get(msg.owner, it.pixels)
             emb = await self._encode(pixels, it)
-            if emb.shape[0] != it.n_tokens:
+            if it.kind not in self._raw and emb.shape[0] != it.n_tokens:
                 raise RuntimeError(f"encoder gave {emb.shape[0]} rows for {it.n_tokens} tokens")
             with timed_transfer():
                 return await ctx.transfer.put_wait(emb, timeout_ms=5_000)

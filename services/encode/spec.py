@@ -9,6 +9,7 @@ import logging
 
 from shared import protocol
 from shared.keys import TOPIC_ENCODE, TOPIC_PREFILL
+from shared.models.registry import family_of, raw_modalities, served_modalities
 from shared.stage import StageBuild, StageParts, StageSpec
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,14 @@ async def build(parts: StageParts) -> StageBuild:
         parts.stack.push_async_callback(cache.drain)  # runs before store.close
     # the PrefillRequest is routed where it goes to Kafka, i.e. unless this worker runs prefill too
     router = None if "prefill" in parts.stages else parts.router
-    return StageBuild(EncodeHandler(await parts.engine("transformers"), cache, router=router))  # the vision encoder
+    # the LM engine's raw-media kinds pass through; served only those, this stage loads no encoder
+    family = family_of(parts.model_dir)
+    raw = raw_modalities(family, settings.engine)
+    engine = await parts.engine("transformers") if served_modalities(family, settings.engine) - raw else None
+    if raw:
+        log.info("encode passes %s %s items through unencoded (raw media for the %s engine)%s", family.name,
+                 ", ".join(sorted(raw)), settings.engine, "; no encoder loaded" if engine is None else "")
+    return StageBuild(EncodeHandler(engine, cache, router=router, raw_kinds=raw))  # the vision encoder
 
 
 # only media-fetch feeds it: a worker running both hands items over in memory, never via mm.encode

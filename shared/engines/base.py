@@ -31,6 +31,8 @@ class MediaEmbeds(NamedTuple):
     kind: str = "image"
     second_per_grid_t: float = 0.0  # Qwen2.5-VL videos: their M-RoPE time step (protocol.PixelItem)
     mm_hash: str = ""  # BLAKE3 of the item's bytes (shared.kv.blocks); engines with their own caches key on it
+    # the item's prompt tokens; 0: ``embeds``' rows (a raw item, e.g. decoded frames, has its own count)
+    n_tokens: int = 0
 
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -77,9 +78,10 @@ class LlavaCompute(PlainLMCompute):
 class NextVideoPreprocessor:
     """LLaVA-NeXT-Video's own video processor alone (no weights): sampled frames
     (``uint8 [frames, h, w, 3]``) → ``pixel_values_videos`` ``[frames, 3, S, S]`` and the LM
-    token count (frames · (S / patch)² / pool²)."""
+    token count (frames · (S / patch)² / pool²). ``raw``: the frames themselves (uint8, as
+    sampled) with that count, for an LM engine that takes raw video (``registry.raw_modalities``)."""
 
-    def __init__(self, model_dir: Path | str, *, processor=None, config=None) -> None:
+    def __init__(self, model_dir: Path | str, *, processor=None, config=None, raw: bool = False) -> None:
         from transformers import AutoConfig, AutoProcessor
 
         processor = processor or AutoProcessor.from_pretrained(str(model_dir))
@@ -87,10 +89,14 @@ class NextVideoPreprocessor:
         self._video_processor = processor.video_processor
         vision = config.vision_config
         self._per_frame = (int(vision.image_size) // int(vision.patch_size) // int(config.spatial_pool_stride)) ** 2
+        self._raw = raw
 
     @torch.inference_mode()
     def __call__(self, frames, fps: float = 0.0) -> MediaPixels:
         """``fps``: the rate the frames were sampled at (this family's positions do not use it)."""
+        if self._raw:
+            px = torch.from_numpy(np.ascontiguousarray(frames, dtype=np.uint8))
+            return MediaPixels(px, (0, 0, 0), px.shape[0] * self._per_frame, "video")
         px = self._video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"][0]
         return MediaPixels(px.to(torch.float32).contiguous(), (0, 0, 0), px.shape[0] * self._per_frame, "video")
 
@@ -135,21 +141,26 @@ class NextImagePreprocessor:
     """LLaVA-NeXT's processor on one image (no weights): its "anyres" tiles ``pixel_values``
     ``[tiles, 3, S, S]``, ``meta = image_sizes`` (height, width: what the encoder unpads by) and
     the LM token count — all from the processor's own call on a one-placeholder text, so the
-    count is the one ``processor(text, images)`` expands ``<image>`` to."""
+    count is the one ``processor(text, images)`` expands ``<image>`` to. ``raw``: the image itself
+    (uint8 ``[h, w, 3]``) with that count, for an LM engine that takes raw images."""
 
-    def __init__(self, model_dir: Path | str, *, processor=None) -> None:
+    def __init__(self, model_dir: Path | str, *, processor=None, raw: bool = False) -> None:
         if processor is None:
             from transformers import AutoProcessor
 
             processor = AutoProcessor.from_pretrained(str(model_dir))
         self._processor = processor
         self._image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+        self._raw = raw
 
     @torch.inference_mode()
     def __call__(self, img: Image.Image) -> MediaPixels:
         out = self._processor(text=[self._processor.image_token], images=[img], return_tensors="pt")
         height, width = (int(x) for x in out["image_sizes"][0].tolist())
         n_tokens = int((out["input_ids"] == self._image_id).sum())
+        if self._raw:
+            return MediaPixels(torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.uint8).copy()), (0, 0, 0),
+                               n_tokens, "image", (height, width))
         return MediaPixels(out["pixel_values"][0].to(torch.float32).contiguous(), (0, 0, 0), n_tokens, "image",
                            (height, width))
 

@@ -148,6 +148,10 @@ class VllmEngine:
         self.startup_s = time.monotonic() - t0
         log.info("vllm engine up in %.1f s (model %s, max_model_len %d)", self.startup_s,
                  self._model_dir, self.max_model_len)
+        if self.prompts.raw:
+            log.info("vllm takes %s %s as raw media (its own processor and encoder; the encode stage passes "
+                     "them through), %s as embeddings", self.prompts.family, ", ".join(sorted(self.prompts.raw)),
+                     ", ".join(sorted(self.modalities - self.prompts.raw)) or "nothing")
 
     def _build(self):
         from vllm.platforms import current_platform
@@ -254,7 +258,13 @@ class VllmEngine:
         if events is not None:  # the prompt's whole vLLM blocks that have keys: wait for their events
             want = min(prompt_len // self.block_size, len(block_keys) // events.translator.ratio)
             changes = await events.changes_after(session, want, self._kv_event_wait_s)
-        media = [protocol.MediaShape(getattr(m, "kind", "image"), tuple(m[1]), int(m[0].shape[0])) for m in images]
+        media = [protocol.MediaShape(getattr(m, "kind", "image"), tuple(m[1]), _tokens_of(m),
+                                     float(getattr(m, "second_per_grid_t", 0.0))) for m in images]
+        if any(m.kind in self.prompts.raw for m in media):  # vLLM's own processor counted these items' tokens
+            counted = len(prompt_ids) + sum(m.n_tokens - 1 for m in media)
+            if prompt_len != counted:
+                raise EngineError(f"vLLM expanded the prompt of {request_id!r} to {prompt_len} tokens where the "
+                                  f"fleet counted {counted}: raw-media token counts disagree")
         return PrefillOutput(first_token=first, kv=None, rope_delta=0, prompt_len=prompt_len,
                              engine_kv=vllm_pd.to_wire(kv_params, media), cached_tokens=cached, kv_changes=changes)
 
@@ -274,8 +284,9 @@ class VllmEngine:
         # producer to free the blocks now; unread, its engine core would keep stepping, a busy
         # loop, until their lease passes.
         done = remaining <= 0 or (first_token, *resume)[-1] in stop_token_set(sampling, self.eos_token_ids)
-        media = vllm_pd.placeholder_media(kv.media, self.hidden_size)
-        prompt = self.prompts.build(list(prompt_ids), media, tail=(first_token, *resume))
+        ids, shapes = self.prompts.expand_raw(list(prompt_ids), kv.media)  # raw items need no media here
+        media = vllm_pd.placeholder_media(tuple(shapes), self.hidden_size)
+        prompt = self.prompts.build(ids, media, tail=(first_token, *resume), raw_expanded=True)
         params = self._sampling_params(msgspec.structs.replace(sampling, max_tokens=1 if done else remaining),
                                        kv_transfer=vllm_pd.from_wire(kv), already=1 + len(resume),
                                        prefix=(int(first_token), *resume))
@@ -361,3 +372,8 @@ class VllmEngine:
     def _sampling_params(self, sampling: protocol.Sampling, kv_transfer: dict | None = None, already: int = 0,
                          prefix: tuple[int, ...] = ()):
         return vllm_sampling.sampling_params(sampling, self.eos_token_ids, kv_transfer, already, prefix)
+
+
+def _tokens_of(item: MediaEmbeds) -> int:
+    """An item's prompt tokens: its own count (raw media), else its embedding's rows."""
+    return int(getattr(item, "n_tokens", 0) or item[0].shape[0])

@@ -161,9 +161,11 @@ def from_wire(kv: protocol.EngineKv) -> dict:
 
 def placeholder_media(media: tuple[protocol.MediaShape, ...], hidden_size: int) -> list:
     """Zero embeddings of the items' shapes, as the engine's ``MediaEmbeds``, for a consumer:
-    vLLM needs them to expand placeholders and to compute M-RoPE positions from ``grid_thw``, but
-    reads no embedding of a position whose KV was loaded. The consumer's prefix cache is off
-    (zeros would give two different images one cache key there)."""
+    vLLM needs them to expand placeholders and to compute M-RoPE positions from ``grid_thw`` (and a
+    Qwen2.5-VL video's ``second_per_grid_t``), but reads no embedding of a position whose KV was
+    loaded. The consumer's prefix cache is off (zeros would give two different images one cache
+    key there)."""
     from shared.engines.base import MediaEmbeds
 
-    return [MediaEmbeds(torch.zeros(m.n_tokens, hidden_size), tuple(m.grid_thw), m.kind) for m in media]
+    return [MediaEmbeds(torch.zeros(m.n_tokens, hidden_size), tuple(m.grid_thw), m.kind, m.second_per_grid_t)
+            for m in media]

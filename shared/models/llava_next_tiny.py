@@ -17,6 +17,7 @@ import torch
 from shared.models import llava_tiny as lt
 from shared.models import qwen2_vl_tiny as vl
 from shared.models import tokenizer_build as tb
+from shared.models import weight_layout
 
 MODEL_NAME = "llava-next-tiny"
 PINPOINTS = [[56, 56], [56, 112], [112, 56], [112, 112]]
@@ -60,6 +61,7 @@ def build_tiny_llava_next(out_dir: Path, *, seed: int = 0) -> Path:
         bos_token_id=ids[tb.ENDOFTEXT], eos_token_id=[ids[tb.IM_END], ids[tb.ENDOFTEXT]],
         pad_token_id=ids[tb.ENDOFTEXT], do_sample=False)
     model.save_pretrained(out_dir)
+    weight_layout.save_in_hub_layout(out_dir, "llava_next")  # as llava_tiny
     processor.save_pretrained(out_dir)
     return out_dir
 

@@ -3,7 +3,9 @@ Qwen2 LM), built offline; served for video. Contract as :mod:`shared.models.llav
 (``build_tiny_llava_next_video``, ``ensure_tiny_llava_next_video`` →
 ``cache_root/llava-next-video-tiny-<recipe hash>``). Model facts: ``<image>`` and ``<video>``
 registered as special tokens; a video part renders one ``<video>``; frames are resized (shortest
-edge 56) and centre-cropped to 56x56; patch 14 → 4x4 patches, pooled 2x2 → 4 LM tokens per frame.
+edge 56) and centre-cropped to 56x56; patch 7 → 8x8 patches, pooled 2x2 → 16 LM tokens per frame
+(vLLM's pooler divides by ``image_size // patch²``: a patch of 14 on 56-pixel frames would be 0
+there). Weights in the hub layout (:mod:`shared.models.weight_layout`), which vLLM loads.
 
 Design: docs/guide/models.md.
 """
@@ -17,9 +19,13 @@ import torch
 from shared.models import llava_tiny as lt
 from shared.models import qwen2_vl_tiny as vl
 from shared.models import tokenizer_build as tb
+from shared.models import weight_layout
 
 MODEL_NAME = "llava-next-video-tiny"
 VIDEO = "<video>"
+PATCH = 7
+POOL = 2
+TOKENS_PER_FRAME = (lt.IMAGE_SIZE // PATCH // POOL) ** 2
 CHAT_TEMPLATE = lt.CHAT_TEMPLATE.replace("'<|vision_start|><|video_pad|><|vision_end|>'", "'<video>'")
 
 
@@ -47,7 +53,7 @@ def build_tiny_llava_next_video(out_dir: Path, *, seed: int = 0) -> Path:
         video_processor=LlavaNextVideoVideoProcessor(size=size, crop_size=crop),
         image_processor=LlavaNextImageProcessor(size=size, crop_size=crop,
                                                 image_grid_pinpoints=[[lt.IMAGE_SIZE, lt.IMAGE_SIZE]]),
-        tokenizer=tokenizer, patch_size=lt.PATCH, vision_feature_select_strategy="default",
+        tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
         num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
     text = vl.text_config_dict(len(tokenizer), ids)
     text.pop("rope_parameters")
@@ -55,16 +61,17 @@ def build_tiny_llava_next_video(out_dir: Path, *, seed: int = 0) -> Path:
     config = LlavaNextVideoConfig(
         vision_config={"model_type": "clip_vision_model", "hidden_size": 64, "intermediate_size": 128,
                        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": lt.IMAGE_SIZE,
-                       "patch_size": lt.PATCH, "projection_dim": 64},
+                       "patch_size": PATCH, "projection_dim": 64},
         text_config=text, image_token_id=ids[lt.IMAGE], video_token_id=ids[VIDEO], vision_feature_layer=-1,
         vision_feature_select_strategy="default", image_grid_pinpoints=[[lt.IMAGE_SIZE, lt.IMAGE_SIZE]],
-        spatial_pool_mode="average", spatial_pool_stride=2)
+        spatial_pool_mode="average", spatial_pool_stride=POOL)
     model = LlavaNextVideoForConditionalGeneration(config).to(torch.float32).eval()
     lt._init_weights(model, seed)
     model.generation_config = GenerationConfig(
         bos_token_id=ids[tb.ENDOFTEXT], eos_token_id=[ids[tb.IM_END], ids[tb.ENDOFTEXT]],
         pad_token_id=ids[tb.ENDOFTEXT], do_sample=False)
     model.save_pretrained(out_dir)
+    weight_layout.save_in_hub_layout(out_dir, "llava_next_video")  # as llava_tiny
     processor.save_pretrained(out_dir)
     return out_dir
 

@@ -4,7 +4,8 @@
 builds once into ``cache_root/llava-tiny-<recipe hash>``. Model facts: ``<image>`` registered as
 a special token, one per image part of the Qwen-style chat template; images resized and
 centre-cropped to 56x56; vision tower 2 layers, hidden 64, patch 14 → 16 LM tokens per image (CLS
-dropped); text model as the other tiny builds (hidden 128, 2 layers, plain RoPE).
+dropped); text model as the other tiny builds (hidden 128, 2 layers, plain RoPE). Weights are
+kept in the hub layout (:mod:`shared.models.weight_layout`), which transformers and vLLM both load.
 
 Design: docs/guide/models.md.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from shared.models import build_cache
+from shared.models import build_cache, weight_layout
 from shared.models import qwen2_vl_tiny as vl
 from shared.models import tokenizer_build as tb
 from shared.models.build_cache import build_once
@@ -31,7 +32,8 @@ CHAT_TEMPLATE = tb.CHAT_TEMPLATE.replace("'<|vision_start|><|image_pad|><|vision
 
 
 def recipe_hash(seed: int) -> str:
-    return build_cache.recipe_hash(seed, (Path(__file__), Path(tb.__file__), Path(vl.__file__)))
+    return build_cache.recipe_hash(seed, (Path(__file__), Path(tb.__file__), Path(vl.__file__),
+                                         Path(weight_layout.__file__)))
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
@@ -75,6 +77,7 @@ def build_tiny_llava(out_dir: Path, *, seed: int = 0) -> Path:
         bos_token_id=ids[tb.ENDOFTEXT], eos_token_id=[ids[tb.IM_END], ids[tb.ENDOFTEXT]],
         pad_token_id=ids[tb.ENDOFTEXT], do_sample=False)
     model.save_pretrained(out_dir)
+    weight_layout.save_in_hub_layout(out_dir, "llava")
     processor.save_pretrained(out_dir)
     return out_dir
 

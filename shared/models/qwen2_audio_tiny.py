@@ -3,7 +3,8 @@
 that ``AutoProcessor`` and ``Qwen2AudioForConditionalGeneration`` load under ``HF_HUB_OFFLINE=1``;
 ``ensure_tiny_qwen2_audio(cache_root)`` builds once into ``cache_root/qwen2-audio-tiny-<recipe
 hash>``. Weights are seeded and fan-in scaled (``_init_weights``) like the Qwen2-VL build's, so
-the output depends on the audio with usable argmax margins.
+the output depends on the audio with usable argmax margins; weights in the hub layout
+(:mod:`shared.models.weight_layout`), which transformers and vLLM both load.
 
 Design: docs/guide/models.md.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from shared.models import build_cache
+from shared.models import build_cache, weight_layout
 from shared.models import qwen2_vl_tiny as vl
 from shared.models import tokenizer_build as tb
 from shared.models.build_cache import build_once
@@ -47,7 +48,8 @@ CHAT_TEMPLATE = (
 
 
 def recipe_hash(seed: int) -> str:
-    return build_cache.recipe_hash(seed, (Path(__file__), Path(tb.__file__), Path(vl.__file__)))
+    return build_cache.recipe_hash(seed, (Path(__file__), Path(tb.__file__), Path(vl.__file__),
+                                         Path(weight_layout.__file__)))
 
 
 def _init_weights(model: torch.nn.Module, seed: int) -> None:
@@ -100,6 +102,7 @@ def build_tiny_qwen2_audio(out_dir: Path, *, seed: int = 0) -> Path:
         bos_token_id=ids[tb.ENDOFTEXT], eos_token_id=[ids[tb.IM_END], ids[tb.ENDOFTEXT]],
         pad_token_id=ids[tb.ENDOFTEXT], do_sample=False)
     model.save_pretrained(out_dir)
+    weight_layout.save_in_hub_layout(out_dir, "qwen2_audio")
     processor.save_pretrained(out_dir)
     return out_dir
 

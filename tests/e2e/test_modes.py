@@ -1,11 +1,14 @@
 """Parity across deployment modes and engines: every supported (mode, engine) pair gives, at
 temperature 0, exactly the tokens of in-process ``generate()`` for a text, a one-image and a
 two-image prompt, streamed and whole; an engine lacking what a layout needs is refused at
-start-up saying why. Each pair is a real fleet (``mmfleet up --mode M``, ``MMFLEET_ENGINE``) on
-the shared broker and Redis; m-e-p-d with transformers is covered by test_skeleton.py. The
-e-p-d vLLM fleet then has its decode and prefill workers killed under load (nothing lost or
-duplicated). vLLM in e-p-d and ep-d moves the KV engine to engine (NixlConnector): equal tokens
-mean the KV really moved (decode's engine never sees the images)."""
+start-up saying why. vLLM fleets serve a copy of the model whose generation config sets sampling
+defaults, and also answer a video and a request without sampling fields as vLLM's own offline
+``LLM.generate`` does on the raw media (tests/e2e/vllm_checks.py). Each pair is a real fleet
+(``mmfleet up --mode M``, ``MMFLEET_ENGINE``) on the shared broker and Redis; m-e-p-d with
+transformers is covered by test_skeleton.py. The e-p-d vLLM fleet then has its decode and prefill
+workers killed under load (nothing lost or duplicated). vLLM in e-p-d and ep-d moves the KV engine
+to engine (NixlConnector): equal tokens mean the KV really moved (decode's engine never sees the
+images)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from tests.chaos.load import reference_texts
 from tests.chaos.test_kill_workers import VLLM_FLEET_ENV, check_vllm_kills
 from tests.e2e.test_api_conformance import check_structured_output, check_tool_calls
 from tests.e2e.test_skeleton import gradient_image, noise_image, png_data_url, ref_parts, reference_text
+from tests.e2e.vllm_checks import Expected, clip, tuned_copy
+from tests.vllm_offline import Case
 
 MAX_TOKENS = 12
 PROMPTS = {
@@ -43,6 +48,20 @@ def references(model_dir) -> dict[str, str]:
             for name, (imgs, text) in PROMPTS.items()}
 
 
+@pytest.fixture(scope="module")
+def vllm_expected(model_dir, references, tmp_path_factory) -> Expected:
+    """vLLM's offline answers on the model copy vLLM fleets serve: the prompts above and a video."""
+    tuned = tuned_copy(model_dir, tmp_path_factory.mktemp("tuned") / "qwen2-vl")
+    raw, video = clip()
+    cases = {name: (Case(text, imgs, max_tokens=MAX_TOKENS), []) for name, (imgs, text) in PROMPTS.items()}
+    cases["video"] = (Case("Describe the clip.", videos=[(video.frames, video.sampled_fps)], max_tokens=MAX_TOKENS),
+                      [raw])
+    expected = Expected(tuned, cases, tmp_path_factory.mktemp("vllm-offline"))
+    for name in PROMPTS:  # vLLM on the raw images and transformers' generate() agree
+        assert expected.texts[name] == references[name], name
+    return expected
+
+
 def _content(imgs, text):
     if not imgs:
         return text
@@ -51,10 +70,12 @@ def _content(imgs, text):
 
 
 @pytest.mark.parametrize(("mode", "engine"), PAIRS)
-def test_mode_engine_parity(mode, engine, kafka_bootstrap, redis_url, model_dir, logs_dir, references):
+def test_mode_engine_parity(mode, engine, kafka_bootstrap, redis_url, model_dir, logs_dir, references, request):
     # each fleet gets its own key prefix and consumer groups' worth of topics are shared: a
     # fleet stops before the next starts, so no two fleets consume at once
-    env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
+    expected = request.getfixturevalue("vllm_expected") if engine == "vllm" else None
+    served = expected.model_dir if expected is not None else model_dir
+    env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(served),
            "MMFLEET_ENGINE": engine, "MMFLEET_REDIS_PREFIX": f"{mode}-{engine}",
            "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024), **(VLLM_FLEET_ENV if (mode, engine) == KILLED else {})}
     log_dir = logs_dir / f"{mode}-{engine}"
@@ -69,6 +90,8 @@ def test_mode_engine_parity(mode, engine, kafka_bootstrap, redis_url, model_dir,
                                client.chat.completions.create(stream=True, **kwargs) if c.choices)
             assert whole == references[name], f"{mode}/{engine}/{name}"
             assert streamed == references[name], f"{mode}/{engine}/{name} (stream)"
+        if expected is not None:  # a video, and a request without sampling fields, as vLLM answers them
+            expected.check_fleet(client, f"{mode}/{engine}")
         # response_format and forced tool calls in this mode and engine; vLLM serves them greedy
         # only and refuses them sampled, by name (services/gateway/params.check_structured_engine)
         temperature = 0.0 if engine == "vllm" else 1.0

@@ -11,6 +11,7 @@ from PIL import Image
 
 from shared.engines.base import MediaEmbeds
 from shared.engines.llava import LlavaCompute
+from shared.models.llava_next_video_tiny import TOKENS_PER_FRAME
 from shared.models.llava_tiny import TOKENS_PER_IMAGE, ensure_tiny_llava
 from shared.models.reference import load_reference, reference_generate
 from shared.models.registry import family_of
@@ -105,7 +106,7 @@ def test_next_video_split_path_matches_generate(next_video, n_frames):
     videos = [frames(i, n) for i, n in enumerate(n_frames)]
     expected = reference_generate(path, vmsgs(len(videos)), [], MAX_NEW_TOKENS, loaded=reference, videos=videos)
     mine = [compute.preprocess_video(v) for v in videos]
-    assert [p.n_tokens for p in mine] == [4 * n for n in n_frames]
+    assert [p.n_tokens for p in mine] == [TOKENS_PER_FRAME * n for n in n_frames] and TOKENS_PER_FRAME == 16
     feats = compute.encode_media([compute.preprocess_video(frames(9, 2)), *mine])[1:]  # batched with others
     prefill = compute.prefill(compute.render_prompt_ids(vmsgs(len(videos))),
                               [MediaEmbeds(f, (0, 0, 0), "video") for f in feats])
