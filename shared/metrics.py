@@ -88,11 +88,35 @@ NIXL_TRANSFER = Histogram("mmfleet_nixl_transfer_seconds",
                           buckets=LATENCY_BUCKETS_S)
 
 # ------------------------------------------------------------------------------- media
+# the one value set of every ``modality`` label (an embeddings item counts as its modality): the
+# label's cardinality is bounded by it, whatever requests send
+MODALITIES = ("image", "video", "audio")
 MEDIA_FETCH_BYTES = Counter("mmfleet_media_fetch_bytes_total",
                             "media bytes media-fetch loaded, by source: http (downloaded, or served by the "
-                            "fetch cache), inline (pulled from the gateway), file", ["source"])
+                            "fetch cache), inline (pulled from the gateway), file; and by modality",
+                            ["source", "modality"])
+REQUEST_MEDIA_ITEMS = Histogram("mmfleet_request_media_items",
+                                "gateway: media items of one admitted chat request, by modality (every "
+                                "modality observed for every request, 0 included)", ["modality"],
+                                buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32))
+MEDIA_TOKENS = Counter("mmfleet_media_tokens_total",
+                       "prefill: prompt tokens the media items of the requests it ran became, by modality",
+                       ["modality"])
 MEDIA_FETCH = Histogram("mmfleet_media_fetch_seconds", "loading one media item's bytes, by source",
                         ["source"], buckets=LATENCY_BUCKETS_S)
+
+
+def modality_of(kind: str) -> str:
+    """The ``modality`` label of a media item's kind (``video_embeds`` -> ``video``)."""
+    modality = kind.removesuffix("_embeds")
+    return modality if modality in MODALITIES else "other"
+
+
+def observe_request_media(kinds: list[str]) -> None:
+    """One admitted request's media items (their kinds), counted per modality."""
+    counted = [modality_of(k) for k in kinds]
+    for modality in MODALITIES:
+        REQUEST_MEDIA_ITEMS.labels(modality).observe(counted.count(modality))
 
 
 def watch_pool(agent) -> None:

@@ -23,6 +23,7 @@ from aiohttp import web
 from services.fleetview import page as fleet_page
 from services.gateway.auth import Authenticator
 from services.gateway.frontend import Frontend, new_request_id
+from services.gateway.media_names import MediaNames
 from services.gateway.media_tokens import MediaTokens
 from services.gateway.prompt import PromptBuilder
 from services.gateway.readiness import readiness, request_paths
@@ -64,6 +65,19 @@ class GatewayState:
         self.paths = request_paths(front.builder.modalities)
 
 
+async def _media_names(settings: Settings, redis, keys: RedisKeys) -> MediaNames:
+    """The resolver of data-less client-named items: the fleet's embedding index (none with the
+    cache off) and the model's fingerprint, as media-fetch keys items."""
+    if settings.embedding_cache_bytes <= 0:
+        return MediaNames(None, "")
+    from shared.embcache.identity import model_fingerprint
+    from shared.embcache.index import EmbeddingIndex
+
+    index = EmbeddingIndex(redis, keys, ttl_s=settings.embedding_index_ttl_s,
+                           lease_ms=settings.embedding_coalesce_lease_ms)
+    return MediaNames(index, await asyncio.to_thread(model_fingerprint, resolve_model_path(settings)))
+
+
 async def _lifecycle(app: web.Application):
     settings = app[SETTINGS]
     keys = RedisKeys(settings.redis_prefix)
@@ -86,7 +100,8 @@ async def _lifecycle(app: web.Application):
     router = Router(redis, keys, settings, placeholder_token_id(resolve_model_path(settings)), redis_required=True)
     doorbell = Doorbell(redis, settings.redis_prefix, idle_fetch_interval_ms=settings.idle_fetch_interval_ms) \
         if settings.doorbell else None
-    front = Frontend(settings, builder, producer, streams, transfer, auth, ledger, router, doorbell)
+    front = Frontend(settings, builder, producer, streams, transfer, auth, ledger, router, doorbell,
+                     names=await _media_names(settings, redis, keys))
     app[STATE] = GatewayState(settings, front, producer, redis, keys)
     app[TOKENS] = Tokenization(builder, settings, MediaTokens.for_model(resolve_model_path(settings),
                                                                         max_image_pixels=settings.max_image_pixels))

@@ -28,6 +28,7 @@ from aiokafka.errors import KafkaError
 
 from services.gateway import bounds, params, schema
 from services.gateway.auth import Authenticator
+from services.gateway.media_names import MediaNames, cache_scope
 from services.gateway.prompt import Prepared, PromptBuilder
 from services.gateway.redrive import Redriver
 from services.gateway.responses import (
@@ -71,7 +72,7 @@ class Frontend:
 
     def __init__(self, settings: Settings, builder: PromptBuilder, producer, streams: TokenStreams,
                  transfer: TransferAgent, auth: Authenticator, ledger: StageLedger, router=None,
-                 doorbell=None) -> None:
+                 doorbell=None, names: MediaNames | None = None) -> None:
         self.settings = settings
         self.builder = builder
         self.producer = producer
@@ -82,6 +83,7 @@ class Frontend:
         self.inflight = 0
         self.router = router  # shared.kv.router.Router for entries at mm.prefill (None: by key)
         self.doorbell = doorbell  # shared.transport.doorbell.Doorbell: rung once an entry record is acked
+        self.names = names or MediaNames(None, "")  # data-less client-named items, resolved before admitting
         # its run() is started by the gateway app
         self.redriver = Redriver(ledger, producer, router=router, doorbell=doorbell)
         self._aborting: set[asyncio.Task] = set()  # abort marks on their way (one per request at most)
@@ -149,7 +151,9 @@ class Frontend:
             # (bounded by services.gateway.bounds): never on the loop that answers /health and streams
             prepared, model = await asyncio.get_running_loop().run_in_executor(
                 self._prepare_pool, functools.partial(self.prepare, raw, chat=chat))
-            first = await self._entry(request_id, model, prepared, leases)
+            scope = cache_scope(key_id, prepared.cache_salt, share_across_tenants=s.cache_share_across_tenants)
+            await self.names.check(prepared.media, scope)
+            first = await self._entry(request_id, model, prepared, leases, scope)
             self.redriver.track(first.value.meta)
             try:
                 now_ms = int(time.time() * 1000)
@@ -173,6 +177,8 @@ class Frontend:
                     raise
                 log.warning("could not queue %s: Redis unavailable (%r)", request_id, exc)
                 raise Rejected(store_unavailable(exc), STORE_RETRY_AFTER_S) from None
+            if chat:  # (admitted: its entry is queued)
+                metrics.observe_request_media([m.kind for m in prepared.media])
             try:
                 yield Admitted(request_id, model, chat, prepared, key_id, t0)
             except (asyncio.CancelledError, ConnectionResetError):
@@ -229,7 +235,7 @@ class Frontend:
         finally:
             await events.aclose()
 
-    async def _entry(self, request_id: str, model: str, prepared: Prepared, leases: list[int]):
+    async def _entry(self, request_id: str, model: str, prepared: Prepared, leases: list[int], scope: str = ""):
         """The request's entry message; its meta records the media sources (see runner
         restarts). Inline media go into the pool; their leases are appended to ``leases`` as
         they are taken, so the caller frees them even when a later item does not fit."""
@@ -238,7 +244,8 @@ class Frontend:
         for m in prepared.media:
             if m.data is None:
                 items.append(protocol.MediaSource(kind=m.kind, param=m.param, url=m.url, num_frames=m.num_frames,
-                                                  fps=m.fps, min_pixels=m.min_pixels, max_pixels=m.max_pixels))
+                                                  fps=m.fps, min_pixels=m.min_pixels, max_pixels=m.max_pixels,
+                                                  uuid=m.uuid))
                 continue
             try:
                 ref = await self.transfer.put_wait(torch.frombuffer(bytearray(m.data), dtype=torch.uint8),
@@ -250,12 +257,13 @@ class Frontend:
             leases.append(ref.lease)
             items.append(protocol.MediaSource(kind=m.kind, param=m.param, inline=ref, mime=m.mime,
                                               num_frames=m.num_frames, fps=m.fps, grid_thw=m.grid_thw,
-                                              min_pixels=m.min_pixels, max_pixels=m.max_pixels))
+                                              second_per_grid_t=m.second_per_grid_t,
+                                              min_pixels=m.min_pixels, max_pixels=m.max_pixels, uuid=m.uuid))
         owner = self.transfer.ref() if leases else None
         meta = protocol.RequestMeta(request_id=request_id, model=model, created_unix_ms=now_ms,
                                     deadline_unix_ms=now_ms + self.settings.request_timeout_ms,
                                     prompt_token_ids=tuple(prepared.prompt_token_ids), sampling=prepared.sampling,
-                                    sources=tuple(items), source_owner=owner)
+                                    sources=tuple(items), source_owner=owner, cache_scope=scope)
         return entry_message(meta)
 
 

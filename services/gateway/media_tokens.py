@@ -1,6 +1,6 @@
 """The tokens a chat's media item becomes in the served model's prompt, where the gateway knows
 it without fetching the item (what ``/tokenize`` counts; vLLM's fetches and processes every
-item first): ``image_embeds`` by their rows; an image in a ``data:`` URL by its header's size
+item first): embeddings parts by their rows; an image in a ``data:`` URL by its header's size
 (EXIF orientation applied, as media-fetch decodes it) and the request's pixel budget, through the
 model's own processor's count; an image by URL only where the family's count does not depend on
 the image (LLaVA-1.5). Any other item (a Qwen2-VL or LLaVA-NeXT image by URL, video, audio) is a
@@ -37,8 +37,12 @@ class MediaTokens:
 
     def count(self, item: MediaInput) -> int:
         """The item's tokens, or ``RequestFailed`` (400 naming its part) where only fetching it would tell."""
-        if item.kind == "image_embeds":
+        if item.kind.endswith("_embeds"):
             return item.rows
+        if item.uuid and item.data is None and not item.url:  # its size is in the fleet's cache, not here
+            raise RequestFailed(400, f"{item.param}: /tokenize cannot count an item given by uuid alone; count "
+                                     "with a completion's usage.prompt_tokens", param=item.param,
+                                code="unsupported_parameter")
         if item.kind != "image" or (item.data is None and not self._size_free):
             what = "an image by URL" if item.kind == "image" else f"a {item.kind} item"
             raise RequestFailed(400, f"{item.param}: /tokenize cannot count {what}: the tokens it becomes depend on "

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.gateway import defaults as generation
-from services.gateway import params, prompt_forms, schema, tools
+from services.gateway import media_names, params, prompt_forms, schema, tools
 from services.gateway.defaults import GenerationDefaults
+from services.gateway.embeds_parts import EmbedsRules, read_part
 from services.gateway.templates import model_chat_template, render_chat
 from shared import protocol
 from shared.media.files import file_url_path
@@ -45,10 +46,12 @@ class MediaInput:
     data: bytes | None = None  # decoded data: URL
     num_frames: int = 0  # video sampling the request asked for (0: server default)
     fps: float = 0.0
-    grid_thw: tuple[int, int, int] = (0, 0, 0)  # image_embeds: the grid they were encoded with
+    grid_thw: tuple[int, int, int] = (0, 0, 0)  # image / video embeds: the grid they were encoded with
     min_pixels: int = 0  # images: the request's pixel budget (0: the processor's own)
     max_pixels: int = 0
-    rows: int = 0  # image_embeds: the embeddings' rows (the tokens the item becomes)
+    rows: int = 0  # *_embeds: the embeddings' rows (the tokens the item becomes)
+    second_per_grid_t: float = 0.0  # video_embeds (Qwen2.5-VL): the time step they were encoded with
+    uuid: str = ""  # the client's name for it (services.gateway.media_names); alone: no data sent
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Prepared:
     include_usage: bool = False
     tool_mode: str = ""  # services.gateway.tools: "" | "auto" | "forced"
     tool_max_calls: int = 0  # 0: any number; parallel_tool_calls false: the first call alone, as vLLM
+    cache_salt: str = ""  # the request's (checked); with its tenant, its cache scope
 
 
 class PromptBuilder:
@@ -74,7 +78,8 @@ class PromptBuilder:
     def __init__(self, tokenizer, *, placeholder_token: str = "", max_model_len: int, settings: Settings,
                  placeholders: dict[str, str] | None = None, embeds_hidden_size: int = 0,
                  embeds_merge_size: int = 0, chat_template: str | None = None, pixel_budget: bool = False,
-                 image_token_pixels: int = 0, defaults: GenerationDefaults = GenerationDefaults()) -> None:
+                 image_token_pixels: int = 0, defaults: GenerationDefaults = GenerationDefaults(),
+                 embeds_time_step: bool = False) -> None:
         self._tok = tokenizer
         self._defaults = defaults  # the model's sampling defaults (services.gateway.defaults)
         # the model's template (see templates.py: setting, processor's, tokenizer's)
@@ -82,10 +87,12 @@ class PromptBuilder:
         self._placeholders = dict(placeholders) if placeholders is not None else {"image": placeholder_token}
         self._placeholder_ids = {tokenizer.convert_tokens_to_ids(t): t for t in self._placeholders.values()}
         self._max_model_len = max_model_len
-        # image_embeds parts: accepted when the hidden size is known; a merge size > 0 means the
-        # family's positions need grid_thw (Qwen2-VL: rows = t·h·w / merge²)
+        # *_embeds parts: accepted when the hidden size is known; a merge size > 0 means the
+        # family's positions need the grid (Qwen2-VL: rows = t·h·w / merge²); Qwen2.5-VL videos a time step
         self._embeds_hidden = embeds_hidden_size
-        self._embeds_merge = embeds_merge_size
+        self._embeds = EmbedsRules(embeds_hidden_size, max_model_len, settings.max_embeds_bytes,
+                                   settings.embeds_torch_load, embeds_merge_size, embeds_time_step) \
+            if embeds_hidden_size else None
         self._pixel_budget = pixel_budget  # the image processor takes min/max pixels per request (Qwen2-VL)
         # the bound on those pixels (image_token_pixels: pixels one image token covers)
         self._max_request_pixels = params.max_request_pixels(settings, token_pixels=image_token_pixels,
@@ -93,7 +100,7 @@ class PromptBuilder:
         self._s = settings
         self._allow = as_allowlist(settings.media_allow_hosts)
         self._max_bytes = {"image": settings.max_image_bytes, "video": settings.max_video_bytes,
-                           "audio": settings.max_audio_bytes, "image_embeds": settings.max_image_bytes}
+                           "audio": settings.max_audio_bytes}
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as logprobs show it."""
@@ -122,14 +129,17 @@ class PromptBuilder:
         family takes (and the engine serves; ``only`` narrows them further), its context."""
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-        from shared.models.registry import family_of, served_modalities
+        from shared.models.registry import family_of, served_modalities, with_item_limits
 
         config = AutoConfig.from_pretrained(model_dir)
         max_len = getattr(getattr(config, "text_config", config), "max_position_embeddings", 4096)
         if settings.engine == "vllm" and settings.vllm_max_model_len_tokens:  # the engines' context, not the model's
             max_len = min(max_len, settings.vllm_max_model_len_tokens)
+        if settings.engine == "sglang" and settings.sglang_context_length_tokens:
+            max_len = min(max_len, settings.sglang_context_length_tokens)
         family = family_of(model_dir)
         served = served_modalities(family, settings.engine)
+        settings = with_item_limits(settings, family)  # what the engine's model takes per prompt
         placeholders = {m: tok for m, tok in family.placeholders.items() if m in served and (only is None or m in only)}
         hidden = int(getattr(getattr(config, "text_config", config), "hidden_size", 0))
         merge = int(getattr(getattr(config, "vision_config", None), "spatial_merge_size", 0) or 0) \
@@ -139,6 +149,7 @@ class PromptBuilder:
         return cls(tokenizer, max_model_len=max_len, settings=settings,
                    placeholders=placeholders, embeds_hidden_size=hidden if only is None else 0,
                    embeds_merge_size=merge, pixel_budget=family.name == "qwen2_vl",
+                   embeds_time_step=family.name == "qwen2_5_vl",
                    image_token_pixels=_token_pixels(processor),
                    defaults=generation.load(model_dir, settings.generation_config),
                    chat_template=model_chat_template(settings.chat_template, processor, tokenizer))
@@ -157,7 +168,8 @@ class PromptBuilder:
             sampling = msgspec.structs.replace(sampling, structured=tool_plan.structured)
         params.check_structured_engine(sampling, self._s, "tool_choice" if tool_plan.structured else "response_format")
         return Prepared(ids, media, sampling, req.stream, bool(req.stream_options and req.stream_options.include_usage),
-                        tool_plan.mode, 1 if req.parallel_tool_calls is False else 0)
+                        tool_plan.mode, 1 if req.parallel_tool_calls is False else 0,
+                        cache_salt=media_names.check_salt(req.cache_salt))
 
     def chat_prompt(self, req: schema.ChatCompletionRequest, *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, within_context: bool = True,
@@ -180,7 +192,8 @@ class PromptBuilder:
                              **({"name": msg.name} if msg.name is not None else {})})
         native = tools.template_knows_tools(req.chat_template or self._template)
         rendered = tools.render_messages(rendered, req.messages, tool_plan, native=native)
-        params.media_limits({k: sum(1 for m in media if m.kind == k) for k in ("image", "video", "audio")}, self._s)
+        params.media_limits({k: sum(1 for m in media if m.kind.removesuffix("_embeds") == k)
+                             for k in ("image", "video", "audio")}, self._s)
         for m in media:
             if m.kind == "image":
                 lo, hi = pixels
@@ -211,7 +224,8 @@ class PromptBuilder:
             match part:
                 case schema.TextPart(text=text):
                     parts.append({"type": "text", "text": text})
-                case schema.ImagePart(image_url=image_url):
+                case schema.ImagePart(image_url=image_url, uuid=uuid):
+                    image_url = image_url or schema.ImageURL("")
                     if msg.role != "user":
                         raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only",
                                                         param=param)
@@ -222,37 +236,47 @@ class PromptBuilder:
                             f"{param}.image_url.detail: only 'auto' is supported by this model's processor",
                             param=f"{param}.image_url.detail", code="unsupported_parameter")
                     self._check_modality("image", "image_url", param)
-                    media.append(self._media("image", image_url.url, param))
+                    media.append(self._media("image", image_url.url, param, uuid))
                     if image_url.detail == "low":  # a pixel budget, see params.DETAIL_LOW_MAX_PIXELS
                         media[-1].max_pixels = min(params.DETAIL_LOW_MAX_PIXELS, self._max_request_pixels)
                     parts.append({"type": "image"})
-                case schema.VideoPart(video_url=video_url):
+                case schema.VideoPart(video_url=video_url, uuid=uuid):
+                    video_url = video_url or schema.MediaURL("")
                     self._check_modality("video", "video_url", param)
                     if msg.role != "user":
                         raise RequestFailed.bad_request(f"{param}: videos are accepted in user messages only",
                                                         param=param)
-                    item = self._media("video", video_url.url, param)
+                    item = self._media("video", video_url.url, param, uuid)
                     item.num_frames, item.fps = self._video_sampling(video_url, param)
                     media.append(item)
                     parts.append({"type": "video"})
-                case schema.ImageEmbedsPart(image_embeds=embeds):
-                    self._check_modality("image", "image_embeds", param)
-                    if msg.role != "user":
-                        raise RequestFailed.bad_request(f"{param}: images are accepted in user messages only",
+                case schema.ImageEmbedsPart() | schema.VideoEmbedsPart() | schema.AudioEmbedsPart():
+                    modality = type(part).__struct_config__.tag.removesuffix("_embeds")
+                    self._check_modality(modality, f"{modality}_embeds", param)
+                    if msg.role != "user" and modality != "audio":  # (as the media parts of each modality)
+                        raise RequestFailed.bad_request(f"{param}: {modality}s are accepted in user messages only",
                                                         param=param)
-                    media.append(self._embeds(embeds, param))
-                    parts.append({"type": "image"})
-                case schema.AudioURLPart(audio_url=audio_url):
+                    media.append(self._embeds_item(part, param))
+                    parts.append({"type": modality})
+                case schema.AudioURLPart(audio_url=audio_url, uuid=uuid):
                     self._check_modality("audio", "audio_url", param)
-                    media.append(self._media("audio", audio_url.url, param))
+                    if audio_url and (audio_url.num_frames is not None or audio_url.fps is not None):
+                        raise RequestFailed.bad_request(f"{param}.audio_url: num_frames and fps sample videos; an "
+                                                        "audio clip is heard whole", param=f"{param}.audio_url",
+                                                        code="unsupported_parameter")
+                    media.append(self._media("audio", audio_url.url if audio_url else "", param, uuid))
                     parts.append({"type": "audio"})
-                case schema.InputAudioPart(input_audio=input_audio):
+                case schema.InputAudioPart(input_audio=input_audio, uuid=uuid):
                     self._check_modality("audio", "input_audio", param)
+                    if input_audio is None:  # a named clip the fleet holds (or a 400 naming the part)
+                        media.append(self._media("audio", "", param, uuid))
+                        parts.append({"type": "audio"})
+                        continue
                     mime = _INPUT_AUDIO_MIME.get(input_audio.format)
                     if mime is None:
                         raise RequestFailed.bad_request(f"{param}: input_audio.format must be one of "
                                                         f"{', '.join(_INPUT_AUDIO_MIME)}", param=param)
-                    media.append(self._media("audio", f"data:{mime};base64,{input_audio.data}", param))
+                    media.append(self._media("audio", f"data:{mime};base64,{input_audio.data}", param, uuid))
                     parts.append({"type": "audio"})
                 case _:
                     kind = type(part).__struct_config__.tag
@@ -268,37 +292,16 @@ class PromptBuilder:
         raise RequestFailed(400, f"{param}: model {self._s.served_model_name!r} does not accept {modality} input "
                                  f"({part} parts); it accepts {accepts}", param=param, code="unsupported_modality")
 
-    def _embeds(self, embeds: schema.EmbedsData, param: str) -> MediaInput:
-        """Precomputed image embeddings: decoded and checked here (format, hidden size, rows
-        against grid_thw), held inline like a data: URL; encode passes them through."""
-        from shared.media.embeds import FORMATS, parse_embeddings
-
-        if not self._embeds_hidden:
-            raise RequestFailed(400, f"{param}: this server does not take image_embeds", param=param,
+    def _embeds_item(self, part: schema.EmbedsPart, param: str) -> MediaInput:
+        """Precomputed embeddings (services.gateway.embeds_parts), held inline as a checked .npy
+        like a data: URL; encode passes them through."""
+        if self._embeds is None:
+            tag = type(part).__struct_config__.tag
+            raise RequestFailed(400, f"{param}: this server does not take {tag}", param=param,
                                 code="unsupported_modality")
-        if embeds.format not in FORMATS:
-            raise RequestFailed.bad_request(f"{param}: image_embeds.format must be one of {', '.join(FORMATS)}",
-                                            param=param)
-        grid, rows_needed = (0, 0, 0), 0
-        if self._embeds_merge:
-            g = embeds.grid_thw
-            if g is None or len(g) != 3 or min(g) < 1 or (g[1] % self._embeds_merge) or (g[2] % self._embeds_merge):
-                raise RequestFailed.bad_request(
-                    f"{param}: image_embeds.grid_thw must be [t, h, w] (positive, h and w multiples of "
-                    f"{self._embeds_merge}): the patch grid the embeddings were encoded with", param=param)
-            grid = (g[0], g[1], g[2])
-            rows_needed = g[0] * g[1] * g[2] // self._embeds_merge**2
-        item = self._media("image_embeds", f"data:application/x-{embeds.format};base64,{embeds.data}", param)
-        try:
-            arr = parse_embeddings(item.data, fmt=embeds.format, hidden_size=self._embeds_hidden,
-                                   max_rows=self._max_model_len, param=param)
-        except MediaError as exc:
-            raise RequestFailed(exc.status, str(exc), param=param, code=exc.code) from None
-        if rows_needed and arr.shape[0] != rows_needed:
-            raise RequestFailed.bad_request(f"{param}: embeddings have {arr.shape[0]} rows; grid_thw {list(grid)} "
-                                            f"needs {rows_needed}", param=param)
-        item.mime, item.grid_thw, item.rows = embeds.format, grid, int(arr.shape[0])
-        return item
+        got = read_part(part, param, self._embeds)
+        return MediaInput(got.kind, param, mime="npy", data=got.data, grid_thw=got.grid_thw, rows=got.rows,
+                          second_per_grid_t=got.second_per_grid_t)
 
     def _video_sampling(self, video_url: schema.MediaURL, param: str) -> tuple[int, float]:
         """(num_frames, fps) the request asked for; 0 means "the server's default"."""
@@ -318,7 +321,17 @@ class PromptBuilder:
             return 0, float(video_url.fps)
         return 0, 0.0
 
-    def _media(self, kind: str, url: str, param: str) -> MediaInput:
+    def _media(self, kind: str, url: str, param: str, uuid: str | None = None) -> MediaInput:
+        """The item of a part: by its ``uuid`` alone when it has one and no data (url null or ""),
+        as vLLM takes it; else its data, checked (:meth:`_source`) and named by ``uuid``."""
+        name = media_names.check_uuid(uuid, param)
+        if name and not url.strip():
+            return MediaInput(kind, param, uuid=name)
+        item = self._source(kind, url, param)
+        item.uuid = name
+        return item
+
+    def _source(self, kind: str, url: str, param: str) -> MediaInput:
         """Checks that need no I/O: data: URLs are decoded here (MIME, base64, size); http(s)
         URLs are checked for scheme, host form and non-public IP literals; file:// URLs for
         syntax when the operator enabled them. media-fetch re-checks what it loads."""
@@ -349,8 +362,8 @@ class PromptBuilder:
         ids = self.completion_prompt(req.prompt, req.add_special_tokens)
         sampling = self._sampling(req, req.max_tokens, len(ids))
         params.check_structured_engine(sampling, self._s, "response_format")
-        return Prepared(ids, [], sampling, req.stream,
-                        bool(req.stream_options and req.stream_options.include_usage))
+        return Prepared(ids, [], sampling, req.stream, bool(req.stream_options and req.stream_options.include_usage),
+                        cache_salt=media_names.check_salt(req.cache_salt))
 
     def completion_prompt(self, prompt: str | list, add_special_tokens, *, within_context: bool = True) -> list[int]:
         """As vLLM's completions endpoint: a text with the tokenizer's special tokens (a BOS where it

@@ -36,40 +36,85 @@ class InputAudio(Struct, frozen=True):
 
 
 class EmbedsData(Struct, frozen=True):
-    """Precomputed image embeddings (mmfleet extension): base64 of one .npy or safetensors file
-    holding float [n_tokens, hidden]; ``grid_thw``: the patch grid they were encoded with
-    (required by Qwen2-VL, whose positions depend on it)."""
+    """Precomputed image embeddings as an object: mmfleet's form (``data``: base64 of one .npy,
+    safetensors or torch.save file holding float [n_tokens, hidden]; ``format``; ``grid_thw``:
+    the patch grid they were encoded with, Qwen2-VL's positions depend on it) or vLLM's dict form
+    (``image_embeds`` + ``image_grid_thw``, a base64 tensor or a JSON list). One form per part:
+    services/gateway/embeds_parts.py reads them."""
 
-    data: str
-    format: str = "npy"
+    data: str | None = None
+    format: str | None = None
     grid_thw: list[int] | None = None
+    image_embeds: str | None = None
+    image_grid_thw: str | list[int | list[int]] | None = None
+
+
+class VideoEmbedsData(Struct, frozen=True):
+    """As :class:`EmbedsData` for a video; ``second_per_grid_ts``: Qwen2.5-VL's time step."""
+
+    data: str | None = None
+    format: str | None = None
+    grid_thw: list[int] | None = None
+    video_embeds: str | None = None
+    video_grid_thw: str | list[int | list[int]] | None = None
+    second_per_grid_ts: str | list[float] | None = None
+
+
+class AudioEmbedsData(Struct, frozen=True):
+    """As :class:`EmbedsData` for an audio clip; ``audio_num_tokens``: its rows, if sent."""
+
+    data: str | None = None
+    format: str | None = None
+    audio_embeds: str | None = None
+    audio_num_tokens: str | list[int] | None = None
 
 
 class TextPart(Struct, frozen=True, tag="text", tag_field="type"):
     text: str
 
 
+# ``uuid`` (vLLM's): the client's name for the item; with no data (the part's url null or "")
+# the item is the one the fleet cached under that name (services.gateway.media_names)
 class ImagePart(Struct, frozen=True, tag="image_url", tag_field="type"):
-    image_url: ImageURL
+    image_url: ImageURL | None = None
+    uuid: str | None = None
 
 
 class VideoPart(Struct, frozen=True, tag="video_url", tag_field="type"):
-    video_url: MediaURL
+    video_url: MediaURL | None = None
+    uuid: str | None = None
 
 
 class AudioURLPart(Struct, frozen=True, tag="audio_url", tag_field="type"):
-    audio_url: MediaURL
+    audio_url: MediaURL | None = None
+    uuid: str | None = None
 
 
 class InputAudioPart(Struct, frozen=True, tag="input_audio", tag_field="type"):
-    input_audio: InputAudio
+    input_audio: InputAudio | None = None
+    uuid: str | None = None
 
 
+# embeddings parts: a base64 payload (vLLM's string form) or an object (above); ``uuid``: vLLM's
+# name for the item, accepted with no effect (an embeds item is never cached, see docs/guide/api.md)
 class ImageEmbedsPart(Struct, frozen=True, tag="image_embeds", tag_field="type"):
-    image_embeds: EmbedsData
+    image_embeds: str | EmbedsData
+    uuid: str | None = None
 
 
-Part = Union[TextPart, ImagePart, VideoPart, AudioURLPart, InputAudioPart, ImageEmbedsPart]
+class VideoEmbedsPart(Struct, frozen=True, tag="video_embeds", tag_field="type"):
+    video_embeds: str | VideoEmbedsData
+    uuid: str | None = None
+
+
+class AudioEmbedsPart(Struct, frozen=True, tag="audio_embeds", tag_field="type"):
+    audio_embeds: str | AudioEmbedsData
+    uuid: str | None = None
+
+
+EmbedsPart = Union[ImageEmbedsPart, VideoEmbedsPart, AudioEmbedsPart]
+Part = Union[TextPart, ImagePart, VideoPart, AudioURLPart, InputAudioPart, ImageEmbedsPart, VideoEmbedsPart,
+             AudioEmbedsPart]
 
 
 class Message(Struct, frozen=True):
@@ -111,6 +156,8 @@ class _GenerationParams(Struct, frozen=True, kw_only=True):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # vLLM's: scopes every cache the request may hit (services.gateway.media_names.cache_scope)
+    cache_salt: str | None = None
     # vLLM's sampling extras
     top_k: int | None = None
     min_p: float | None = None
@@ -300,7 +347,8 @@ def _nested(struct: type[Struct]) -> dict[str, tuple[type[Struct], ...]]:
 
 
 _NESTED = {s: _nested(s) for s in (ChatCompletionRequest, CompletionRequest, Message, *typing.get_args(Part),
-                                   ImageURL, MediaURL, InputAudio, EmbedsData, StreamOptions)}
+                                   ImageURL, MediaURL, InputAudio, EmbedsData, VideoEmbedsData, AudioEmbedsData,
+                                   StreamOptions)}
 _raw_object = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _raw_list = msgspec.json.Decoder(list[msgspec.Raw])
 _tag = msgspec.json.Decoder(str)

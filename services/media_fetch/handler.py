@@ -6,7 +6,9 @@ gateway holds until the request ends). Out: one ``EncodeRequest`` on ``mm.encode
 ends the request with a 400/413. Decoding follows ``kind``: image, video (frames sampled; the
 sampling is part of its mm_hash), audio. With the embedding cache, a first attempt's items with
 a live index entry are not decoded: their descriptors ride in ``EncodeRequest.cached``, or the
-request goes straight to ``mm.prefill`` when all hit. Design: docs/guide/media.md.
+request goes straight to ``mm.prefill`` when all hit. An item the client named (``uuid``) is
+hashed by its name in the request's cache scope and looked up before it is loaded (a hit needs
+no bytes); one without data that the index does not hold is a 400. Design: docs/guide/media.md.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable
 import blake3
 
 from shared import metrics, protocol
-from shared.embcache.identity import cache_key
+from shared.embcache.identity import cache_key, named_hash, source_options
 from shared.embcache.index import EmbeddingIndex
 from shared.embcache.metrics import HITS, MISSES
 from shared.keys import TOPIC_ENCODE, TOPIC_PREFILL
@@ -46,8 +48,11 @@ class MediaFetchHandler:
                  preprocess_video: Preprocess | None = None, preprocess_audio: Preprocess | None = None,
                  embeds_hidden_size: int = 0, index: EmbeddingIndex | None = None, fingerprint: str = "",
                  index_shortcut_kinds: frozenset[str] = frozenset({"image", "video"}),
-                 encode_here: bool = False) -> None:
+                 encode_here: bool = False, raw_kinds: frozenset[str] = frozenset()) -> None:
         self._s = settings
+        # kinds the LM engine takes as raw media (registry.raw_modalities): nothing of ours encodes
+        # them, so they have no embedding-cache key and no precomputed-embeddings form
+        self._raw = raw_kinds
         # encode runs in this process (its message handed over in memory): it may read the
         # pixels put here as they are, without copying them out of the pool
         self._encode_here = encode_here
@@ -81,24 +86,24 @@ class MediaFetchHandler:
         if preprocess_audio is not None:
             self._kinds["audio"] = (settings.max_audio_bytes, self._decode_audio)
         self._embeds_hidden = embeds_hidden_size
-        if embeds_hidden_size:  # precomputed image embeddings: parsed here, passed through by encode
-            self._kinds["image_embeds"] = (settings.max_image_bytes, self._decode_embeds)
+        if embeds_hidden_size:  # precomputed embeddings of each modality served: passed through by encode
+            # the gateway's float32 .npy of a payload within max_embeds_bytes (16-bit payloads widen x2)
+            embeds_cap = 2 * settings.max_embeds_bytes + 4096
+            for modality in [k for k in self._kinds if k in ("image", "video", "audio")]:
+                self._kinds[f"{modality}_embeds"] = (embeds_cap, self._decode_embeds)
+        for modality in raw_kinds:
+            self._kinds.pop(f"{modality}_embeds", None)
 
     async def handle(self, msg: protocol.MediaFetchRequest, ctx: Context) -> Outcome:
         assert ctx.transfer is not None
         for src in msg.items:
             self._check_pixel_budget(src)
-        try:
-            raws = []
-            for src in msg.items:
-                max_bytes, _ = self._kind(src)
-                with timed_transfer():
-                    raws.append(await self._load(src, max_bytes, msg.owner, ctx))
-        except MediaError as exc:
-            raise RequestFailed(exc.status, str(exc), param=_param_of(msg, exc), code=exc.code) from None
-        hashes = [self._mm_hash(raw, src) for raw, src in zip(raws, msg.items, strict=True)]
-        keys = [cache_key(self._fingerprint, h, src.kind) if self._fingerprint and src.kind != "image_embeds" else ""
-                for h, src in zip(hashes, msg.items, strict=True)]
+        raws: list[bytes | None] = [None] * len(msg.items)
+        await self._load_all(msg, ctx, raws, [i for i, src in enumerate(msg.items) if not src.uuid])
+        hashes = [self._mm_hash(raw, src, msg.meta.cache_scope) for raw, src in zip(raws, msg.items, strict=True)]
+        keys = [cache_key(self._fingerprint, h, src.kind)
+                if self._fingerprint and not src.kind.endswith("_embeds") and src.kind not in self._raw
+                else "" for h, src in zip(hashes, msg.items, strict=True)]
         cached, leases = await self._cached(msg, hashes, keys, ctx.worker_id)
         owners = tuple({e.owner.name: e.owner for e in cached.values()}.values())
         hits = tuple(self._hit_item(i, hashes[i], keys[i], msg.items[i], e) for i, e in sorted(cached.items()))
@@ -108,6 +113,7 @@ class MediaFetchHandler:
         items: list[protocol.PixelItem] = []
         handed_over = False
         try:
+            await self._load_named(msg, ctx, raws, cached)
             for index, (src, raw) in enumerate(zip(msg.items, raws, strict=True)):
                 if index in cached:
                     continue
@@ -145,12 +151,14 @@ class MediaFetchHandler:
         audio items carry encoder meta). With encode in this worker, each lookup also takes the
         item's encode lease in the same round trip (``lookup_or_lease``): encode then needs no
         round trip of its own before it starts (``PixelItem.lease_holder``)."""
-        if self._index is None or msg.meta.attempt > 0:
+        if self._index is None:
             return {}, {}
+        # a named item is looked up whatever its kind (its entry holds all its geometry) and on a
+        # restart too (without data it has no other way in)
         wanted = [i for i, (k, src) in enumerate(zip(keys, msg.items, strict=True))
-                  if k and src.kind in self._shortcut_kinds]
+                  if k and (src.uuid or (src.kind in self._shortcut_kinds and msg.meta.attempt == 0))]
         leases: dict[int, str] = {}
-        if self._encode_here:
+        if self._encode_here and msg.meta.attempt == 0:
             holders = {i: f"{worker_id}#m{next(self._lease_ids)}" for i in wanted}
             answers = await gather(*(self._index.lookup_or_lease(keys[i], holders[i]) for i in wanted))
             entries = [entry for entry, _ in answers]
@@ -159,17 +167,46 @@ class MediaFetchHandler:
         else:
             entries = await gather(*(self._index.lookup_live(keys[i]) for i in wanted))
         found = {i: e for i, e in zip(wanted, entries, strict=True) if e is not None}
-        if len(found) < len(wanted):
-            MISSES.labels(stage="media-fetch").inc(len(wanted) - len(found))
-        if found:
-            HITS.labels(stage="media-fetch", source="index").inc(len(found))
+        for i in wanted:
+            modality = metrics.modality_of(msg.items[i].kind)
+            if i in found:
+                HITS.labels(stage="media-fetch", source="index", modality=modality).inc()
+            else:
+                MISSES.labels(stage="media-fetch", modality=modality).inc()
         return found, leases
 
     @staticmethod
     def _hit_item(index: int, mm_hash: str, key: str, src: protocol.MediaSource,
                   e: protocol.EmbeddingIndexEntry) -> protocol.EmbeddingItem:
         return protocol.EmbeddingItem(index=index, mm_hash=mm_hash, grid_thw=e.grid_thw, n_tokens=e.n_tokens,
-                                      embeds=e.embeds, cache_key=key, cache_gen=e.gen, kind=src.kind)
+                                      embeds=e.embeds, cache_key=key, cache_gen=e.gen, kind=src.kind, meta=e.meta,
+                                      second_per_grid_t=e.second_per_grid_t)
+
+    async def _load_all(self, msg: protocol.MediaFetchRequest, ctx: Context, raws: list[bytes | None],
+                        indices: list[int]) -> None:
+        """Load the bytes of the items at ``indices`` into ``raws``; bad media is a ``RequestFailed``."""
+        try:
+            for i in indices:
+                src = msg.items[i]
+                max_bytes, _ = self._kind(src)
+                with timed_transfer():
+                    raws[i] = await self._load(src, max_bytes, msg.owner, ctx)
+        except MediaError as exc:
+            raise RequestFailed(exc.status, str(exc), param=_param_of(msg, exc), code=exc.code) from None
+
+    async def _load_named(self, msg: protocol.MediaFetchRequest, ctx: Context, raws: list[bytes | None],
+                          cached: dict[int, protocol.EmbeddingIndexEntry]) -> None:
+        """The bytes of the named items the index did not hold: loaded when the request carries
+        them; without them, the item's entry went (evicted, its owner gone) after the gateway
+        found it: a 400 that says so, for the client to send the data again."""
+        missed = [i for i, src in enumerate(msg.items) if src.uuid and i not in cached]
+        for i in missed:
+            src = msg.items[i]
+            if not src.url and src.inline is None:
+                raise RequestFailed(400, f"{src.param}: the {src.kind} named {src.uuid!r} is no longer cached "
+                                         "(evicted since this request was admitted); send its data with the uuid",
+                                    param=src.param, code="unknown_media_uuid")
+        await self._load_all(msg, ctx, raws, missed)
 
     def _check_pixel_budget(self, src: protocol.MediaSource) -> None:
         """A min/max_pixels beyond ``max_image_tokens`` worth of pixels is a 400 before any fetch:
@@ -203,7 +240,7 @@ class MediaFetchHandler:
         t0 = time.perf_counter()
         raw = await self._load_bytes(src, max_bytes, owner, ctx)
         metrics.MEDIA_FETCH.labels(source).observe(time.perf_counter() - t0)
-        metrics.MEDIA_FETCH_BYTES.labels(source).inc(len(raw))
+        metrics.MEDIA_FETCH_BYTES.labels(source, metrics.modality_of(src.kind)).inc(len(raw))
         return raw
 
     async def _load_bytes(self, src: protocol.MediaSource, max_bytes: int, owner: protocol.AgentRef | None,
@@ -236,10 +273,17 @@ class MediaFetchHandler:
             return 0, self._s.video_fps
         return self._s.video_num_frames, 0.0
 
-    def _mm_hash(self, raw: bytes, src: protocol.MediaSource) -> str:
+    def _mm_hash(self, raw: bytes | None, src: protocol.MediaSource, scope: str) -> str:
+        """The item's hash: of its name when the client named it, else of its bytes; in both, the
+        processing options that change what it becomes, and the request's cache scope."""
+        if src.uuid:
+            return named_hash(src.kind, src.uuid, scope, source_options(src.min_pixels, src.max_pixels,
+                                                                        src.num_frames, src.fps))
         h = blake3.blake3(raw)
-        if src.kind == "image_embeds":  # embeddings are never the same input as an image's bytes
-            h.update(f"|embeds:{src.mime}:{src.grid_thw}".encode())
+        if scope:  # another tenant's (or salt's) request never shares an item hash with this one
+            h.update(f"|scope:{scope}".encode())
+        if src.kind.endswith("_embeds"):  # embeddings are never the same input as media's bytes
+            h.update(f"|{src.kind}:{src.mime}:{src.grid_thw}:{src.second_per_grid_t:g}".encode())
         if src.kind == "image" and (src.min_pixels or src.max_pixels):  # resized differently: another input
             h.update(f"|pixels:{src.min_pixels}:{src.max_pixels}".encode())
         if src.kind == "video":  # the same bytes sampled differently are different inputs
@@ -272,7 +316,7 @@ class MediaFetchHandler:
 
         arr = parse_embeddings(raw, fmt=src.mime, hidden_size=self._embeds_hidden, max_rows=1 << 20,
                                param=src.param)
-        return _Embeds(torch.from_numpy(arr), src.grid_thw, arr.shape[0])
+        return _Embeds(torch.from_numpy(arr), src.grid_thw, arr.shape[0], src.second_per_grid_t)
 
     def _decode_audio(self, raw: bytes, src: protocol.MediaSource):
         samples = decode_audio(raw, rate_hz=int(self._preprocess_audio.sampling_rate),
@@ -286,8 +330,9 @@ class MediaFetchHandler:
 class _Embeds:
     """Precomputed embeddings in the shape of a preprocessor's output (encode passes them on)."""
 
-    def __init__(self, values, grid_thw: tuple[int, int, int], n_tokens: int) -> None:
+    def __init__(self, values, grid_thw: tuple[int, int, int], n_tokens: int, second_per_grid_t: float) -> None:
         self.pixel_values, self.grid_thw, self.n_tokens = values, grid_thw, n_tokens
+        self.second_per_grid_t = second_per_grid_t
 
 
 def _param_of(msg: protocol.MediaFetchRequest, exc: MediaError) -> str | None:

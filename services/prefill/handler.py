@@ -15,7 +15,7 @@ import functools
 
 import msgspec
 
-from shared import protocol
+from shared import metrics, protocol
 from shared.embcache.pull import EmbeddingPuller
 from shared.engines.base import Engine, MediaEmbeds, PrefillOutput
 from shared.engines.token_stream import write_first_delta
@@ -53,7 +53,10 @@ async def pull_media(msg: protocol.PrefillRequest, ctx: Context,
                       puller: EmbeddingPuller | None = None) -> list[MediaEmbeds]:
     """The request's embeddings in prompt order, pulled from their owners (through the
     embedding cache's checks and prefill's recent copies when ``puller`` has them)."""
-    return await (puller or _PLAIN).pull(msg, ctx)
+    media = await (puller or _PLAIN).pull(msg, ctx)
+    for it in msg.items:
+        metrics.MEDIA_TOKENS.labels(metrics.modality_of(it.kind)).inc(it.n_tokens)
+    return media
 
 
 def embedding_releases(msg: protocol.PrefillRequest) -> list[tuple[protocol.AgentRef, list[int]]]:

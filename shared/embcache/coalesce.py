@@ -19,6 +19,7 @@ from shared import protocol
 from shared.embcache.index import EmbeddingIndex
 from shared.embcache.metrics import COALESCED, ENCODER_ITEMS, HITS, MISSES
 from shared.embcache.store import Cached, EmbeddingStore
+from shared.metrics import modality_of
 from shared.transfer import TransferAgent
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class EncodeCache:
                 taken = ""
                 continue  # (that await let the store and the encodes in flight change: look again)
             if c is not None:
-                HITS.labels(stage="encode", source="local").inc()
+                HITS.labels(stage="encode", source="local", modality=modality_of(item.kind)).inc()
                 await self._store.republish_if_old(c)
                 return self._agent.ref(), self._item(item, self._store.lease(c))
             if fut is None:
@@ -88,7 +89,7 @@ class EncodeCache:
                 holder = f"{self._worker}#{next(self._ids)}"
                 entry, leased = await self._index.lookup_or_lease(key, holder)  # one round trip
                 if entry is not None:
-                    HITS.labels(stage="encode", source="index").inc()
+                    HITS.labels(stage="encode", source="index", modality=modality_of(item.kind)).inc()
                     result = entry
                     return self._remote(item, entry)
                 if not leased:  # another worker is encoding it: wait for its entry
@@ -135,10 +136,11 @@ class EncodeCache:
                                 ) -> tuple[Owned, Cached | None]:
         c, ref = None, None
         try:
-            MISSES.labels(stage="encode").inc()
+            MISSES.labels(stage="encode", modality=modality_of(item.kind)).inc()
             ref = await encode()
             ENCODER_ITEMS.inc()
-            c = await self._store.insert(item.cache_key, ref, item.grid_thw, item.n_tokens, publish=False)
+            c = await self._store.insert(item.cache_key, ref, item.grid_thw, item.n_tokens, publish=False,
+                                         meta=item.meta, second_per_grid_t=item.second_per_grid_t)
         finally:
             # index entry, then lease release (waiters poll for the entry until the lease goes),
             # then the fleet counter: none of it is needed for this request's output, so it runs

@@ -4,7 +4,9 @@ An embedding depends on the raw media bytes (``mm_hash``), the encoder weights a
 the processor settings that turn bytes into pixels. ``model_fingerprint`` hashes what of the
 model directory decides those (configs in full; each weight file's size plus its first and last
 MiB: cheap, the same on every host with the same files). ``cache_key`` adds the item's own
-processing options.
+processing options. A request's cache scope (:func:`scope_of`: its tenant and ``cache_salt``)
+enters every item hash it makes; an item the client named (``uuid``) is hashed by that name in
+its scope (:func:`named_hash`), never by its bytes.
 
 Design: docs/design/embedding-cache.md.
 """
@@ -40,3 +42,22 @@ def model_fingerprint(model_dir: str | Path) -> str:
 def cache_key(fingerprint: str, mm_hash: str, kind: str = "image", options: str = "") -> str:
     """The item's key in the index: one per (model, processor, options, content)."""
     return blake3.blake3(f"{fingerprint}\0{kind}\0{options}\0{mm_hash}".encode()).hexdigest()[:40]
+
+
+def scope_of(tenant: str, salt: str) -> str:
+    """A request's cache scope: "" (the fleet-wide one) when it has neither a tenant nor a salt,
+    else a digest of both (fixed length, whatever the salt; neither is readable from it)."""
+    if not tenant and not salt:
+        return ""
+    return blake3.blake3(f"scope\0{tenant}\0{salt}".encode()).hexdigest()[:32]
+
+
+def named_hash(kind: str, uuid: str, scope: str, options: str) -> str:
+    """The item hash of a client-named item: its name within its scope and with the processing
+    options it was asked with (``options``), so one tenant's name never reaches another's item."""
+    return blake3.blake3(f"uuid\0{scope}\0{kind}\0{options}\0{uuid}".encode()).hexdigest()
+
+
+def source_options(min_pixels: int, max_pixels: int, num_frames: int, fps: float) -> str:
+    """The processing options a request asked for an item, as :func:`named_hash` takes them."""
+    return f"{min_pixels}:{max_pixels}:{num_frames}:{fps!r}"

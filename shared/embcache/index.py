@@ -103,6 +103,15 @@ class EmbeddingIndex:
             return None
         return entry
 
+    async def resolve(self, key: str) -> protocol.EmbeddingIndexEntry | None:
+        """``lookup_live`` for a caller that must tell "no entry" from "Redis could not say" (the
+        gateway resolving a client-named item): a Redis error raises instead of answering None."""
+        raw = await self._redis.hget(self._keys.embedding_index(key), "v")
+        if raw is None:
+            return None
+        entry = self._dec.decode(raw)
+        return entry if await self._redis.exists(self._keys.alive(entry.owner.name)) else None
+
     async def still_valid(self, key: str, gen: int) -> bool:
         try:
             raw = await self._redis.hget(self._keys.embedding_index(key), "gen")

@@ -1,7 +1,7 @@
 """Prometheus series of the embedding cache (default registry; every process's ``/metrics``
 exposes them). ``stage`` is the stage that counted; ``source`` of a hit: ``local`` (this
 encode worker's pool), ``index`` (another worker's pool, found in Redis), ``prefill``
-(prefill's own recent copy, no pull).
+(prefill's own recent copy, no pull); ``modality``: the item's (image / video / audio).
 
 Design: docs/design/embedding-cache.md.
 """
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
+# ``modality``: shared.metrics.modality_of the item's kind (image / video / audio)
 HITS = Counter("mmfleet_embedding_cache_hits_total", "Media items whose embedding was reused",
-               ["stage", "source"])
+               ["stage", "source", "modality"])
 MISSES = Counter("mmfleet_embedding_cache_misses_total", "Media items with no reusable embedding",
-                 ["stage"])
+                 ["stage", "modality"])
 ENCODER_ITEMS = Counter("mmfleet_encoder_items_total", "Media items run through an encoder forward")
 POOL_BYTES = Gauge("mmfleet_embedding_pool_bytes", "Bytes of embeddings held by a cache", ["cache"])
 COALESCED = Counter("mmfleet_embedding_coalesced_waits_total",

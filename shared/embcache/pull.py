@@ -16,6 +16,7 @@ from shared.embcache.index import EmbeddingIndex
 from shared.embcache.metrics import FALLBACKS, HITS
 from shared.embcache.recent import RecentEmbeddings
 from shared.engines.base import MediaEmbeds
+from shared.metrics import modality_of
 from shared.process.aio import gather
 from shared.stage import Context
 from shared.tracing import timed_transfer
@@ -37,15 +38,15 @@ class EmbeddingPuller:
         for e in embeds:
             if isinstance(e, BaseException):
                 raise e
-        return [MediaEmbeds(emb, it.grid_thw, it.kind, second_per_grid_t=it.second_per_grid_t, mm_hash=it.mm_hash)
-                for emb, it in zip(embeds, items, strict=True)]
+        return [MediaEmbeds(emb, it.grid_thw, it.kind, second_per_grid_t=it.second_per_grid_t, mm_hash=it.mm_hash,
+                            n_tokens=it.n_tokens) for emb, it in zip(embeds, items, strict=True)]
 
     async def _one(self, owner: protocol.AgentRef, it: protocol.EmbeddingItem, ctx: Context):
         key = it.cache_key
         if key and self._recent is not None:
             held = self._recent.get(key)
             if held is not None:
-                HITS.labels(stage="prefill", source="prefill").inc()
+                HITS.labels(stage="prefill", source="prefill", modality=modality_of(it.kind)).inc()
                 return held
         fleet_ref = it.cache_gen != 0 and it.embeds.agent != ctx.transfer.name
         try:

@@ -32,6 +32,8 @@ class Cached:
     n_tokens: int
     gen: int
     published_at: float = 0.0  # monotonic; 0: not in the index
+    meta: tuple[int, ...] = ()  # the item's other geometry (``PixelItem.meta``, ``second_per_grid_t``)
+    second_per_grid_t: float = 0.0
 
 
 class EmbeddingStore:
@@ -71,7 +73,8 @@ class EmbeddingStore:
 
     def entry(self, c: Cached) -> protocol.EmbeddingIndexEntry:
         return protocol.EmbeddingIndexEntry(owner=self._agent.ref(), embeds=c.ref, grid_thw=c.grid_thw,
-                                            n_tokens=c.n_tokens, gen=c.gen, created_unix_ms=int(time.time() * 1000))
+                                            n_tokens=c.n_tokens, gen=c.gen, created_unix_ms=int(time.time() * 1000),
+                                            meta=c.meta, second_per_grid_t=c.second_per_grid_t)
 
     async def republish_if_old(self, c: Cached) -> None:
         """Refresh the index entry of a local hit once half its TTL has passed (or if it was
@@ -84,7 +87,8 @@ class EmbeddingStore:
             c.published_at = time.monotonic()
 
     async def insert(self, key: str, ref: protocol.TensorRef, grid_thw: tuple[int, int, int],
-                     n_tokens: int, *, publish: bool = True) -> Cached | None:
+                     n_tokens: int, *, publish: bool = True, meta: tuple[int, ...] = (),
+                     second_per_grid_t: float = 0.0) -> Cached | None:
         """Cache the embedding in ``ref`` (this agent's slot, its put lease still live);
         ``publish=False`` leaves the index entry to a later ``publish`` (off the hot path)."""
         if key in self._lru:
@@ -103,7 +107,8 @@ class EmbeddingStore:
             leaving += victims[-1].ref.nbytes
         self._lru_bytes -= leaving
         self._agent.pin(ref)
-        c = Cached(key, msgspec.structs.replace(ref, lease=0), grid_thw, n_tokens, secrets.randbits(62) + 1)
+        c = Cached(key, msgspec.structs.replace(ref, lease=0), grid_thw, n_tokens, secrets.randbits(62) + 1,
+                   meta=tuple(meta), second_per_grid_t=second_per_grid_t)
         self._lru[key] = c
         self._lru_bytes += n
         self.bytes += n

@@ -3,7 +3,9 @@ the language model sees it (each placeholder expanded to its item's ``n_tokens``
 cut into blocks of ``block_size`` positions; a trailing partial block has no hash. Block ``i``'s
 hash is BLAKE3(parent hash, the block's token ids, the sorted ``mm_hash`` es of every media item
 with a position in it), as a u64: a hash names a whole prefix, two different images behind
-identical placeholders never share a block, and the same image from two URLs does. The router
+identical placeholders never share a block, and the same image from two URLs does. A request's
+cache scope (``salt``: its tenant and ``cache_salt``) seeds the chain, so requests of two scopes
+never share a block, text-only ones included. The router
 and the prefill worker hash with this one function from the same message, so they agree.
 
 Design: docs/design/kv-routing.md.
@@ -53,14 +55,14 @@ def expand(prompt_ids: Sequence[int], items: Sequence[MediaSpan], placeholder_id
 
 
 def block_hashes(prompt_ids: Sequence[int], items: Sequence[MediaSpan], *, placeholder_id: int | Collection[int],
-                 block_size: int) -> list[int]:
-    """One u64 hash per whole block of the expanded prompt, in order."""
+                 block_size: int, salt: str = "") -> list[int]:
+    """One u64 hash per whole block of the expanded prompt, in order; ``salt`` "": unscoped."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     tokens, spans = expand(prompt_ids, items, placeholder_id)
     arr = np.asarray(tokens, dtype=np.int64)
     hashes: list[int] = []
-    parent = 0
+    parent = int.from_bytes(blake3.blake3(b"salt\0" + salt.encode()).digest(8), "little") if salt else 0
     for b in range(len(tokens) // block_size):
         lo, hi = b * block_size, (b + 1) * block_size
         media = sorted(h for start, end, h in spans if start < hi and end > lo)

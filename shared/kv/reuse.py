@@ -46,7 +46,7 @@ class PrefixReuse:
     def lookup(self, msg: protocol.PrefillRequest, prompt_len: int) -> Lookup:
         """``prompt_len``: the expanded prompt's length (positions)."""
         hashes = block_hashes(msg.meta.prompt_token_ids, msg.items, placeholder_id=self._placeholder,
-                              block_size=self.cache.block_size)
+                              block_size=self.cache.block_size, salt=msg.meta.cache_scope)
         blocks = self.cache.match(hashes)
         prefix_len = min(len(blocks) * self.cache.block_size, prompt_len - 1)
         if prefix_len <= 0:
@@ -76,7 +76,7 @@ class EngineCacheReport:
 
     def hashes(self, msg: protocol.PrefillRequest) -> list[int]:
         return block_hashes(msg.meta.prompt_token_ids, msg.items, placeholder_id=self._placeholder,
-                            block_size=self.block_size)
+                            block_size=self.block_size, salt=msg.meta.cache_scope)
 
     def hit_blocks(self, cached_tokens: int) -> int:
         return cached_tokens // self.block_size

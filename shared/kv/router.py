@@ -120,18 +120,18 @@ class Router:
                                   t_ms=int(time.time() * 1000))
         return decision.partition, msgspec.structs.replace(msg, route=note)
 
-    def _hashes(self, prompt_ids: Sequence[int], items) -> list[int]:
+    def _hashes(self, prompt_ids: Sequence[int], items, salt: str = "") -> list[int]:
         return block_hashes(prompt_ids, items, placeholder_id=self._placeholder,
-                            block_size=self._block_size) if self.policy == "kv" else []
+                            block_size=self._block_size, salt=salt) if self.policy == "kv" else []
 
-    def read_ahead(self, request_id: str, prompt_ids: Sequence[int], items) -> None:
+    def read_ahead(self, request_id: str, prompt_ids: Sequence[int], items, salt: str = "") -> None:
         """Start reading the table for the ``PrefillRequest`` that ``request_id`` will produce
         (``items``: its media, anything with ``index``, ``mm_hash`` and ``n_tokens``). Never raises;
         a failed read is only a lost read-ahead. A stage that knows a request's prompt and media
         before it produces the request (encode, while its encoder runs) calls this; :meth:`decide`
         then uses what was read if it is at most ``READ_AHEAD_MAX_AGE_S`` old and for the same
         blocks, instead of a round trip at the produce point."""
-        hashes = self._hashes(prompt_ids, items)
+        hashes = self._hashes(prompt_ids, items, salt)
         task = asyncio.create_task(self.workers(hashes), name="route-read-ahead")
         task.add_done_callback(_consume_error)
         old = self._ahead.pop(request_id, None)
@@ -155,7 +155,7 @@ class Router:
             return None  # read again, now
 
     async def decide(self, msg: protocol.PrefillRequest) -> Decision:
-        hashes = self._hashes(msg.meta.prompt_token_ids, msg.items)
+        hashes = self._hashes(msg.meta.prompt_token_ids, msg.items, msg.meta.cache_scope)
         workers = await self._read_ahead_result(msg.meta.request_id, hashes)
         if workers is None:
             workers = await self.workers(hashes)

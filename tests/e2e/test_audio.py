@@ -102,3 +102,22 @@ def test_text_only_matches_reference(client, audio_model_dir):
                              [], MAX_TOKENS)
     expected = AutoTokenizer.from_pretrained(audio_model_dir).decode(ids, skip_special_tokens=True)
     assert ask(client, []).choices[0].message.content == expected
+
+
+def test_audio_embeds_answer_like_the_clip(client, audio_model_dir):
+    """The model's own audio-tower output for a clip, sent as vLLM clients send it (a base64
+    torch.save tensor, alone or in the dict form with audio_num_tokens), gets the clip's answer."""
+    from shared.engines.qwen2_audio import Qwen2AudioCompute
+    from tests.media.embeds_blobs import b64, torch_blob
+
+    raw = samples.wav(0.9, rate=16_000, freq=500.0)
+    compute = Qwen2AudioCompute(audio_model_dir)
+    (emb,) = compute.encode_media([compute.preprocess_audio(decode_audio(raw, rate_hz=16_000, max_duration_s=10,
+                                                                          param="p"))])
+    by_clip = ask(client, [input_audio(raw)]).choices[0].message.content
+    for form in (b64(torch_blob(emb)), {"audio_embeds": b64(torch_blob(emb)), "audio_num_tokens": [emb.shape[0]]}):
+        assert ask(client, [{"type": "audio_embeds", "audio_embeds": form}]).choices[0].message.content == by_clip
+    wrong = {"audio_embeds": b64(torch_blob(emb)), "audio_num_tokens": [emb.shape[0] + 1]}
+    with pytest.raises(openai.BadRequestError, match="audio_num_tokens") as info:
+        ask(client, [{"type": "audio_embeds", "audio_embeds": wrong}])
+    assert info.value.body["param"] == "messages[0].content[0]"

@@ -3,7 +3,9 @@
   every answer equals the in-process reference (the uncached path's answer);
 - a repeated image skips encode (media-fetch → prefill) and answers the same;
 - Redis flushed mid-load → every request still completes with the reference answer;
-- the owner of a cached embedding killed → the next request re-encodes and succeeds.
+- the owner of a cached embedding killed → the next request re-encodes and succeeds;
+- an image the client named (``uuid``) answered by its name alone, an unknown name a 400;
+- with API keys on, two keys sending the same image get no cross-tenant hit, one key does.
 Encoder forwards are counted by the fleet-wide counter ``RedisKeys.encoder_items`` (the
 same place that counts ``mmfleet_encoder_items_total``)."""
 
@@ -20,8 +22,9 @@ import openai
 import pytest
 import redis
 
+from services.gateway.auth import hash_key
 from shared import protocol
-from shared.embcache.identity import cache_key, model_fingerprint
+from shared.embcache.identity import cache_key, model_fingerprint, scope_of
 from shared.keys import RedisKeys
 from tests import procs
 from tests.e2e.test_skeleton import gradient_image, noise_image, png_data_url, ref_parts, reference_text
@@ -29,6 +32,7 @@ from tests.e2e.test_skeleton import gradient_image, noise_image, png_data_url, r
 MAX_TOKENS = 12
 KEYS = RedisKeys("mm")
 TEXT = "Describe what you see."
+KEY, OTHER_KEY = "sk-tenant-a", "sk-tenant-b"  # two tenants; every other test sends as KEY
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,8 @@ def fleet(kafka_bootstrap, own_redis, model_dir, logs_dir):
            "MMFLEET_LOG_LEVEL": "DEBUG",
            # prefill's own recent copies would serve a repeat without asking the owner at all
            # (tests/transport covers them): off, so repeats exercise the owners' pools
-           "MMFLEET_PREFILL_EMBEDDING_CACHE_BYTES": "0"}
+           "MMFLEET_PREFILL_EMBEDDING_CACHE_BYTES": "0",
+           "MMFLEET_API_KEY_HASHES": f"{hash_key(KEY)},{hash_key(OTHER_KEY)}"}
     log_dir = logs_dir / "embcache"
     log_dir.mkdir()
     with procs.fleet(env, log_dir) as (base, proc):
@@ -69,7 +74,9 @@ def key_of(model_dir, img) -> str:
     import base64
 
     raw = base64.b64decode(png_data_url(img).split(",", 1)[1])
-    return cache_key(model_fingerprint(model_dir), blake3.blake3(raw).hexdigest(), "image")
+    # as media-fetch hashes an image sent as KEY: its bytes in KEY's tenant scope
+    scoped = blake3.blake3(raw + f"|scope:{scope_of(hash_key(KEY)[:12], '')}".encode())
+    return cache_key(model_fingerprint(model_dir), scoped.hexdigest(), "image")
 
 
 async def ask(client: openai.AsyncOpenAI, imgs) -> str:
@@ -87,7 +94,7 @@ async def ask(client: openai.AsyncOpenAI, imgs) -> str:
 
 def run_many(base: str, image_sets: list[list], concurrency: int, during=None) -> list[str]:
     async def go():
-        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
         sem = asyncio.Semaphore(concurrency)
 
         async def one(imgs):
@@ -177,3 +184,48 @@ def test_killed_owner_means_re_encode_not_error(fleet, rds, model_dir):
         time.sleep(0.05)
     assert run_many(base, [[img]], 1) == [ref(model_dir, [img])]
     assert encoded(rds) - before == 1  # encoded again, once
+
+
+def _named_part(name: str, img=None) -> dict:
+    """An image part the client names: with its data, or (vLLM's form) the name alone."""
+    return {"type": "image_url", "image_url": None if img is None else {"url": png_data_url(img)}, "uuid": name}
+
+
+def _ask_named(base: str, part: dict, key: str = KEY) -> str:
+    client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=120)
+    out = client.chat.completions.create(model="mmfleet-demo", temperature=0, max_tokens=MAX_TOKENS,
+                                         messages=[{"role": "user", "content": [part, {"type": "text", "text": TEXT}]}])
+    client.close()
+    return out.choices[0].message.content
+
+
+def test_a_named_image_is_answered_by_name_alone_without_its_bytes(fleet, rds, model_dir):
+    base, _ = fleet
+    img = noise_image(404)
+    before = encoded(rds)
+    first = _ask_named(base, _named_part("img-404", img))
+    assert encoded(rds) - before == 1 and first == ref(model_dir, [img])
+    assert _ask_named(base, _named_part("img-404")) == first  # no bytes sent; nothing encoded again
+    assert encoded(rds) - before == 1
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask_named(base, _named_part("never-sent"))
+    err = info.value.body
+    assert (err["param"], err["code"]) == ("messages[0].content[0]", "unknown_media_uuid")
+    assert "never-sent" in err["message"]
+
+
+def test_tenants_share_no_cache_hit_and_one_tenant_does(fleet, rds, model_dir):
+    base, _ = fleet
+    img = noise_image(505)
+    part = {"type": "image_url", "image_url": {"url": png_data_url(img)}}
+    before = encoded(rds)
+    answers = [_ask_named(base, part, KEY), _ask_named(base, part, OTHER_KEY)]
+    assert encoded(rds) - before == 2  # the second tenant's copy is its own: no hit on the first's
+    answers.append(_ask_named(base, part, KEY))
+    assert encoded(rds) - before == 2  # the same tenant hits its own
+    assert set(answers) == {ref(model_dir, [img])}
+    _ask_named(base, _named_part("img-505", img), KEY)
+    with pytest.raises(openai.BadRequestError) as info:  # one tenant's name is unknown to another
+        _ask_named(base, _named_part("img-505"), OTHER_KEY)
+    assert info.value.body["code"] == "unknown_media_uuid"
+    assert _ask_named(base, _named_part("img-505"), KEY) == answers[0]

@@ -52,7 +52,9 @@ def fleet(kafka_bootstrap, model_dir, fleet_logs, tmp_path_factory):
                "MMFLEET_REDIS_PASSWORD": REDIS_PASSWORD, "MMFLEET_KAFKA_SASL_PASSWORD": SASL_PASSWORD,
                "MMFLEET_KAFKA_SASL_USERNAME": "unused", "MMFLEET_REDIS_PREFIX": "ing",
                "MMFLEET_API_KEY_HASHES": f"{hash_key(KEY)},{hash_key(OTHER_KEY)},{hash_key(LIMITED_KEY)}:2",
-               "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024)}
+               "MMFLEET_POOL_BYTES": str(64 * 1024 * 1024),
+               # keys share cache hits here (tests/e2e/test_embedding_cache.py: the default, apart)
+               "MMFLEET_CACHE_SHARE_ACROSS_TENANTS": "true"}
         with procs.fleet(env, fleet_logs, mode="epd") as (base, _proc):
             yield {"base": base, "bootstrap": kafka_bootstrap, "env": env}
 
@@ -356,6 +358,19 @@ def test_submit_runs_200_mixed_requests_and_resumes(fleet, tmp_path):
     SEEN_TEXT.extend([again.stdout, again.stderr])
     assert again.returncode == 0 and "sent 0, skipped 201" in again.stdout
     assert len(out.read_text().splitlines()) == 201
+
+
+def test_with_the_share_setting_two_keys_hit_one_cache_entry(fleet):
+    import redis
+
+    r = redis.Redis.from_url(fleet["env"]["REDIS_URL"], password=REDIS_PASSWORD)
+    encoded = RedisKeys("ing").encoder_items()
+    b = body(image_content(png_data_url(noise_image(9191))))
+    before = int(r.get(encoded) or 0)
+    (s1, a1, _), (s2, a2, _) = http(fleet["base"], b, KEY), http(fleet["base"], b, OTHER_KEY)
+    assert (s1, s2) == (200, 200) and int(r.get(encoded) or 0) - before == 1  # the second key hit the first's
+    assert json.loads(a1)["choices"][0]["message"] == json.loads(a2)["choices"][0]["message"]
+    r.close()
 
 
 def test_no_secret_in_logs_cli_output_or_error_bodies(fleet, fleet_logs):

@@ -114,6 +114,11 @@ def test_every_process_exposes_its_metrics(fleet, traffic, redis_url):
     assert value(gw, "mmfleet_e2e_seconds_count") >= 4
     assert value(gw, "mmfleet_inflight_requests") == 0
     assert value(gw, "mmfleet_nixl_bytes_total", direction="out") > 0  # the inline image, held for media-fetch
+    # per modality: the image requests' items (the bad image's too: it was admitted), and every
+    # chat request observed for each modality
+    assert value(gw, "mmfleet_request_media_items_sum", modality="image") == 3
+    assert value(gw, "mmfleet_request_media_items_sum", modality="video") == 0
+    assert value(gw, "mmfleet_request_media_items_count", modality="audio") >= 5
 
     for w in workers:
         (stage,) = w.stages
@@ -123,12 +128,15 @@ def test_every_process_exposes_its_metrics(fleet, traffic, redis_url):
         assert value(m, "mmfleet_stage_compute_seconds_sum", stage=stage) > 0, stage
         assert value(m, "mmfleet_stage_records_total", stage=stage, outcome="ok") >= 2, stage
         assert value(m, "mmfleet_consumer_lag_records", stage=stage) >= 0, stage  # present, per partition
+        if stage == "prefill":  # the two images' tokens
+            assert value(m, "mmfleet_media_tokens_total", modality="image") > 2
         if stage != "media-fetch":  # every later stage pulls its input (from a pool mapped on this host)
             assert value(m, "mmfleet_nixl_bytes_total", direction="in") > 0, stage
             assert value(m, "mmfleet_nixl_transfer_seconds_count") > 0, stage
         assert value(m, "mmfleet_nixl_pool_used_bytes") >= 0, stage  # present; in use drops back as leases end
         if stage == "media-fetch":
-            assert value(m, "mmfleet_media_fetch_bytes_total", source="inline") > 0
+            assert value(m, "mmfleet_media_fetch_bytes_total", source="inline", modality="image") > 0
+            assert value(m, "mmfleet_embedding_cache_misses_total", stage=stage, modality="image") >= 2
             assert value(m, "mmfleet_media_fetch_seconds_count", source="inline") >= 3
             assert value(m, "mmfleet_stage_records_total", stage=stage, outcome="failed") >= 1
 

@@ -376,25 +376,45 @@ def test_video_matches_reference_generate(client, model_dir):
     assert answers[4] != answers[6]
 
 
-def test_precomputed_image_embeds_answer_like_the_image(client, model_dir):
-    """An image_embeds part (.npy of the encoder's output for an image, with its grid) skips the
-    encoder and gets exactly the answer the image itself gets; a wrong hidden size is a 400."""
-    import numpy as np
+def test_precomputed_embeds_answer_like_their_media(client, model_dir):
+    """What a vLLM client sends (the model's own encoder output for an image / a video as a
+    base64 torch.save tensor, Qwen's dict form with the grid) and mmfleet's .npy form skip the
+    encoder and get exactly the answer the media itself gets; hostile payloads are 400s."""
+    import torch
 
     from shared.engines.qwen2_vl import Qwen2VLCompute
+    from shared.media.video import VideoLimits, decode_video
+    from shared.settings import Settings
+    from tests.media import samples
+    from tests.media.embeds_blobs import b64, callable_pickle_blob, npy, torch_blob, zip_bomb_blob
 
     compute = Qwen2VLCompute(model_dir)
     img = noise_image(11)
     px = compute.preprocess_image(img)
     (emb,) = compute.encode_media([px])
-    buf = io.BytesIO()
-    np.save(buf, emb.numpy())
-    part = {"type": "image_embeds", "image_embeds": {"data": base64.b64encode(buf.getvalue()).decode(),
-                                                     "format": "npy", "grid_thw": list(px.grid_thw)}}
+    ask = {"type": "text", "text": "What is this?"}
     by_image = chat(client, image_parts([png_data_url(img)], "What is this?")).choices[0].message.content
-    assert chat(client, [part, {"type": "text", "text": "What is this?"}]).choices[0].message.content == by_image
-    buf = io.BytesIO()
-    np.save(buf, np.zeros((px.n_tokens, 64), np.float32))
-    part["image_embeds"]["data"] = base64.b64encode(buf.getvalue()).decode()
-    with pytest.raises(openai.BadRequestError, match="its hidden size is 128"):
-        chat(client, [part, {"type": "text", "text": "What is this?"}])
+    for form in ({"data": b64(npy(emb.numpy())), "format": "npy", "grid_thw": list(px.grid_thw)},
+                 {"image_embeds": b64(torch_blob(emb)), "image_grid_thw": b64(torch_blob(torch.tensor(px.grid_thw)))}):
+        assert chat(client, [{"type": "image_embeds", "image_embeds": form}, ask]).choices[0].message.content \
+            == by_image
+    s = Settings()
+    raw = samples.video(samples.video_frames(16, size=(96, 64), seed=4), fps=8)
+    frames = decode_video(raw, num_frames=4, fps=0, limits=VideoLimits(s.max_video_duration_s, s.max_video_frames,
+                                                                       s.max_video_side, s.max_video_decoded_frames),
+                          param="p")
+    vpx = compute.preprocess_video(frames)
+    (vemb,) = compute.encode_media([vpx])
+    video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(raw), "num_frames": 4}}
+    by_video = chat(client, [video, ask]).choices[0].message.content
+    part = {"type": "video_embeds", "video_embeds": {"video_embeds": b64(torch_blob(vemb)),
+                                                     "video_grid_thw": [list(vpx.grid_thw)]}}
+    assert chat(client, [part, ask]).choices[0].message.content == by_video
+    grid = list(px.grid_thw)
+    for payload, fragment in ((npy(np.zeros((px.n_tokens, 64), np.float32)), "its hidden size is 128"),
+                              (callable_pickle_blob(), "weights_only"), (zip_bomb_blob(), "is compressed"),
+                              (torch_blob(emb.double()), "got dtype float64")):
+        bad = {"type": "image_embeds", "image_embeds": {"image_embeds": b64(payload), "image_grid_thw": grid}}
+        with pytest.raises(openai.BadRequestError, match=fragment) as info:
+            chat(client, [bad, ask])
+        assert info.value.body["param"] == "messages[0].content[0]"

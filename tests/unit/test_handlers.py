@@ -333,8 +333,8 @@ async def test_encode_reads_the_route_ahead_for_the_blocks_it_produces(pipeline,
     seen = []
 
     class Recording(Router):
-        def read_ahead(self, request_id, prompt_ids, items):
-            seen.append((request_id, enc_engine.encode_stats[1], self._hashes(prompt_ids, items)))
+        def read_ahead(self, request_id, prompt_ids, items, salt=""):
+            seen.append((request_id, enc_engine.encode_stats[1], self._hashes(prompt_ids, items, salt)))
 
     router = Recording(None, RedisKeys("t"), Settings(kv_block_size=4), ph)
     enc_engine = pipeline["engine"]
