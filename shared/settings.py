@@ -188,7 +188,9 @@ class Settings(SglangSettings, kw_only=True, frozen=True):
     transfer_host_shm: Annotated[bool, _d(
         "a CPU process's tensor pool is a shared memory file that consumers on the same host map and copy "
         "from instead of a NIXL READ (a GPU process's pool always is); false: NIXL only")] = True
-    encode_max_batch_items: Annotated[int, _d("media items per vision-encoder batch at most")] = 16
+    encode_max_batch_items: Annotated[int, _d(
+        "media items per vision-encoder batch at most; 0: 1 on CPU (a CPU forward costs the sum of its items, so "
+        "batching only delays the first ones), 16 on a GPU")] = 0
     encode_batch_wait_ms: Annotated[int, _d("how long encode waits to fill a batch")] = 2
     decode_max_batch: Annotated[int, _d("transformers engine: decode steps of up to this many sequences run as "
                                         "one batched forward; 1: one sequence per forward")] = 16

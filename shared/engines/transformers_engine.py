@@ -64,7 +64,7 @@ class TransformersEngine:
     name = "transformers"
     capabilities = Capabilities(encode=True, generate=True, kv_export=True, kv_import=True, prefix_kv=True)
 
-    def __init__(self, model_dir: str | Path, *, encode_max_batch_items: int = 16,
+    def __init__(self, model_dir: str | Path, *, encode_max_batch_items: int = 0,
                  encode_batch_wait_ms: float = 2.0, device: str = "cpu", dtype: str = "auto",
                  decode_max_batch: int = 16, prefill_max_batch: int = 8,
                  parts: frozenset[str] | None = None, inline_max_ms: float = 0.0) -> None:
@@ -72,7 +72,10 @@ class TransformersEngine:
         self._inline_max_ms = inline_max_ms  # ComputeLane's; CPU only (below)
         self._parts = parts  # None: the whole model
         self._device, self._dtype = device, dtype  # settings device / dtype (shared.process.device)
-        self._batch_items = encode_max_batch_items
+        # 0: one item per encoder forward on CPU, where a batch costs the sum of its items and only
+        # holds back its first ones (a cold window's first request waits for every request's images:
+        # docs/benchmarks/window.md); a GPU runs a batch in about the time of one item
+        self._batch_items = encode_max_batch_items or (1 if str(device).startswith("cpu") else 16)
         self._batch_wait_ms = encode_batch_wait_ms
         self._lane: ComputeLane | None = None
         self._batcher: MicroBatcher | None = None

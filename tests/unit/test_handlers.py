@@ -372,3 +372,19 @@ async def test_prefill_writes_the_first_token_before_keeping_its_prefix(engine, 
     assert [len(deltas) for deltas in seen] == [1]  # kept once, the first delta already written
     assert [p.topic for p in outcome.produce] == ["mm.decode"]
     assert len(table) == 1 and len(table[0].stored) == len(ids) // 8  # the kept blocks, for the routing table
+
+
+async def test_on_cpu_the_encoder_runs_one_item_per_forward_by_default(model_dir, compute):
+    """0 (the default): one item a forward on CPU, where a batch costs the sum of its items and
+    holds its first ones back; 16 on a GPU (only read here, nothing runs there)."""
+    from shared.engines.transformers_engine import TransformersEngine
+
+    assert TransformersEngine(model_dir, device="cuda:0")._batch_items == 16
+    eng = TransformersEngine(model_dir)
+    await eng.start()
+    try:
+        pixels = [compute.preprocess_image(Image.open(io.BytesIO(_png(20 + i))).convert("RGB")) for i in range(3)]
+        await asyncio.gather(*(eng.encode(p.pixel_values, p.grid_thw, p.n_tokens) for p in pixels))
+        assert eng.encode_stats == (3, 3)
+    finally:
+        await eng.stop()
