@@ -49,24 +49,26 @@ test: install $(VLLM_STAMP) chromium
 	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# the benchmark suites (~30 minutes on 2 cores); results under loadtest/results/<time>/. The plumbing
+# the benchmark suites (~40 minutes on 2 cores); results under loadtest/results/<time>/. The plumbing
 # overhead suite (with the vLLM-engine fleets and vLLM's own client beside ours: `engines`)
 # runs the tiny model (compute should be small there); the bench model
 # (qwen2-vl:bench, a 2B-class VLM's encode / prefill / decode proportions) serves the
-# compute split, the KV-routing and the reuse (cache on / off / vllm serve) suites.
+# compute split, the KV-routing, the reuse (cache on / off / vllm serve) and the sliding-window suites.
 BENCH_MODEL ?= qwen2-vl:bench
-# sized to keep `make bench` near 30 minutes on 2 cores (minutes: engines ~6, kv ~10 (its long
+# sized to keep `make bench` near 40 minutes on 2 cores (minutes: engines ~6, kv ~10 (its long
 # workload 3 times, the policies alternating: the ratio swings ~±15 % run to run), reuse ~10,
-# step ~3); raise them for tighter figures
+# window ~9, step ~3); raise them for tighter figures
 BENCH_ARGS ?= --low-requests 12 --sat-requests 24
 KV_BENCH_ARGS ?= --repeats 3
 REUSE_BENCH_ARGS ?= --repeats 3 --num-requests 16
+WINDOW_BENCH_ARGS ?= --repeats 3 --vllm-client
 bench: install $(VLLM_STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest engines $(BENCH_ARGS)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 MMFLEET_DEMO_MODEL=$(BENCH_MODEL) $(BIN)/python -m loadtest split
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 MMFLEET_DEMO_MODEL=$(BENCH_MODEL) $(BIN)/python -m loadtest kv $(KV_BENCH_ARGS)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 MMFLEET_DEMO_MODEL=$(BENCH_MODEL) $(BIN)/python -m loadtest reuse $(REUSE_BENCH_ARGS)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 MMFLEET_DEMO_MODEL=$(BENCH_MODEL) $(BIN)/python -m loadtest window $(WINDOW_BENCH_ARGS)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest step $(STEP_BENCH_ARGS)
 
 # the long chaos run: 200 requests while each stage's worker is killed in turn

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -382,7 +383,9 @@ def _window(args: argparse.Namespace, out: Path, logs: Path, slos: dict, extra_e
     summary = report.write_all(result, out, plots=not args.no_plots)  # the goals: in window.summary_md
     png = None if args.no_plots else window.plot(result, out)
     if result["runs"]:
-        command = (f"mmfleet bench window --users {args.users} --turns {args.turns} --window {args.window} "
+        model = os.environ.get("MMFLEET_DEMO_MODEL")
+        command = ((f"MMFLEET_DEMO_MODEL={model} " if model else "")
+                   + f"mmfleet bench window --users {args.users} --turns {args.turns} --window {args.window} "
                    f"--side {args.side} --text-words {args.text_words} --output-tokens {args.output_tokens} "
                    f"--repeats {args.repeats}" + (" --vllm-client" if args.vllm_client else "")
                    + "".join(f" --target {t}" for t in args.target))
