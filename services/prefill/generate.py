@@ -31,8 +31,9 @@ class GenerateHandler:
         if log.done:
             return Outcome(releases=embedding_releases(msg))
         media = await pull_media(msg, ctx, self._puller)
+        salt = {"cache_salt": meta.cache_scope} if self._engine.capabilities.cache_salt and meta.cache_scope else {}
         tokens = self._engine.generate(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling,
-                                       resume=log.tokens)
+                                       resume=log.tokens, **salt)
         await stream_completion(ctx.events, meta, tokens, tokenizer=self._engine.tokenizer,
                                 eos_token_ids=self._engine.eos_token_ids, prompt_len=prompt_len,
                                 skip_deltas=log.deltas, aborted=abort_check(ctx, meta))

@@ -114,8 +114,9 @@ class PrefillHandler:
         meta, report = msg.meta, self._engine_cache
         hashes = report.hashes(msg)
         with self._load.track(total):  # the hit is known only once the engine has scheduled it
+            salt = {"cache_salt": meta.cache_scope} if self._engine.capabilities.cache_salt and meta.cache_scope else {}
             out = await self._engine.prefill(meta.request_id, list(meta.prompt_token_ids), media, meta.sampling,
-                                             block_keys=hashes)
+                                             block_keys=hashes, **salt)
         await self._first_delta(ctx, meta, out)
         if self._audit is not None:
             self._audit.prefilled(msg, ctx.worker_id, report.hit_blocks(out.cached_tokens))

@@ -73,6 +73,11 @@ class Capabilities:
     # ``decode``'s tokens come from another process that steps without waiting for the reader
     # (they queue in this one): the stream writer needs no look-ahead task of its own
     decodes_ahead: bool = False
+    # the engine's own prefix cache takes a per-request scope: ``prefill`` and ``generate`` accept
+    # ``cache_salt`` (the request's cache scope, tenant and cache_salt), and no request reuses
+    # another scope's cached blocks (vLLM's ``cache_salt``); engines without it keep no cache of
+    # their own, or one the fleet keys by the scope itself (shared.kv)
+    cache_salt: bool = False
 
 
 @dataclass(frozen=True)

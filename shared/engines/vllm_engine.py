@@ -41,7 +41,7 @@ CPU_KV_CACHE_BYTES = 512 * _MiB  # default KV cache on CPU: ~500k tokens of the 
 class VllmEngine:
     name = "vllm"
     capabilities = Capabilities(encode=False, generate=True, kv_export=True, kv_import=True, remote_kv=True,
-                                kv_events=True)
+                                kv_events=True, cache_salt=True)
 
     def __init__(
         self,
@@ -225,7 +225,7 @@ class VllmEngine:
     # ------------------------------------------------------------------ prefill / decode apart
     async def prefill(self, request_id: str, prompt_ids: list[int], images: list[MediaEmbeds],
                       sampling: protocol.Sampling, prefix_kv: torch.Tensor | None = None,
-                      block_keys: Sequence[int] = ()) -> PrefillOutput:
+                      block_keys: Sequence[int] = (), cache_salt: str = "") -> PrefillOutput:
         """Prompt → first token, the KV left in this engine for a consumer (kv_producer only).
 
         ``block_keys``: the prompt's block hashes in the fleet's keys; the output's
@@ -242,8 +242,8 @@ class VllmEngine:
             events.translator.register(session, block_keys)
         # (registrations are kept, LRU-bounded, past this call: events that trail it still translate)
         first, kv_params, prompt_len, cached = None, None, 0, 0
-        async with contextlib.aclosing(self._outputs(request_id, self.prompts.build(prompt_ids, images), params,
-                                                     session_id=session)) as outs:
+        prompt = self.prompts.build(prompt_ids, images, cache_salt=cache_salt)
+        async with contextlib.aclosing(self._outputs(request_id, prompt, params, session_id=session)) as outs:
             async for out in outs:
                 prompt_len = len(out.prompt_token_ids or ()) or prompt_len
                 cached = int(getattr(out, "num_cached_tokens", 0) or 0)
@@ -308,8 +308,10 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ generate
     async def generate(self, request_id: str, prompt_ids: list[int], images: list[MediaEmbeds],
-                       sampling: protocol.Sampling, resume: tuple[int, ...] = ()) -> AsyncIterator[int]:
+                       sampling: protocol.Sampling, resume: tuple[int, ...] = (),
+                       cache_salt: str = "") -> AsyncIterator[int]:
         """Prefill + decode in vLLM; yields completion token ids (eos included when produced).
+        ``cache_salt``: the request's cache scope (vLLM's prefix cache shares blocks within it only).
 
         ``resume`` (tokens an earlier attempt already streamed, from the token log): yielded
         first, and appended to the prompt so vLLM continues after them with the remaining
@@ -324,7 +326,7 @@ class VllmEngine:
         if resume:
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume))
         produced = 0
-        prompt = self.prompts.build(prompt_ids, images, tail=tuple(resume))
+        prompt = self.prompts.build(prompt_ids, images, tail=tuple(resume), cache_salt=cache_salt)
         params = self._sampling_params(sampling, already=len(resume), prefix=tuple(resume))
         async with contextlib.aclosing(self._outputs(request_id, prompt, params)) as outs:
             async for out in outs:

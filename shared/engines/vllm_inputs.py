@@ -104,10 +104,11 @@ class PromptBuilder:
         return ids, [m for m in media if m.kind not in self.raw]
 
     def build(self, prompt_ids: list[int], media: list[MediaEmbeds], tail: tuple[int, ...] = (),
-              raw_expanded: bool = False) -> dict:
+              raw_expanded: bool = False, cache_salt: str = "") -> dict:
         """vLLM's prompt dict; ``tail``: completion tokens appended after the placeholders are
         counted (a generated token may equal a placeholder id); ``raw_expanded``: the raw kinds'
-        placeholders are expanded already (:meth:`expand_raw`), no items of theirs given."""
+        placeholders are expanded already (:meth:`expand_raw`), no items of theirs given;
+        ``cache_salt``: the request's cache scope ("": fleet-wide)."""
         by_kind: dict[str, list[MediaEmbeds]] = {}
         for item in media:
             by_kind.setdefault(getattr(item, "kind", "image"), []).append(item)
@@ -121,6 +122,8 @@ class PromptBuilder:
             if n_placeholders != n_items:
                 raise EngineError(f"prompt has {n_placeholders} {kind} placeholders but {n_items} {kind} items given")
         prompt: dict = {"prompt_token_ids": [*prompt_ids, *(int(t) for t in tail)]}  # ids, not SampledToken
+        if cache_salt:  # vLLM's prefix cache: blocks are shared only among prompts of the same salt
+            prompt["cache_salt"] = cache_salt
         if not media:
             return prompt
         if len(media) > self.max_items:

@@ -388,3 +388,43 @@ async def test_on_cpu_the_encoder_runs_one_item_per_forward_by_default(model_dir
         assert eng.encode_stats == (3, 3)
     finally:
         await eng.stop()
+
+
+async def test_an_engine_with_its_own_prefix_cache_gets_the_requests_cache_scope(pipeline, compute):
+    """An engine whose prefix cache takes a per-request salt (vLLM) gets the request's cache scope
+    as ``cache_salt``; one without the capability (the transformers engine: the fleet keys its
+    prefix cache by the scope itself) is called as before."""
+    import dataclasses
+
+    engine, (_, ctx) = pipeline["engine"], pipeline["stages"]["prefill"]
+    seen: list[dict] = []
+
+    class Salted:  # the real engine, told it takes a salt, recording what generate is given
+        capabilities = dataclasses.replace(engine.capabilities, cache_salt=True)
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def generate(self, *args, cache_salt: str = "", **kw):
+            seen.append({"cache_salt": cache_salt})
+            return engine.generate(*args, **kw)
+
+    prompt_ids = compute.render_prompt_ids([{"role": "user", "content": "Hello there."}])
+    meta = msgspec.structs.replace(_meta("salted", prompt_ids, max_tokens=2), cache_scope="tenant-a")
+    await GenerateHandler(Salted()).handle(protocol.PrefillRequest(meta=meta), ctx)
+    assert seen == [{"cache_salt": "tenant-a"}]
+    # the plain engine (no such capability) takes no such argument: it would raise TypeError
+    meta = msgspec.structs.replace(meta, request_id="plain")
+    await GenerateHandler(engine).handle(protocol.PrefillRequest(meta=meta), ctx)
+    assert any(isinstance(e, protocol.Finish) for e in pipeline["sink"].events["plain"])
+
+
+def test_vllm_prompts_carry_the_cache_salt(model_dir):
+    from transformers import AutoTokenizer
+
+    from shared.engines.vllm_inputs import PromptBuilder
+
+    builder = PromptBuilder(model_dir, AutoTokenizer.from_pretrained(model_dir), max_items_per_prompt=4)
+    assert builder.build([1, 2, 3], [], cache_salt="tenant-a") == {"prompt_token_ids": [1, 2, 3],
+                                                                   "cache_salt": "tenant-a"}
+    assert "cache_salt" not in builder.build([1, 2, 3], [])
