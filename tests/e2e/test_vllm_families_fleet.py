@@ -1,6 +1,7 @@
 """LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video and Qwen2-Audio through a vLLM fleet, against vLLM's
-own offline ``LLM.generate`` on the same checkpoint, prompt and media bytes (``vllm_offline``,
-raw media through vLLM's processor and encoder): the fleet's greedy text must equal it. One
+own offline ``LLM.generate`` on the same checkpoint, prompt and media (``tests.vllm_offline``: the
+bytes decoded as media-fetch decodes them, then vLLM's processor and encoder): the fleet's greedy
+text must equal it. One
 fleet per family serves all its cases. LLaVA and Qwen2-Audio go as our encoder's embeddings, in
 e-p-d (the KV moved from prefill's vLLM to decode's); LLaVA-NeXT and LLaVA-NeXT-Video by the
 raw-media path, in e-p-d (the decoded images cross from the encode worker to prefill's vLLM over
@@ -12,14 +13,8 @@ fleet starts.
 from __future__ import annotations
 
 import base64
-import contextlib
 import importlib.util
 import io
-import json
-import os
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import openai
@@ -27,9 +22,11 @@ import pytest
 from PIL import Image
 
 from shared.models.registry import DEMOS
+from shared.settings import Settings
 from tests import procs
 from tests.conftest import CACHE_DIR
 from tests.media import samples
+from tests.vllm_offline import Case, start_offline
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed")
 
@@ -83,30 +80,41 @@ def _openai_part(kind: str, raw: bytes, num_frames: int) -> dict:
     return {"type": f"{kind}_url", f"{kind}_url": url}
 
 
-def _reference_spec(model_dir, cases: dict, tmp) -> dict:
-    """The offline reference's cases: the same items as files, the template's part types."""
-    spec_cases = {}
+def _decoded(kind: str, raw: bytes, num_frames: int, s: Settings):
+    """One item as media-fetch decodes it under the default settings, in vLLM's raw-media form."""
+    from shared.media.audio import decode_audio
+    from shared.media.images import decode_image
+    from shared.media.video import VideoLimits, decode_video_clip
+
+    if kind == "image":
+        return decode_image(raw, max_pixels=s.max_image_pixels, param="p")
+    if kind == "video":
+        limits = VideoLimits(max_duration_s=s.max_video_duration_s, max_frames=s.max_video_frames,
+                             max_side=s.max_video_side, max_decoded_frames=s.max_video_decoded_frames,
+                             max_pixels=s.max_video_pixels)
+        fps = 0.0 if num_frames else s.video_fps
+        frames = decode_video_clip(raw, num_frames=num_frames or (0 if fps else s.video_num_frames), fps=fps,
+                                   limits=limits, param="p").frames
+        return frames, None  # LLaVA-NeXT-Video takes the frames alone
+    return decode_audio(raw, rate_hz=16_000, max_duration_s=s.max_audio_duration_s, param="p"), 16_000
+
+
+def _reference_cases(cases: dict) -> dict[str, Case]:
+    s = Settings()
+    out = {}
     for name, (items, question) in cases.items():
-        parts = []
-        for i, (kind, raw, num_frames) in enumerate(items):
-            path = tmp / f"{name}-{i}.{kind}"
-            path.write_bytes(raw)
-            parts.append({"type": kind, "path": str(path), "num_frames": num_frames})
-        spec_cases[name] = [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
-    return {"model": str(model_dir), "max_tokens": MAX_TOKENS, "cases": spec_cases}
+        by_kind: dict[str, list] = {"image": [], "video": [], "audio": []}
+        for kind, raw, num_frames in items:
+            by_kind[kind].append(_decoded(kind, raw, num_frames, s))
+        out[name] = Case(question, by_kind["image"], by_kind["video"], by_kind["audio"], max_tokens=MAX_TOKENS)
+    return out
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fleet_equals_vllm_offline(family, kafka_bootstrap, redis_url, tmp_path):
     mode, cases = FAMILIES[family]
     model_dir = DEMOS[family.replace("_", "-")](CACHE_DIR / "models")
-    spec, out = tmp_path / "spec.json", tmp_path / "expected.json"
-    spec.write_text(json.dumps(_reference_spec(model_dir, cases, tmp_path)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MMFLEET_")}
-    with open(tmp_path / "offline.log", "wb") as log:  # its own process group: its engine core goes with it
-        reference = subprocess.Popen([sys.executable, "-m", "tests.e2e.vllm_offline", str(spec), str(out)],
-                                     cwd=procs.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    reference = start_offline(model_dir, _reference_cases(cases), tmp_path / "offline")  # while the fleet starts
     try:
         env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
                "MMFLEET_ENGINE": "vllm", "MMFLEET_REDIS_PREFIX": f"vllm-{family}",
@@ -130,11 +138,8 @@ def test_fleet_equals_vllm_offline(family, kafka_bootstrap, redis_url, tmp_path)
                     client.chat.completions.create(model="mmfleet-demo", max_tokens=2, messages=[
                         {"role": "user", "content": [*(_openai_part(*it) for it in items * 2),
                                                      {"type": "text", "text": question}]}])
-        assert reference.wait(timeout=600) == 0, (tmp_path / "offline.log").read_text()[-3000:]
+        expected = {name: a["text"] for name, a in reference.answers().items()}
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(reference.pid, signal.SIGKILL)  # the group it leads: any engine core left behind
-        reference.wait()
-    expected = json.loads(out.read_text())
+        reference.kill()
     assert len(set(expected.values())) > 1, f"{family}: degenerate model, every case answered alike"
     assert answers == {**expected, **{k + " (stream)": expected[k] for k in list(cases)[:1]}}

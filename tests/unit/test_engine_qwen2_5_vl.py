@@ -48,7 +48,7 @@ def test_family_and_engines(q25_dir, compute):
     family = family_of(q25_dir)
     assert family.name == "qwen2_5_vl" and family.modalities == {"image", "video"}
     assert type(compute.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
-    assert served_modalities(family, "vllm") == {"image"}  # embeddings (tests/engines/test_vllm_qwen2_5_vl.py)
+    assert served_modalities(family, "vllm") == {"image", "video"}  # embeddings, videos with their time step
     px = compute.preprocess_image(image(1))
     window_tokens = compute.model.config.vision_config.window_size // 28
     assert px.grid_thw[1] // 2 > window_tokens  # the image spans several attention windows
