@@ -15,43 +15,18 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.gateway import defaults as generation
-from services.gateway import media_names, params, prompt_forms, schema, tools
+from services.gateway import media_names, media_parts, params, prompt_forms, schema, tools
 from services.gateway.defaults import GenerationDefaults
 from services.gateway.embeds_parts import EmbedsRules, read_part
+from services.gateway.media_parts import MediaInput
 from services.gateway.templates import model_chat_template, render_chat
 from shared import protocol
-from shared.media.files import file_url_path
-from shared.media.sources import (
-    MIME_TYPES_BY_KIND,
-    REMOTE_SCHEMES,
-    MediaError,
-    as_allowlist,
-    check_remote_url,
-    decode_data_url,
-    scheme_of,
-)
+from shared.media.sources import as_allowlist
 from shared.settings import Settings
 from shared.stage import RequestFailed
 
 # OpenAI's input_audio.format values -> the MIME type its base64 data is checked as
 _INPUT_AUDIO_MIME = {"wav": "audio/wav", "mp3": "audio/mpeg"}
-
-
-@dataclass
-class MediaInput:
-    kind: str
-    param: str
-    url: str = ""  # http(s) or file:// (read by media-fetch)
-    mime: str = ""
-    data: bytes | None = None  # decoded data: URL
-    num_frames: int = 0  # video sampling the request asked for (0: server default)
-    fps: float = 0.0
-    grid_thw: tuple[int, int, int] = (0, 0, 0)  # image / video embeds: the grid they were encoded with
-    min_pixels: int = 0  # images: the request's pixel budget (0: the processor's own)
-    max_pixels: int = 0
-    rows: int = 0  # *_embeds: the embeddings' rows (the tokens the item becomes)
-    second_per_grid_t: float = 0.0  # video_embeds (Qwen2.5-VL): the time step they were encoded with
-    uuid: str = ""  # the client's name for it (services.gateway.media_names); alone: no data sent
 
 
 @dataclass
@@ -247,7 +222,7 @@ class PromptBuilder:
                         raise RequestFailed.bad_request(f"{param}: videos are accepted in user messages only",
                                                         param=param)
                     item = self._media("video", video_url.url, param, uuid)
-                    item.num_frames, item.fps = self._video_sampling(video_url, param)
+                    item.num_frames, item.fps = media_parts.video_sampling(video_url, param, self._s.max_video_frames)
                     media.append(item)
                     parts.append({"type": "video"})
                 case schema.ImageEmbedsPart() | schema.VideoEmbedsPart() | schema.AudioEmbedsPart():
@@ -303,58 +278,16 @@ class PromptBuilder:
         return MediaInput(got.kind, param, mime="npy", data=got.data, grid_thw=got.grid_thw, rows=got.rows,
                           second_per_grid_t=got.second_per_grid_t)
 
-    def _video_sampling(self, video_url: schema.MediaURL, param: str) -> tuple[int, float]:
-        """(num_frames, fps) the request asked for; 0 means "the server's default"."""
-        s = self._s
-        if video_url.num_frames is not None and video_url.fps is not None:
-            raise RequestFailed.bad_request(f"{param}: give video_url.num_frames or video_url.fps, not both",
-                                            param=param)
-        if video_url.num_frames is not None:
-            if not 1 <= video_url.num_frames <= s.max_video_frames:
-                raise RequestFailed.bad_request(f"{param}: video_url.num_frames must be between 1 and "
-                                                f"{s.max_video_frames}", param=param)
-            return video_url.num_frames, 0.0
-        if video_url.fps is not None:
-            if not 0.0 < video_url.fps <= 60.0:
-                raise RequestFailed.bad_request(f"{param}: video_url.fps must be above 0 and at most 60",
-                                                param=param)
-            return 0, float(video_url.fps)
-        return 0, 0.0
-
     def _media(self, kind: str, url: str, param: str, uuid: str | None = None) -> MediaInput:
         """The item of a part: by its ``uuid`` alone when it has one and no data (url null or ""),
         as vLLM takes it; else its data, checked (:meth:`_source`) and named by ``uuid``."""
         name = media_names.check_uuid(uuid, param)
         if name and not url.strip():
             return MediaInput(kind, param, uuid=name)
-        item = self._source(kind, url, param)
+        item = media_parts.source(kind, url, param, max_bytes=self._max_bytes[kind], allow=self._allow,
+                                  files_enabled=bool(self._s.media_file_root))
         item.uuid = name
         return item
-
-    def _source(self, kind: str, url: str, param: str) -> MediaInput:
-        """Checks that need no I/O: data: URLs are decoded here (MIME, base64, size); http(s)
-        URLs are checked for scheme, host form and non-public IP literals; file:// URLs for
-        syntax when the operator enabled them. media-fetch re-checks what it loads."""
-        try:
-            scheme = scheme_of(url)
-            if not url.strip():
-                raise MediaError(f"{param}: {kind} URL is empty")
-            if scheme == "data":
-                mime, raw = decode_data_url(url, allowed_mime=MIME_TYPES_BY_KIND[kind],
-                                            max_bytes=self._max_bytes[kind], param=param, kind=kind)
-                return MediaInput(kind, param, mime=mime, data=raw)
-            if scheme == "file":
-                try:
-                    file_url_path(url, enabled=bool(self._s.media_file_root))
-                except MediaError as exc:
-                    raise exc.for_param(param) from None
-                return MediaInput(kind, param, url=url)
-            if scheme not in REMOTE_SCHEMES:
-                shown = repr(scheme) if scheme else "(none)"
-                raise MediaError(f"{param}: unsupported URL scheme {shown}; use https://, http:// or a data: URL")
-            return MediaInput(kind, param, url=check_remote_url(url, param=param, allow_hosts=self._allow))
-        except MediaError as exc:
-            raise RequestFailed(exc.status, str(exc), param=param, code=exc.code) from None
 
     # ------------------------------------------------------------------ completions
     def completion(self, req: schema.CompletionRequest) -> Prepared:
