@@ -22,6 +22,15 @@ from loadtest.targets import Endpoint, TargetOptions, Targets, TargetSkipped
 log = logging.getLogger("loadtest.interleave")
 
 
+def warm_requests(cfg: BenchConfig) -> list:
+    """The ``cfg.warmup`` requests each target answers first, unrecorded: the workload with another
+    seed, so no target meets a run's content before it."""
+    from loadtest import workloads
+
+    return workloads.build(replace(cfg.workload, seed=cfg.workload.seed + 10_007,
+                                   num_requests=max(1, cfg.warmup)))[:cfg.warmup]
+
+
 class Interleaved:
     def __init__(self, stack: ExitStack, cfg: BenchConfig, opts: TargetOptions, result: dict, warm: list) -> None:
         """``result`` gets ``targets``, ``skipped`` and ``failed`` entries; ``warm``: the

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from loadtest import workloads
 from loadtest.bench import BenchConfig, _run_target
-from loadtest.interleave import Interleaved
+from loadtest.interleave import Interleaved, warm_requests
 from loadtest.loadgen import LoadShape
 from loadtest.targets import TargetOptions
 
@@ -46,8 +46,7 @@ def run_reuse(cfg: BenchConfig, opts: TargetOptions, ratios=RATIOS, repeats: int
     result: dict = {"config": {**cfg.to_dict(), "reuse_ratios": list(ratios), "repeats": repeats},
                     "runs": [], "skipped": {},
                     "failed": {}, "targets": {}, "load_average_1m": {"start": os.getloadavg()[0]}}
-    warm = workloads.build(replace(cfg.workload, seed=cfg.workload.seed + 10_007,
-                                   num_requests=max(1, cfg.warmup)))[:cfg.warmup]
+    warm = warm_requests(cfg)
     with ExitStack() as stack:
         side = Interleaved(stack, cfg, opts, result, warm)
         side.open_all()

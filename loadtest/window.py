@@ -20,7 +20,7 @@ from pathlib import Path
 
 from loadtest import ttft_split, window_dataset, workloads
 from loadtest.bench import BenchConfig, _run_target
-from loadtest.interleave import Interleaved
+from loadtest.interleave import Interleaved, warm_requests
 from loadtest.loadgen import LoadShape
 from loadtest.reuse import _encoded
 from loadtest.targets import TargetOptions
@@ -50,9 +50,7 @@ def run_window(cfg: BenchConfig, opts: TargetOptions, repeats: int = 3, vllm_cli
     [sh] = cfg.shapes
     result: dict = {"config": {**cfg.to_dict(), "repeats": repeats}, "runs": [], "skipped": {}, "failed": {},
                     "targets": {}, "vllm_client": {}, "load_average_1m": {"start": os.getloadavg()[0]}}
-    # warm-up: another user's first turns (unrecorded), so no target meets the run's images before it
-    warm = workloads.build(replace(cfg.workload, seed=cfg.workload.seed + 10_007,
-                                   num_requests=max(1, cfg.warmup)))[:cfg.warmup]
+    warm = warm_requests(cfg)
     with ExitStack() as stack:
         side = Interleaved(stack, cfg, opts, result, warm)
         side.open_all()

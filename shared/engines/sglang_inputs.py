@@ -11,7 +11,6 @@ Design: docs/design/sglang-engine.md.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ class PromptBuilder:
 
     def __init__(self, model_dir: str | Path, tokenizer, max_items_per_prompt: int,
                  modalities: frozenset[str] | None = None) -> None:
-        from shared.models.registry import family_of, served_modalities
+        from shared.models.registry import family_of, merge_size, placeholder_ids, served_modalities
 
         family = family_of(model_dir)
         self.family = family.name
@@ -38,15 +37,8 @@ class PromptBuilder:
         self.modalities = served if modalities is None else frozenset(modalities) & family.modalities
         if self.modalities and self.family not in QWEN_FAMILIES:
             raise ValueError(f"the sglang engine maps embeddings of Qwen-VL models only, not {self.family}")
-        self.placeholders: dict[str, int] = {}
-        for modality in sorted(self.modalities):
-            token = family.placeholders[modality]
-            tid = tokenizer.convert_tokens_to_ids(token)
-            if tid is None or tid == tokenizer.unk_token_id:
-                raise ValueError(f"the tokenizer at {model_dir} has no {token!r} token")
-            self.placeholders[modality] = int(tid)
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.merge_size = int(config.get("vision_config", {}).get("spatial_merge_size", 2))
+        self.placeholders = placeholder_ids(family, self.modalities, tokenizer, model_dir)
+        self.merge_size = merge_size(model_dir)
         self.max_items = max_items_per_prompt
 
     def build(self, prompt_ids: list[int], media: list[MediaEmbeds], tail: tuple[int, ...] = ()) -> dict:

@@ -11,7 +11,6 @@ Design: docs/design/vllm-engine.md.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -66,7 +65,7 @@ class PromptBuilder:
                  per_modality: dict[str, int] | None = None) -> None:
         """``max_items_per_prompt``: media items of all kinds together; ``per_modality``: each
         kind's own limit (vLLM's ``limit_mm_per_prompt``; default: the total), at most the total."""
-        from shared.models.registry import family_of, raw_modalities, served_modalities
+        from shared.models.registry import family_of, merge_size, placeholder_ids, raw_modalities, served_modalities
 
         family = family_of(model_dir)
         self.family = family.name
@@ -75,15 +74,8 @@ class PromptBuilder:
         why = checkpoint_refusal(model_dir, family.name)
         if why:
             raise ValueError(why)
-        self.placeholders: dict[str, int] = {}
-        for modality in sorted(self.modalities):
-            token = family.placeholders[modality]
-            tid = tokenizer.convert_tokens_to_ids(token)
-            if tid is None or tid == tokenizer.unk_token_id:
-                raise ValueError(f"the tokenizer at {model_dir} has no {token!r} token")
-            self.placeholders[modality] = int(tid)
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.merge_size = int(config.get("vision_config", {}).get("spatial_merge_size", 2))
+        self.placeholders = placeholder_ids(family, self.modalities, tokenizer, model_dir)
+        self.merge_size = merge_size(model_dir)
         self.max_items = max_items_per_prompt
         self._per_modality = dict(per_modality or {})
 

@@ -130,6 +130,25 @@ def raw_modalities(family: Family, engine: str) -> frozenset[str]:
     return ENGINE_RAW_MEDIA.get(engine, {}).get(family.name, frozenset()) & served_modalities(family, engine)
 
 
+def placeholder_ids(family: Family, modalities, tokenizer, where) -> dict[str, int]:
+    """modality -> the token id of its placeholder in ``tokenizer`` (the model at ``where``);
+    ValueError when the tokenizer lacks one."""
+    out: dict[str, int] = {}
+    for modality in sorted(modalities):
+        token = family.placeholders[modality]
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if tid is None or tid == tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer at {where} has no {token!r} token")
+        out[modality] = int(tid)
+    return out
+
+
+def merge_size(model_dir: str | Path) -> int:
+    """Qwen-VL's spatial merge (2 when the config names none): ``t·h·w / merge²`` LM tokens an item."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config.get("vision_config", {}).get("spatial_merge_size", 2))
+
+
 def _demo_qwen2_vl(cache_root: Path) -> Path:
     from shared.models.qwen2_vl_tiny import ensure_tiny_qwen2_vl
 
