@@ -30,19 +30,21 @@ def _image(seed: int, size: tuple[int, int]) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def expected(tmp_path_factory) -> Expected:
+def expected(tmp_path_factory):
     from shared.models.qwen2_5_vl_tiny import ensure_tiny_qwen2_5_vl
 
     tuned = tuned_copy(ensure_tiny_qwen2_5_vl(CACHE_DIR / "models"), tmp_path_factory.mktemp("tuned") / "qwen2.5-vl")
     imgs = [_image(30, (90, 60)), _image(31, (60, 130))]
     raw, video = clip()
     step = (video.frames, video.sampled_fps)
-    return Expected(tuned, {
+    expected = Expected(tuned, {
         "one image": (Case(QUESTION, imgs[:1], max_tokens=MAX_TOKENS), []),
         "two images": (Case(QUESTION, imgs, max_tokens=MAX_TOKENS), []),
         "video": (Case(QUESTION, videos=[step], max_tokens=MAX_TOKENS), [raw]),
         "image and video": (Case(QUESTION, imgs[1:], videos=[step], max_tokens=MAX_TOKENS), [raw]),
-    }, tmp_path_factory.mktemp("vllm-offline"))
+    }, tmp_path_factory.mktemp("vllm-offline"))  # runs while the first fleet starts
+    yield expected
+    expected.close()
 
 
 @pytest.mark.parametrize("mode", ["e-p-d", "epd"])

@@ -14,7 +14,7 @@ from shared.media.video import VideoClip, VideoLimits, decode_video_clip
 from shared.settings import Settings
 from tests.e2e.test_skeleton import png_data_url
 from tests.media import samples
-from tests.vllm_offline import Case, offline_answers
+from tests.vllm_offline import Case, start_offline
 
 # temperature and top_p would sample; top_k=1 keeps it greedy, so both sides are deterministic
 GENERATION = {"temperature": 0.9, "top_p": 0.8, "top_k": 1, "max_new_tokens": 7, "do_sample": True}
@@ -52,22 +52,41 @@ def request_content(case: Case, raw_videos: list[bytes]) -> str | list[dict]:
 
 
 class Expected:
-    """vLLM's offline answers for ``cases`` (+ a no-sampling-fields text case), computed once."""
+    """vLLM's offline answers for ``cases`` (+ a no-sampling-fields text case): started at once in a
+    subprocess, read when first needed, so the reference runs while a fleet starts; ``close``
+    ends a run nobody read."""
 
     def __init__(self, model_dir: Path, cases: dict[str, tuple[Case, list[bytes]]], work: Path) -> None:
-        from transformers import AutoTokenizer
-
         self.model_dir, self.cases = model_dir, cases
-        self.answers = offline_answers(model_dir, {**{n: c for n, (c, _) in cases.items()},
-                                                   "defaults": Case(DEFAULTS_TEXT)}, work)
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        # as the gateway detokenizes: the whole completion at once, special tokens skipped
-        self.texts = {n: tok.decode(a["token_ids"], skip_special_tokens=True) for n, a in self.answers.items()}
-        default = self.answers["defaults"]
-        assert (default["finish_reason"], len(default["token_ids"])) == ("length", GENERATION["max_new_tokens"]), \
-            f"vLLM did not take max_new_tokens from the generation config: {default}"
-        for name, answer in self.answers.items():
-            assert len(set(answer["token_ids"])) > 1, f"{name}: degenerate model, one token repeated"
+        self._offline = start_offline(model_dir, {**{n: c for n, (c, _) in cases.items()},
+                                                  "defaults": Case(DEFAULTS_TEXT)}, work)
+        self._answers: dict[str, dict] | None = None
+        self._texts: dict[str, str] = {}
+
+    @property
+    def answers(self) -> dict[str, dict]:
+        if self._answers is None:
+            from transformers import AutoTokenizer
+
+            answers = self._offline.answers()
+            tok = AutoTokenizer.from_pretrained(self.model_dir)
+            # as the gateway detokenizes: the whole completion at once, special tokens skipped
+            self._texts = {n: tok.decode(a["token_ids"], skip_special_tokens=True) for n, a in answers.items()}
+            default = answers["defaults"]
+            assert (default["finish_reason"], len(default["token_ids"])) == ("length", GENERATION["max_new_tokens"]), \
+                f"vLLM did not take max_new_tokens from the generation config: {default}"
+            for name, answer in answers.items():
+                assert len(set(answer["token_ids"])) > 1, f"{name}: degenerate model, one token repeated"
+            self._answers = answers
+        return self._answers
+
+    @property
+    def texts(self) -> dict[str, str]:
+        self.answers  # noqa: B018 - read once, on first use
+        return self._texts
+
+    def close(self) -> None:
+        self._offline.kill()
 
     def check_fleet(self, client, label: str) -> None:
         """Every greedy case, whole and streamed, then the request with no sampling fields."""
