@@ -24,7 +24,7 @@ CACHE_DIR = procs.REPO / ".mmfleet" / "cache"
 # order, so the vLLM files (minutes each) start at once, on both workers, and the many short
 # files fill the end instead of one long file running alone there.
 LONGEST_FIRST = ("tests/e2e/test_modes.py", "tests/engines/test_vllm_engine.py",
-                 "tests/e2e/test_vllm_families_fleet.py", "tests/engines/",
+                 "tests/e2e/test_vllm_families_fleet.py", "tests/e2e/test_vllm_qwen2_5_vl.py", "tests/engines/",
                  "tests/chaos/", "tests/multihost/", "tests/e2e/", "tests/k8s/test_pods.py", "tests/loadtest/",
                  "tests/unit/test_decode_core",
                  "tests/transport/test_infra_stall.py")

@@ -1,7 +1,8 @@
 """LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video and Qwen2-Audio through a vLLM fleet, against vLLM's
 own offline ``LLM.generate`` on the same checkpoint, prompt and media (``tests.vllm_offline``: the
 bytes decoded as media-fetch decodes them, then vLLM's processor and encoder): the fleet's greedy
-text must equal it. One
+text must equal it, and a request with no sampling fields must get vLLM's answer under the
+model's generation config (a copy with non-trivial defaults, ``vllm_checks.tuned_copy``). One
 fleet per family serves all its cases. LLaVA and Qwen2-Audio go as our encoder's embeddings, in
 e-p-d (the KV moved from prefill's vLLM to decode's); LLaVA-NeXT and LLaVA-NeXT-Video by the
 raw-media path, in e-p-d (the decoded images cross from the encode worker to prefill's vLLM over
@@ -25,6 +26,7 @@ from shared.models.registry import DEMOS
 from shared.settings import Settings
 from tests import procs
 from tests.conftest import CACHE_DIR
+from tests.e2e.vllm_checks import GENERATION, tuned_copy
 from tests.media import samples
 from tests.vllm_offline import Case, start_offline
 
@@ -100,6 +102,7 @@ def _decoded(kind: str, raw: bytes, num_frames: int, s: Settings):
 
 
 def _reference_cases(cases: dict) -> dict[str, Case]:
+    """Each case greedy, and the first one again as ``defaults``: no sampling fields at all."""
     s = Settings()
     out = {}
     for name, (items, question) in cases.items():
@@ -107,13 +110,15 @@ def _reference_cases(cases: dict) -> dict[str, Case]:
         for kind, raw, num_frames in items:
             by_kind[kind].append(_decoded(kind, raw, num_frames, s))
         out[name] = Case(question, by_kind["image"], by_kind["video"], by_kind["audio"], max_tokens=MAX_TOKENS)
+    first = next(iter(out.values()))
+    out["defaults"] = Case(first["text"], first["images"], first["videos"], first["audios"])
     return out
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fleet_equals_vllm_offline(family, kafka_bootstrap, redis_url, tmp_path):
     mode, cases = FAMILIES[family]
-    model_dir = DEMOS[family.replace("_", "-")](CACHE_DIR / "models")
+    model_dir = tuned_copy(DEMOS[family.replace("_", "-")](CACHE_DIR / "models"), tmp_path / "model")
     reference = start_offline(model_dir, _reference_cases(cases), tmp_path / "offline")  # while the fleet starts
     try:
         env = {"KAFKA_BOOTSTRAP": kafka_bootstrap, "REDIS_URL": redis_url, "MMFLEET_MODEL_PATH": str(model_dir),
@@ -132,6 +137,10 @@ def test_fleet_equals_vllm_offline(family, kafka_bootstrap, redis_url, tmp_path)
                     answers[name + " (stream)"] = "".join(
                         c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
                         if c.choices)
+            items, question = next(iter(cases.values()))  # no sampling fields: the generation config's defaults
+            content = [*(_openai_part(*it) for it in items), {"type": "text", "text": question}]
+            out = client.chat.completions.create(model="mmfleet-demo", messages=[{"role": "user", "content": content}])
+            defaults = (out.choices[0].message.content, out.usage.completion_tokens, out.choices[0].finish_reason)
             if family == "llava_next_video":  # vLLM's model takes one video per prompt: a 400, as vllm serve's
                 items, question = cases["default_frames"]
                 with pytest.raises(openai.BadRequestError, match="2 video items; this server takes at most 1"):
@@ -139,7 +148,18 @@ def test_fleet_equals_vllm_offline(family, kafka_bootstrap, redis_url, tmp_path)
                         {"role": "user", "content": [*(_openai_part(*it) for it in items * 2),
                                                      {"type": "text", "text": question}]}])
         expected = {name: a["text"] for name, a in reference.answers().items()}
+        offline_defaults = reference.answers()["defaults"]
     finally:
         reference.kill()
+    del expected["defaults"]
+    assert (offline_defaults["finish_reason"], len(offline_defaults["token_ids"])) == \
+        ("length", GENERATION["max_new_tokens"]), f"vLLM did not take the generation config: {offline_defaults}"
+    # the same tokens: vLLM's ids decoded whole, as the gateway decodes a completion (vLLM's own
+    # text leaves out a byte-level token's partial UTF-8 at a length cut; the gateway keeps it as U+FFFD)
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(model_dir).decode(offline_defaults["token_ids"], skip_special_tokens=True)
+    assert defaults == (text, len(offline_defaults["token_ids"]), offline_defaults["finish_reason"]), \
+        f"{family}: no sampling fields"
     assert len(set(expected.values())) > 1, f"{family}: degenerate model, every case answered alike"
     assert answers == {**expected, **{k + " (stream)": expected[k] for k in list(cases)[:1]}}
