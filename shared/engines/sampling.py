@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import torch
 
 
@@ -86,6 +87,15 @@ def stop_token_set(sampling, eos_token_ids: frozenset[int]) -> frozenset[int]:
     ``stop_token_ids``."""
     eos = frozenset() if sampling.ignore_eos else frozenset(eos_token_ids)
     return eos | frozenset(sampling.stop_token_ids)
+
+
+def continuation(sampling, resume: Sequence[int], eos_token_ids: frozenset[int]):
+    """What is left of a completion an earlier attempt already streamed ``resume`` of: None when
+    it is complete (its budget spent, or its last token a stop token), else ``sampling`` with the
+    remaining ``max_tokens``. For engines that continue by feeding ``resume`` back as prompt."""
+    if len(resume) >= sampling.max_tokens or (resume and resume[-1] in stop_token_set(sampling, eos_token_ids)):
+        return None
+    return msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume)) if resume else sampling
 
 
 def process_logits(logits: torch.Tensor, sampling, step: int, *, prompt_ids: Sequence[int] = (),

@@ -24,13 +24,12 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import msgspec
 import torch
 
 from shared import protocol
 from shared.engines import sglang_config, sglang_sampling
 from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput
-from shared.engines.sampling import stop_token_set
+from shared.engines.sampling import continuation, stop_token_set
 from shared.engines.sglang_inputs import PromptBuilder
 from shared.settings_sglang import SglangSettings
 
@@ -169,11 +168,10 @@ class SglangEngine:
         ``resume``: tokens of an earlier attempt, yielded first and given to SGLang as prompt."""
         for token in resume:
             yield token
-        stops = stop_token_set(sampling, self.eos_token_ids)
-        if len(resume) >= sampling.max_tokens or (resume and resume[-1] in stops):
+        rest = continuation(sampling, resume, self.eos_token_ids)
+        if rest is None:
             return
-        if resume:
-            sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume))
+        sampling, stops = rest, stop_token_set(rest, self.eos_token_ids)
         request = {**self.prompts.build(prompt_ids, images, tail=tuple(resume)),
                    "sampling_params": sglang_sampling.sampling_params(sampling, already=len(resume)),
                    **sglang_sampling.logprob_args(sampling)}

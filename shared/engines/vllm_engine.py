@@ -27,7 +27,7 @@ import torch
 from shared import protocol
 from shared.engines import vllm_config, vllm_kv_events, vllm_pd, vllm_process, vllm_sampling
 from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput
-from shared.engines.sampling import stop_token_set
+from shared.engines.sampling import continuation, stop_token_set
 from shared.engines.vllm_inputs import PromptBuilder
 from shared.settings_vllm import VllmSettings
 from shared.transfer.tensors import OwnerGoneError
@@ -320,11 +320,10 @@ class VllmEngine:
         """
         for token in resume:
             yield token
-        stops = stop_token_set(sampling, self.eos_token_ids)
-        if len(resume) >= sampling.max_tokens or (resume and resume[-1] in stops):
+        rest = continuation(sampling, resume, self.eos_token_ids)
+        if rest is None:
             return
-        if resume:
-            sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume))
+        sampling, stops = rest, stop_token_set(rest, self.eos_token_ids)
         produced = 0
         prompt = self.prompts.build(prompt_ids, images, tail=tuple(resume), cache_salt=cache_salt)
         params = self._sampling_params(sampling, already=len(resume), prefix=tuple(resume))

@@ -141,3 +141,17 @@ def test_vllm_prefix_penalties_compose_to_the_reference():
     counts = torch.bincount(torch.tensor(outputs), minlength=40).float()
     x -= 0.4 * counts + 0.7 * (counts > 0).float()
     assert torch.allclose(x, want, atol=1e-5)
+
+
+def test_continuation_after_an_earlier_attempts_tokens():
+    from shared import protocol
+    from shared.engines.sampling import continuation
+
+    s = protocol.Sampling(max_tokens=5, temperature=0.0, stop_token_ids=(9,))
+    assert continuation(s, (), frozenset({2})) is s
+    assert continuation(s, (4, 5), frozenset({2})).max_tokens == 3
+    assert continuation(s, (4, 2), frozenset({2})) is None  # ended on eos
+    assert continuation(s, (4, 9), frozenset({2})) is None  # on a stop token
+    assert continuation(s, (1, 1, 1, 1, 1), frozenset({2})) is None  # budget spent
+    ignoring = protocol.Sampling(max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert continuation(ignoring, (4, 2), frozenset({2})).max_tokens == 3
