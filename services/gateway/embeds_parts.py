@@ -11,7 +11,6 @@ the part. Runs on the gateway's preparation threads. Design: docs/guide/media.md
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 import math
@@ -21,7 +20,7 @@ import numpy as np
 
 from services.gateway import schema
 from shared.media.embeds import FLOAT_DTYPES, parse_embeddings, parse_ints, read_array, sniff
-from shared.media.sources import MediaError
+from shared.media.sources import MediaError, strict_b64decode
 from shared.stage import RequestFailed
 
 MAX_METADATA_BYTES = 4096  # a grid or a time step as a base64 tensor: torch.save writes ~1.5 KB
@@ -168,6 +167,6 @@ def _b64(text: str, at: str, max_bytes: int, bound: str = "max_embeds_bytes") ->
         raise MediaError(f"{at}: the payload is {len(text)} base64 characters, above the {limit} that "
                          f"{bound} ({max_bytes} bytes) allows", status=413, code="media_too_large")
     try:
-        return base64.b64decode(text, validate=True)
+        return strict_b64decode(text)
     except (binascii.Error, ValueError):
         raise _bad(f"{at}: the payload is not valid base64") from None

