@@ -185,6 +185,46 @@ def split_rows(rows: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     return cols, out
 
 
+CPU_COLUMNS = ["target", "process", "CPU ms / request", "of it model compute", "cores busy"]
+
+
+def cpu_rows(result: dict) -> list[list[str]]:
+    """Each target's CPU milliseconds per finished request by process (user + system, median
+    (min–max) over its rounds), heaviest first, with the part its compute lanes spent (the model's
+    work; the rest is messaging, HTTP, tokenizing), then all of them with the share of the machine's
+    cores they kept busy: a target that keeps the cores busy serves about cores ÷ its CPU a request."""
+    cores = os.cpu_count() or 1
+    out = []
+    for target in dict.fromkeys(r["target"] for r in result["runs"]):
+        runs = [r for r in result["runs"] if r["target"] == target and r["aggregates"].get("ok")
+                and (r.get("cpu") or {}).get("by_process_s")]
+        if not runs:
+            continue
+
+        def per_request(r: dict, role: str | None, compute: bool = False) -> float:
+            cpu = r["cpu"]
+            if compute:
+                threads = cpu.get("by_thread_s") or {}
+                sec = sum(t.get("compute", 0) for k, t in threads.items() if role is None or k == role)
+            else:
+                sec = sum(cpu["by_process_s"].values()) if role is None else cpu["by_process_s"].get(role, 0)
+            return 1000 * sec / r["aggregates"]["ok"]
+
+        roles = sorted({role for r in runs for role in r["cpu"]["by_process_s"]},
+                       key=lambda role: -statistics.median(per_request(r, role) for r in runs))
+        with_threads = all(r["cpu"].get("by_thread_s") for r in runs)
+        for role in [*roles, None]:
+            ms = spread([per_request(r, role) for r in runs])
+            if role is not None and ms[2] < 0.5:
+                continue
+            model = spread([per_request(r, role, compute=True) for r in runs]) if with_threads else None
+            busy = spread([sum(r["cpu"]["by_process_s"].values()) / r["cpu"]["window_s"] / cores for r in runs
+                           if r["cpu"].get("window_s")]) if role is None else None
+            out.append([f"`{target}`", role or "**all**", _fr(ms), "–" if not model or not model[2] else _fr(model),
+                        "" if role is not None else "–" if busy is None else f"{busy[0]:.0%}"])
+    return out
+
+
 def client_rows(theirs: dict) -> list[list[str]]:
     keys = ("request_throughput", "median_ttft_ms", "p90_ttft_ms", "mean_ttft_ms", "median_itl_ms", "failed")
     out = []
@@ -215,6 +255,9 @@ def summary_md(result: dict) -> list[str]:
     cols, srows = split_rows(rows)
     if srows:
         lines += ["### Where TTFT goes (mean ms)", "", *_md(cols, srows), ""]
+    crows = cpu_rows(result)
+    if crows:
+        lines += ["### CPU per request", "", *_md(CPU_COLUMNS, crows), ""]
     fleet = cfg["targets"][0]
     lines += ["### Goals", "", *_md(["goal", "measured", "verdict"],
                                     [[g["goal"], g["measured"], g["verdict"]] for g in goals(rows, fleet)]), ""]
@@ -261,6 +304,7 @@ def write_records(result: dict, out: Path, command: str, rid: str = "window-benc
     cols, srows = split_rows(rows)
     tables = [{"name": "targets", "columns": COLUMNS, "rows": table_rows(rows)},
               {"name": "split", "columns": cols, "rows": srows},
+              {"name": "cpu", "columns": CPU_COLUMNS, "rows": cpu_rows(result)},
               {"name": "goals", "columns": ["goal", "measured", "verdict"],
                "rows": [[g["goal"], g["measured"], g["verdict"]] for g in goals(rows, cfg["targets"][0])]}]
     if result.get("vllm_client"):

@@ -116,3 +116,20 @@ def test_figures_and_goals_from_runs():
     assert by_goal == ["**not met**", "met", "met", "met"]
     assert window.goals({window.FLEET: fleet})[0]["verdict"].startswith("not evaluated")
     assert len(window.table_rows(rows)[0]) == len(window.COLUMNS)
+
+
+def test_cpu_per_request_by_process_and_the_cores_kept_busy(monkeypatch):
+    monkeypatch.setattr(window.os, "cpu_count", lambda: 2)
+    runs = []
+    for rep, prefill_s in enumerate((3.0, 2.0, 4.0)):  # 10 requests over a 5 s window each round
+        run = _run(window.FLEET, rep, [100] * 10, [0] * 10)
+        run["cpu"] = {"by_process_s": {"worker prefill": prefill_s, "gateway": 0.5, "zygote": 0.0}, "window_s": 5.0,
+                      "by_thread_s": {"worker prefill": {"compute": prefill_s - 1, "event loop": 1.0},
+                                      "gateway": {"event loop": 0.5}}}
+        runs.append(run)
+    runs.append(_run(window.VLLM, 0, [100] * 10, [0] * 10))  # no CPU accounting: no rows
+    rows = window.cpu_rows({"runs": runs})
+    assert rows == [["`fleet:e-p-d`", "worker prefill", "300 (200–400)", "200 (100–300)", ""],
+                    ["`fleet:e-p-d`", "gateway", "50", "–", ""],
+                    ["`fleet:e-p-d`", "**all**", "350 (250–450)", "200 (100–300)", "35%"]]
+    assert all(len(r) == len(window.CPU_COLUMNS) for r in rows)
