@@ -18,6 +18,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
+from loadtest import cpu as cpu_stats
 from loadtest import ttft_split, window_dataset, workloads
 from loadtest.bench import BenchConfig, _run_target
 from loadtest.interleave import Interleaved, warm_requests
@@ -205,7 +206,7 @@ def cpu_rows(result: dict) -> list[list[str]]:
             cpu = r["cpu"]
             if compute:
                 threads = cpu.get("by_thread_s") or {}
-                sec = sum(t.get("compute", 0) for k, t in threads.items() if role is None or k == role)
+                sec = sum(t.get(cpu_stats.COMPUTE, 0) for k, t in threads.items() if role is None or k == role)
             else:
                 sec = sum(cpu["by_process_s"].values()) if role is None else cpu["by_process_s"].get(role, 0)
             return 1000 * sec / r["aggregates"]["ok"]

@@ -92,10 +92,14 @@ def stop_token_set(sampling, eos_token_ids: frozenset[int]) -> frozenset[int]:
 def continuation(sampling, resume: Sequence[int], eos_token_ids: frozenset[int]):
     """What is left of a completion an earlier attempt already streamed ``resume`` of: None when
     it is complete (its budget spent, or its last token a stop token), else ``sampling`` with the
-    remaining ``max_tokens``. For engines that continue by feeding ``resume`` back as prompt."""
-    if len(resume) >= sampling.max_tokens or (resume and resume[-1] in stop_token_set(sampling, eos_token_ids)):
+    remaining ``max_tokens`` and its stop token set (:func:`stop_token_set`). For engines that
+    continue by feeding ``resume`` back as prompt."""
+    stops = stop_token_set(sampling, eos_token_ids)
+    if len(resume) >= sampling.max_tokens or (resume and resume[-1] in stops):
         return None
-    return msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume)) if resume else sampling
+    if resume:
+        sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(resume))
+    return sampling, stops
 
 
 def process_logits(logits: torch.Tensor, sampling, step: int, *, prompt_ids: Sequence[int] = (),

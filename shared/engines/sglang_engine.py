@@ -29,7 +29,7 @@ import torch
 from shared import protocol
 from shared.engines import sglang_config, sglang_sampling
 from shared.engines.base import Capabilities, EngineError, MediaEmbeds, PrefillOutput
-from shared.engines.sampling import continuation, stop_token_set
+from shared.engines.sampling import continuation
 from shared.engines.sglang_inputs import PromptBuilder
 from shared.settings_sglang import SglangSettings
 
@@ -171,7 +171,7 @@ class SglangEngine:
         rest = continuation(sampling, resume, self.eos_token_ids)
         if rest is None:
             return
-        sampling, stops = rest, stop_token_set(rest, self.eos_token_ids)
+        sampling, stops = rest
         request = {**self.prompts.build(prompt_ids, images, tail=tuple(resume)),
                    "sampling_params": sglang_sampling.sampling_params(sampling, already=len(resume)),
                    **sglang_sampling.logprob_args(sampling)}

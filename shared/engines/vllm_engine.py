@@ -323,7 +323,7 @@ class VllmEngine:
         rest = continuation(sampling, resume, self.eos_token_ids)
         if rest is None:
             return
-        sampling, stops = rest, stop_token_set(rest, self.eos_token_ids)
+        sampling, stops = rest
         produced = 0
         prompt = self.prompts.build(prompt_ids, images, tail=tuple(resume), cache_salt=cache_salt)
         params = self._sampling_params(sampling, already=len(resume), prefix=tuple(resume))

@@ -147,8 +147,9 @@ def test_fleet_equals_vllm_offline(family, kafka_bootstrap, redis_url, tmp_path)
                     client.chat.completions.create(model="mmfleet-demo", max_tokens=2, messages=[
                         {"role": "user", "content": [*(_openai_part(*it) for it in items * 2),
                                                      {"type": "text", "text": question}]}])
-        expected = {name: a["text"] for name, a in reference.answers().items()}
-        offline_defaults = reference.answers()["defaults"]
+        offline = reference.answers()
+        expected = {name: a["text"] for name, a in offline.items()}
+        offline_defaults = offline["defaults"]
     finally:
         reference.kill()
     del expected["defaults"]

@@ -148,10 +148,10 @@ def test_continuation_after_an_earlier_attempts_tokens():
     from shared.engines.sampling import continuation
 
     s = protocol.Sampling(max_tokens=5, temperature=0.0, stop_token_ids=(9,))
-    assert continuation(s, (), frozenset({2})) is s
-    assert continuation(s, (4, 5), frozenset({2})).max_tokens == 3
+    assert continuation(s, (), frozenset({2})) == (s, frozenset({2, 9}))
+    assert continuation(s, (4, 5), frozenset({2}))[0].max_tokens == 3
     assert continuation(s, (4, 2), frozenset({2})) is None  # ended on eos
     assert continuation(s, (4, 9), frozenset({2})) is None  # on a stop token
     assert continuation(s, (1, 1, 1, 1, 1), frozenset({2})) is None  # budget spent
     ignoring = protocol.Sampling(max_tokens=5, temperature=0.0, ignore_eos=True)
-    assert continuation(ignoring, (4, 2), frozenset({2})).max_tokens == 3
+    assert continuation(ignoring, (4, 2), frozenset({2}))[0].max_tokens == 3
